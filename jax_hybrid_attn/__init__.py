@@ -1,0 +1,46 @@
+"""jax_hybrid_attn: paged attention for models that mix full, sliding-window and chunked-local layers.
+
+Shape letters: T query tokens · R requests · N query heads · K kv heads · H head_dim · B blocks in the
+pool · S block_size · P max blocks per request. Window convention: see `jax_hybrid_attn.params`.
+"""
+
+from . import masks, reference
+from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from .kv_cache import write_kv
+from .layout import KV_LAYOUTS, get_kv_cache_shape
+from .metadata import (
+    AttentionMetadata,
+    expand_block_tables,
+    make_attention_metadata,
+    make_local_attention_virtual_batches,
+    reorder_decodes_first,
+    split_decodes_and_prefills,
+)
+from .params import LayerAttentionParams, local_window_size, metadata_group_key, window_left
+from .spec import AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from .validation import check_metadata_values
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "PAD_SLOT_ID",
+    "KV_LAYOUTS",
+    "AttentionMetadata",
+    "AttentionSpec",
+    "ChunkedLocalAttentionSpec",
+    "FullAttentionSpec",
+    "LayerAttentionParams",
+    "SlidingWindowSpec",
+    "check_metadata_values",
+    "expand_block_tables",
+    "get_kv_cache_shape",
+    "local_window_size",
+    "make_attention_metadata",
+    "make_local_attention_virtual_batches",
+    "masks",
+    "metadata_group_key",
+    "reference",
+    "reorder_decodes_first",
+    "split_decodes_and_prefills",
+    "window_left",
+    "write_kv",
+]

@@ -1,0 +1,91 @@
+"""Which key positions a query position may attend to: predicates and their interval form.
+
+Every rule is a comparison of absolute positions within one request (query position ``q``, key
+position ``k``, both counted from the request's first token), in the convention of `params.py`:
+  causal         k <= q
+  sliding window q - W < k              (the W most recent positions, q itself included)
+  chunked local  k // C == q // C
+A combination allows a key when every rule that is on allows it and both positions exist (``< seq_len``).
+The predicates broadcast over numpy and jax arrays alike. Since each rule allows an interval of keys, so
+does their combination: `allowed_key_range` gives its first and last key, which kernels use to skip
+whole blocks.
+"""
+
+import jax.numpy as jnp
+
+from .params import check_attention_options
+
+__all__ = ["causal_mask", "sliding_window_mask", "chunked_local_mask", "attention_mask", "allowed_key_range"]
+
+
+def causal_mask(q_pos, k_pos):
+    """True where key `k_pos` is not after query `q_pos`."""
+    return k_pos <= q_pos
+
+
+def sliding_window_mask(q_pos, k_pos, sliding_window: int):
+    """True where `k_pos` is among the `sliding_window` positions ending at `q_pos` (or after it)."""
+    return q_pos - k_pos < sliding_window
+
+
+def chunked_local_mask(q_pos, k_pos, attention_chunk_size: int):
+    """True where `k_pos` and `q_pos` lie in the same chunk of `attention_chunk_size` positions."""
+    return k_pos // attention_chunk_size == q_pos // attention_chunk_size
+
+
+def attention_mask(
+    q_pos,
+    k_pos,
+    seq_len,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
+):
+    """True where query `q_pos` attends to key `k_pos` of a request holding `seq_len` keys."""
+    check_attention_options(
+        sm_scale=None,
+        sliding_window=sliding_window,
+        attention_chunk_size=attention_chunk_size,
+        logits_soft_cap=None,
+        causal=causal,
+    )
+    allowed = (0 <= k_pos) & (k_pos < seq_len) & (q_pos < seq_len)
+    if causal:
+        allowed = allowed & causal_mask(q_pos, k_pos)
+    if sliding_window is not None:
+        allowed = allowed & sliding_window_mask(q_pos, k_pos, sliding_window)
+    if attention_chunk_size is not None:
+        allowed = allowed & chunked_local_mask(q_pos, k_pos, attention_chunk_size)
+    return allowed
+
+
+def allowed_key_range(
+    q_pos,
+    seq_len,
+    *,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
+):
+    """First and last key position (both inclusive) that query `q_pos` attends to.
+
+    For ``0 <= q_pos < seq_len`` the range is never empty: the query's own position is always allowed.
+    Works elementwise on arrays and returns jax arrays; ``attention_mask(q, k, ...) == (first <= k) & (k <= last)``.
+    """
+    check_attention_options(
+        sm_scale=None,
+        sliding_window=sliding_window,
+        attention_chunk_size=attention_chunk_size,
+        logits_soft_cap=None,
+        causal=causal,
+    )
+    first = jnp.zeros_like(q_pos)
+    last = q_pos if causal else jnp.broadcast_to(seq_len - 1, jnp.shape(q_pos))
+    if sliding_window is not None:
+        first = jnp.maximum(first, q_pos - sliding_window + 1)
+    if attention_chunk_size is not None:
+        chunk_start = (q_pos // attention_chunk_size) * attention_chunk_size
+        first = jnp.maximum(first, chunk_start)
+        last = jnp.minimum(last, chunk_start + attention_chunk_size - 1)
+    return first, last

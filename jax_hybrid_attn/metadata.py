@@ -1,0 +1,294 @@
+"""Attention metadata for one step of a mixed batch, and vLLM's helpers that reshape it.
+
+One `AttentionMetadata` serves every layer of one metadata group (see `params.metadata_group_key`).
+Request r owns query tokens ``query_start_loc[r] : query_start_loc[r + 1]``; they are the last
+``query_len`` of its ``seq_lens[r]`` positions, so its query at offset i sits at absolute position
+``seq_lens[r] - query_len + i``. Its key position p lives in block ``block_tables[r, p // S]``.
+
+The helpers working on host values (`make_attention_metadata`, `split_decodes_and_prefills`,
+`reorder_decodes_first`, `make_local_attention_virtual_batches`) take concrete arrays, as vLLM builds
+them from its CPU copies; `expand_block_tables` is traceable.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from ._compat import register_pytree_dataclass
+from .constants import PAD_SLOT_ID
+
+__all__ = [
+    "AttentionMetadata",
+    "make_attention_metadata",
+    "split_decodes_and_prefills",
+    "reorder_decodes_first",
+    "make_local_attention_virtual_batches",
+    "expand_block_tables",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each query token of the step sits, and where its request's keys live.
+
+    Attributes:
+      query_start_loc: [R+1] int32, cumulative query lengths; request r's tokens are
+        ``query_start_loc[r]:query_start_loc[r+1]``.
+      seq_lens: [R] int32, context length of each request **including** this step's queries.
+      block_tables: [R, P] int32 block ids; positions outside a window or chunk, and unused entries,
+        hold `NULL_BLOCK_ID`.
+      slot_mapping: [T] int32 cache slot (``block_id * S + offset``) of each query token's K/V;
+        `PAD_SLOT_ID` for padding tokens.
+      num_actual_tokens: [] int32, tokens that are not padding (``query_start_loc[-1]``).
+      max_query_len: static upper bound of the query lengths.
+      max_seq_len: static upper bound of `seq_lens`.
+      causal: static; whether keys after a query are masked.
+    """
+
+    query_start_loc: Int[Array, "R+1"]
+    seq_lens: Int[Array, "R"]
+    block_tables: Int[Array, "R P"]
+    slot_mapping: Int[Array, "T"]
+    num_actual_tokens: Int[Array, ""]
+    max_query_len: int
+    max_seq_len: int
+    causal: bool = True
+
+    @property
+    def num_reqs(self) -> int:
+        """R."""
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """T, padding included."""
+        return self.slot_mapping.shape[0]
+
+    @property
+    def query_lens(self) -> Int[Array, "R"]:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    def replace(self, **changes) -> "AttentionMetadata":
+        return dataclasses.replace(self, **changes)
+
+
+register_pytree_dataclass(
+    AttentionMetadata,
+    data_fields=["query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_actual_tokens"],
+    meta_fields=["max_query_len", "max_seq_len", "causal"],
+)
+
+
+def _host_int32(name: str, values) -> np.ndarray:
+    """Concrete int32 copy of `values`; int64 and friends are converted only when every value fits."""
+    if isinstance(values, jax.core.Tracer):
+        raise ValueError(f"{name} must be concrete (this helper runs on host values, outside jax.jit)")
+    array = np.asarray(values)
+    if array.size and not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
+    if array.size and (array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{name} has values outside int32: [{array.min()}, {array.max()}]")
+    return array.astype(np.int32)
+
+
+def make_attention_metadata(
+    query_lens,
+    seq_lens,
+    block_tables,
+    *,
+    block_size: int,
+    num_tokens: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    causal: bool = True,
+) -> AttentionMetadata:
+    """Build metadata from per-request lengths and block tables, with vLLM's slot mapping.
+
+    Args:
+      query_lens: [R] new tokens per request this step.
+      seq_lens: [R] context length including the new tokens (``seq_lens >= query_lens``).
+      block_tables: [R, P] block ids; must cover ``seq_lens`` positions.
+      block_size: S, tokens per block.
+      num_tokens: T; tokens past ``sum(query_lens)`` are padding (`PAD_SLOT_ID`). Default: no padding.
+      max_query_len, max_seq_len: static upper bounds (e.g. bucketed to limit recompiles); default exact.
+    """
+    if not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    query_lens = _host_int32("query_lens", query_lens)
+    seq_lens = _host_int32("seq_lens", seq_lens)
+    block_tables = _host_int32("block_tables", block_tables)
+    if query_lens.ndim != 1 or seq_lens.shape != query_lens.shape:
+        raise ValueError(f"query_lens {query_lens.shape} and seq_lens {seq_lens.shape} must both be [R]")
+    if block_tables.ndim != 2 or block_tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables.shape={block_tables.shape} must be [R={seq_lens.shape[0]}, P]")
+    if np.any(query_lens < 0) or np.any(query_lens > seq_lens):
+        raise ValueError(f"query_lens={query_lens.tolist()} must satisfy 0 <= query_lens <= seq_lens={seq_lens.tolist()}")
+    if np.any(seq_lens > block_tables.shape[1] * block_size):
+        raise ValueError(
+            f"seq_lens={seq_lens.tolist()} exceed the block tables' capacity "
+            f"{block_tables.shape[1]} blocks * {block_size=}"
+        )
+    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    num_actual_tokens = int(query_start_loc[-1])
+    num_tokens = num_actual_tokens if num_tokens is None else num_tokens
+    if num_tokens < num_actual_tokens:
+        raise ValueError(f"{num_tokens=} is smaller than the {num_actual_tokens} query tokens")
+
+    request = np.repeat(np.arange(len(query_lens)), query_lens)
+    offset = np.arange(num_actual_tokens) - query_start_loc[request]
+    position = seq_lens[request] - query_lens[request] + offset
+    slots = block_tables[request, position // block_size] * block_size + position % block_size
+    slot_mapping = np.full(num_tokens, PAD_SLOT_ID, np.int32)
+    slot_mapping[:num_actual_tokens] = slots
+
+    exact_max_query_len = int(query_lens.max(initial=0))
+    exact_max_seq_len = int(seq_lens.max(initial=0))
+    if max_query_len is not None and max_query_len < exact_max_query_len:
+        raise ValueError(f"{max_query_len=} is below the longest query, {exact_max_query_len}")
+    if max_seq_len is not None and max_seq_len < exact_max_seq_len:
+        raise ValueError(f"{max_seq_len=} is below the longest sequence, {exact_max_seq_len}")
+    return AttentionMetadata(
+        query_start_loc=jnp.asarray(query_start_loc),
+        seq_lens=jnp.asarray(seq_lens),
+        block_tables=jnp.asarray(block_tables),
+        slot_mapping=jnp.asarray(slot_mapping),
+        num_actual_tokens=jnp.asarray(num_actual_tokens, jnp.int32),
+        max_query_len=exact_max_query_len if max_query_len is None else max_query_len,
+        max_seq_len=exact_max_seq_len if max_seq_len is None else max_seq_len,
+        causal=causal,
+    )
+
+
+def split_decodes_and_prefills(
+    metadata: AttentionMetadata, *, decode_threshold: int = 1, require_uniform: bool = False
+) -> tuple[int, int, int, int]:
+    """vLLM's split of a decode-first batch: ``(num_decodes, num_prefills, num_decode_tokens,
+    num_prefill_tokens)``.
+
+    Decodes are the leading requests whose query length is at most `decode_threshold`; everything from
+    the first longer request on is a prefill. With `require_uniform`, decodes must also all have the
+    query length of request 0. The batch must already be decode-first (`reorder_decodes_first`).
+    """
+    if not isinstance(decode_threshold, int) or decode_threshold < 1:
+        raise ValueError(f"decode_threshold={decode_threshold!r} must be an int >= 1")
+    query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
+    query_lens = np.diff(query_start_loc)
+    num_reqs, num_tokens = len(query_lens), int(query_start_loc[-1])
+    if num_reqs == 0 or query_lens[0] > decode_threshold:
+        return 0, num_reqs, 0, num_tokens
+    is_prefill = query_lens != query_lens[0] if require_uniform else query_lens > decode_threshold
+    if not is_prefill.any():
+        return num_reqs, 0, num_tokens, 0
+    num_decodes = int(np.argmax(is_prefill))
+    num_decode_tokens = int(query_start_loc[num_decodes])
+    return num_decodes, num_reqs - num_decodes, num_decode_tokens, num_tokens - num_decode_tokens
+
+
+def reorder_decodes_first(
+    metadata: AttentionMetadata, *, decode_threshold: int = 1, is_prefilling=None
+) -> tuple[AttentionMetadata, np.ndarray]:
+    """Reorder requests as vLLM does before splitting: decodes, short extends, long extends, prefills.
+
+    Decode: query length <= `decode_threshold` and not prefilling. Short extend: that short but still
+    prefilling. Long extend: longer, with cached context. Prefill: no cached context. `is_prefilling` [R]
+    defaults to "has no cached context". The order is stable within each class.
+
+    Returns the reordered metadata and ``token_order`` [T]: the reordered batch's token i is the
+    original token ``token_order[i]`` (``q_reordered = q[token_order]``). Padding tokens stay last.
+    """
+    if not isinstance(decode_threshold, int) or decode_threshold < 1:
+        raise ValueError(f"decode_threshold={decode_threshold!r} must be an int >= 1")
+    query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
+    seq_lens = _host_int32("seq_lens", metadata.seq_lens)
+    query_lens = np.diff(query_start_loc)
+    has_context = seq_lens > query_lens
+    is_prefilling = ~has_context if is_prefilling is None else np.asarray(is_prefilling, bool)
+    if is_prefilling.shape != seq_lens.shape:
+        raise ValueError(f"is_prefilling.shape={is_prefilling.shape} must be [R={len(seq_lens)}]")
+    short = query_lens <= decode_threshold
+    request_class = np.select(
+        [short & ~is_prefilling, short & is_prefilling, ~short & has_context], [0, 1, 2], default=3
+    )
+    request_order = np.argsort(request_class, kind="stable")
+    token_order = np.concatenate(
+        [np.arange(query_start_loc[r], query_start_loc[r + 1]) for r in request_order]
+        + [np.arange(query_start_loc[-1], metadata.num_tokens)]
+    ).astype(np.int32)
+    new_query_lens = query_lens[request_order]
+    reordered = metadata.replace(
+        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(new_query_lens)]), jnp.int32),
+        seq_lens=jnp.asarray(seq_lens[request_order]),
+        block_tables=jnp.asarray(np.asarray(metadata.block_tables)[request_order]),
+        slot_mapping=jnp.asarray(np.asarray(metadata.slot_mapping)[token_order]),
+    )
+    return reordered, token_order
+
+
+def make_local_attention_virtual_batches(
+    attention_chunk_size: int, metadata: AttentionMetadata, block_size: int
+) -> AttentionMetadata:
+    """vLLM's rewrite of chunked-local attention as causal attention over "virtual" requests.
+
+    Each virtual request is the part of one real request's queries that falls in one chunk, attending to
+    that chunk's keys. Query tokens and `slot_mapping` keep their order; block-table rows take
+    ``attention_chunk_size // block_size`` columns from the chunk's first block, clipped to the last
+    column (so short rows repeat their last block id, as vLLM's do).
+    """
+    chunk = attention_chunk_size
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"attention_chunk_size={chunk!r} must be an int >= 1")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be an int >= 1")
+    if chunk % block_size:
+        raise ValueError(f"attention_chunk_size={chunk} must be a multiple of {block_size=}")
+    query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
+    seq_lens = _host_int32("seq_lens", metadata.seq_lens)
+    block_tables = _host_int32("block_tables", metadata.block_tables)
+    query_lens = np.diff(query_start_loc)
+
+    # Queries in the chunk holding each request's first new token, and keys in its last chunk.
+    first_chunk_queries = np.minimum(chunk - (seq_lens - query_lens) % chunk, query_lens)
+    last_chunk_keys = seq_lens - chunk * ((seq_lens - 1) // chunk)
+    num_virtual = 1 + -(-(query_lens - first_chunk_queries) // chunk)
+
+    # Within each request: index of the virtual request from the front (arange) and from the back.
+    starts = np.repeat(np.cumsum(num_virtual) - num_virtual, num_virtual)
+    arange = np.arange(num_virtual.sum()) - starts
+    rarange = np.repeat(num_virtual, num_virtual) - arange - 1
+    owner = np.repeat(np.arange(len(seq_lens)), num_virtual)
+
+    virtual_query_lens = np.where(arange == 0, first_chunk_queries[owner], chunk)
+    remaining = query_lens[owner] - first_chunk_queries[owner] - chunk * (arange - 1)
+    virtual_query_lens = np.where(arange > 0, np.minimum(remaining, chunk), virtual_query_lens)
+    virtual_seq_lens = np.where(rarange == 0, last_chunk_keys[owner], chunk)
+    key_starts = seq_lens[owner] - (rarange * chunk + last_chunk_keys[owner])
+
+    blocks_per_chunk = chunk // block_size
+    columns = key_starts[:, None] // block_size + np.arange(blocks_per_chunk)
+    columns = np.minimum(columns, block_tables.shape[1] - 1)
+    virtual_block_tables = block_tables[owner[:, None], columns]
+
+    return metadata.replace(
+        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(virtual_query_lens)]), jnp.int32),
+        seq_lens=jnp.asarray(virtual_seq_lens, jnp.int32),
+        block_tables=jnp.asarray(virtual_block_tables, jnp.int32),
+        max_query_len=int(virtual_query_lens.max(initial=0)),
+        max_seq_len=int(virtual_seq_lens.max(initial=0)),
+        causal=True,
+    )
+
+
+def expand_block_tables(block_tables: Int[Array, "R P"], *, allocator_block_size: int, kernel_block_size: int):
+    """Block table of the allocator's blocks -> table of the kernel's smaller blocks: [R, P * ratio].
+
+    Allocator block b becomes kernel blocks ``b * ratio ... b * ratio + ratio - 1`` (vLLM's "hybrid
+    blocks"), where ``ratio = allocator_block_size // kernel_block_size``.
+    """
+    if kernel_block_size <= 0 or allocator_block_size % kernel_block_size:
+        raise ValueError(f"{allocator_block_size=} must be a multiple of {kernel_block_size=} > 0")
+    ratio = allocator_block_size // kernel_block_size
+    expanded = block_tables[:, :, None] * ratio + jnp.arange(ratio, dtype=block_tables.dtype)
+    return expanded.reshape(block_tables.shape[0], -1)

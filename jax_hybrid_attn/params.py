@@ -1,0 +1,115 @@
+"""Per-layer attention parameters, the one window convention, and its converters to other libraries.
+
+The window convention of this package (vLLM's, Gemma's, JAX ragged paged attention's):
+  * ``sliding_window = W``: a query at position ``q`` attends to keys ``k`` with ``q - W < k``, i.e. the
+    ``W`` most recent positions **including itself** (with ``causal``, also ``k <= q``).
+  * ``attention_chunk_size = C``: a query attends to keys in its own chunk, ``k // C == q // C``
+    (with ``causal``, also ``k <= q``).
+The two are never aliased. Other libraries count differently; convert only through the functions below.
+
+Per-layer parameters are never taken from a KV-cache group: a group's window applied to Gemma 3's global
+layers silently drops context (a vLLM bug). Layers whose parameters differ get different metadata groups.
+"""
+
+import dataclasses
+import math
+
+__all__ = ["LayerAttentionParams", "metadata_group_key", "window_left", "local_window_size", "resolve_sm_scale"]
+
+NO_WINDOW_LEFT = -1
+"""FlashInfer's `window_left` for "no sliding window"."""
+
+
+def _check_window(sliding_window: int | None) -> None:
+    if sliding_window is not None and (
+        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window={sliding_window!r} must be an int >= 1 or None")
+
+
+def _check_chunk(attention_chunk_size: int | None) -> None:
+    if attention_chunk_size is not None and (
+        not isinstance(attention_chunk_size, int)
+        or isinstance(attention_chunk_size, bool)
+        or attention_chunk_size < 1
+    ):
+        raise ValueError(f"attention_chunk_size={attention_chunk_size!r} must be an int >= 1 or None")
+
+
+def _check_positive_float(name: str, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} must be a finite number > 0 or None")
+
+
+def check_attention_options(
+    *,
+    sm_scale: float | None,
+    sliding_window: int | None,
+    attention_chunk_size: int | None,
+    logits_soft_cap: float | None,
+    causal: bool,
+) -> None:
+    """Raise `ValueError` naming the first static attention option that is out of range."""
+    _check_positive_float("sm_scale", sm_scale)
+    _check_window(sliding_window)
+    _check_chunk(attention_chunk_size)
+    _check_positive_float("logits_soft_cap", logits_soft_cap)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal={causal!r} must be a bool")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerAttentionParams:
+    """What one attention layer computes, independent of where its KV cache lives.
+
+    Attributes:
+      sm_scale: logits scale; None means ``head_dim ** -0.5``.
+      sliding_window: the W most recent positions, the query's own included; None for no window.
+      attention_chunk_size: attend within the query's chunk of C positions; None for no chunking.
+      logits_soft_cap: ``cap * tanh(logits / cap)`` before masking; None for no cap.
+      has_sinks: the layer has one learned sink logit per query head (gpt-oss).
+      causal: keys after the query are masked.
+    """
+
+    sm_scale: float | None = None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    logits_soft_cap: float | None = None
+    has_sinks: bool = False
+    causal: bool = True
+
+    def __post_init__(self):
+        check_attention_options(
+            sm_scale=self.sm_scale,
+            sliding_window=self.sliding_window,
+            attention_chunk_size=self.attention_chunk_size,
+            logits_soft_cap=self.logits_soft_cap,
+            causal=self.causal,
+        )
+        if not isinstance(self.has_sinks, bool):
+            raise ValueError(f"has_sinks={self.has_sinks!r} must be a bool")
+
+
+def metadata_group_key(params: LayerAttentionParams) -> tuple:
+    """A hashable key: layers with equal keys may share one metadata object (one `plan`), layers with
+    different keys never do. Differing windows, soft caps or scales are never an error, only another group."""
+    if not isinstance(params, LayerAttentionParams):
+        raise ValueError(f"params={params!r} must be a LayerAttentionParams")
+    return dataclasses.astuple(params)
+
+
+def resolve_sm_scale(sm_scale: float | None, head_dim: int) -> float:
+    """FlashInfer's and vLLM's default: ``head_dim ** -0.5`` when `sm_scale` is None."""
+    return head_dim**-0.5 if sm_scale is None else float(sm_scale)
+
+
+def window_left(sliding_window: int | None) -> int:
+    """FlashInfer's `window_left` (keys strictly left of the query): ``W - 1``, or -1 for no window."""
+    _check_window(sliding_window)
+    return NO_WINDOW_LEFT if sliding_window is None else sliding_window - 1
+
+
+def local_window_size(sliding_window: int | None) -> tuple[int, int] | None:
+    """`jax.nn.dot_product_attention`'s `local_window_size` for a causal layer: ``(W - 1, 0)``."""
+    _check_window(sliding_window)
+    return None if sliding_window is None else (sliding_window - 1, 0)

@@ -1,0 +1,122 @@
+"""The reference: paged attention in plain `jax.numpy`, the oracle for every kernel.
+
+Obviously correct rather than fast. For each query token it gathers its request's whole block table,
+computes float32 logits against every key position, and masks with `masks.attention_mask`; masked keys
+contribute neither logits nor values, so whatever a masked or unused block holds (NaN included) cannot
+reach the output.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .layout import KVLayout, kv_as_nhd
+from .masks import attention_mask
+from .metadata import AttentionMetadata
+from .validation import check_paged_attention_args
+
+__all__ = ["paged_attention"]
+
+TOKENS_PER_MAP_STEP = 8  # queries computed together by lax.map; bounds the gathered [.., P*S, K, H] memory
+
+
+def paged_attention(
+    q: Float[Array, "T N H"],
+    kv_cache: Float[Array, "B 2 S K H"],
+    metadata: AttentionMetadata,
+    *,
+    sm_scale: float | None = None,
+    sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: Float[Array, "N"] | None = None,
+    causal: bool = True,
+    kv_layout: KVLayout = "NHD",
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    checked: bool = False,
+) -> Float[Array, "T N H"]:
+    """Attention of each query token over its request's paged keys and values.
+
+    Args:
+      q: [T, N, H] queries; token t belongs to the request r with
+        ``query_start_loc[r] <= t < query_start_loc[r+1]``. Padding tokens get zeros.
+      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), same dtype as `q` or float8_e4m3fn.
+      metadata: where each request's queries and blocks are.
+      sm_scale: logits scale; None means ``H ** -0.5``.
+      sliding_window: attend to the W most recent positions, the query's own included.
+      attention_chunk_size: attend only within the query's chunk of C positions.
+      logits_soft_cap: ``cap * tanh(logits / cap)``, applied before masking.
+      sinks: [N] one learned logit per query head, unscaled, in the softmax denominator only.
+      causal: mask keys after the query; must equal ``metadata.causal``.
+      kv_layout: "NHD" or "HND".
+      k_scale, v_scale: per-tensor dequantization scales of a float8_e4m3fn cache.
+      checked: also validate the metadata's values (block ids, lengths); needs concrete arrays.
+
+    Returns:
+      [T, N, H] in ``q.dtype``. Query head n reads KV head ``n // (N // K)``.
+    """
+    sm_scale, k_scale, v_scale = check_paged_attention_args(
+        q, kv_cache, metadata,
+        sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk_size=attention_chunk_size,
+        logits_soft_cap=logits_soft_cap, sinks=sinks, causal=causal, kv_layout=kv_layout,
+        k_scale=k_scale, v_scale=v_scale, checked=checked,
+    )  # fmt: skip
+    return _paged_attention(
+        q, kv_cache, metadata, sinks, k_scale, v_scale,
+        sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk_size=attention_chunk_size,
+        logits_soft_cap=logits_soft_cap, causal=causal, kv_layout=kv_layout,
+    )  # fmt: skip
+
+
+@partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "attention_chunk_size", "logits_soft_cap", "causal", "kv_layout"),
+)
+def _paged_attention(
+    q, kv_cache, metadata, sinks, k_scale, v_scale,
+    *, sm_scale, sliding_window, attention_chunk_size, logits_soft_cap, causal, kv_layout,
+):  # fmt: skip
+    num_tokens, num_q_heads, head_dim = q.shape
+    kv_cache = kv_as_nhd(kv_cache, kv_layout)
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group_size = num_q_heads // num_kv_heads
+    num_reqs, max_blocks = metadata.block_tables.shape
+
+    # Each request's keys and values, contiguous: [R, P*S, K, H].
+    keys = kv_cache[metadata.block_tables, 0].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
+    values = kv_cache[metadata.block_tables, 1].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
+    key_positions = jnp.arange(max_blocks * block_size)
+    query_lens = metadata.query_lens
+
+    def attend(token):
+        request = jnp.clip(jnp.searchsorted(metadata.query_start_loc, token, side="right") - 1, 0, num_reqs - 1)
+        seq_len = metadata.seq_lens[request]
+        q_pos = seq_len - query_lens[request] + token - metadata.query_start_loc[request]
+        allowed = attention_mask(
+            q_pos, key_positions, seq_len,
+            causal=causal, sliding_window=sliding_window, attention_chunk_size=attention_chunk_size,
+        )  # fmt: skip  # [P*S]
+        k = keys[request].astype(jnp.float32) * k_scale  # [P*S, K, H]
+        v = jnp.where(allowed[:, None, None], values[request].astype(jnp.float32) * v_scale, 0.0)
+        q_t = q[token].astype(jnp.float32).reshape(num_kv_heads, group_size, head_dim)
+        logits = jnp.einsum("kgh,pkh->kgp", q_t, k) * sm_scale
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        logits = jnp.where(allowed, logits, -jnp.inf)
+        row_max = logits.max(axis=-1)
+        if sinks is not None:
+            sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group_size)
+            row_max = jnp.maximum(row_max, sink)
+        weights = jnp.exp(logits - row_max[..., None])
+        denominator = weights.sum(axis=-1)
+        if sinks is not None:
+            denominator = denominator + jnp.exp(sink - row_max)
+        out = jnp.einsum("kgp,pkh->kgh", weights, v) / denominator[..., None]
+        is_query = token < metadata.query_start_loc[-1]
+        return jnp.where(is_query, out, 0.0).reshape(num_q_heads, head_dim)
+
+    out = jax.lax.map(attend, jnp.arange(num_tokens), batch_size=TOKENS_PER_MAP_STEP)
+    return out.astype(q.dtype)

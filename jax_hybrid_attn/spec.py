@@ -1,0 +1,96 @@
+"""KV-cache specs: what one layer stores per block, and how much memory one request may need.
+
+Frozen dataclasses with vLLM's names and formulas (`vllm/v1/kv_cache_interface.py`), so layers with equal
+specs can share one KV-cache group. Token counts follow the window convention of `params.py`.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+__all__ = ["AttentionSpec", "FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec"]
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionSpec:
+    """What one attention layer stores: `block_size` tokens × `num_kv_heads` × `head_size`, K and V."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: np.dtype
+
+    def __post_init__(self):
+        _check_positive(block_size=self.block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size)
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError as error:
+            raise ValueError(f"dtype={self.dtype!r} is not a dtype") from error
+        object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block of one layer: K and V, `2 * block_size * num_kv_heads * head_size * itemsize`."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+    def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+        raise NotImplementedError(f"{type(self).__name__} does not define its block count")
+
+    def max_memory_usage_bytes(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Most bytes one request can hold in this layer at once (vLLM's startup sizing)."""
+        _check_positive(max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+        blocks = self.max_num_blocks_per_request(
+            max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
+        )
+        return blocks * self.page_size_bytes
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Every token of the request stays in the cache until the request ends."""
+
+    def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return math.ceil(max_model_len / self.block_size)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Only the last `sliding_window` positions (the query's own included) are kept."""
+
+    sliding_window: int
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_positive(sliding_window=self.sliding_window)
+
+    def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+        # The window may start inside a block, hence the extra block (vLLM's admission cap).
+        tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return math.ceil(tokens / self.block_size) + 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Only the current chunk of `attention_chunk_size` positions is kept (Llama 4's local layers)."""
+
+    attention_chunk_size: int
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_positive(attention_chunk_size=self.attention_chunk_size)
+        if self.attention_chunk_size % self.block_size:
+            # vLLM's chunked-local manager frees and looks up whole blocks at chunk starts.
+            raise ValueError(
+                f"attention_chunk_size={self.attention_chunk_size} must be a multiple of block_size={self.block_size}"
+            )
+
+    def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+        tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
+        return math.ceil(tokens / self.block_size)

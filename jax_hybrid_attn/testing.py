@@ -1,0 +1,158 @@
+"""Random paged-attention inputs for tests, benchmarks, notebooks and the demo.
+
+Blocks are scattered through the pool by a random permutation; every block no request uses, the null
+block included, is filled with NaN (and so is the unwritten tail of each request's last block), so a
+kernel that reads where it should not produces NaN.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .constants import NULL_BLOCK_ID
+from .layout import FP8_DTYPE, KVLayout, get_kv_cache_shape
+from .masks import allowed_key_range
+from .metadata import AttentionMetadata, make_attention_metadata
+
+__all__ = ["PagedInputs", "TOLERANCES", "random_paged_inputs", "pack_paged_inputs"]
+
+TOLERANCES = {
+    jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5),
+    jnp.dtype(jnp.float16): dict(atol=4e-3, rtol=4e-3),
+    jnp.dtype(jnp.bfloat16): dict(atol=2e-2, rtol=2e-2),
+}
+"""Output tolerances against a float64 computation, keyed by the output (query) dtype."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedInputs:
+    """Inputs of `paged_attention` plus each request's K/V in contiguous form (float64, dequantized)."""
+
+    q: jax.Array  # [T, N, H]
+    kv_cache: jax.Array  # [B, 2, S, K, H] or [B, 2, K, S, H]
+    metadata: AttentionMetadata
+    sinks: jax.Array | None  # [N]
+    k_scale: float | None
+    v_scale: float | None
+    keys: list[np.ndarray]  # per request [seq_len, K, H]
+    values: list[np.ndarray]  # per request [seq_len, K, H]
+
+    @property
+    def kwargs(self) -> dict:
+        """Keyword arguments of `paged_attention` that these inputs fix."""
+        return dict(sinks=self.sinks, k_scale=self.k_scale, v_scale=self.v_scale, causal=self.metadata.causal)
+
+
+def random_paged_inputs(
+    seed: int,
+    *,
+    query_lens,
+    seq_lens,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype=jnp.bfloat16,
+    kv_dtype=None,
+    kv_layout: KVLayout = "NHD",
+    spare_blocks: int = 2,
+    with_sinks: bool = False,
+    causal: bool = True,
+    null_unreachable_for: dict | None = None,
+) -> PagedInputs:
+    """Random q, cache and metadata for requests with the given query and sequence lengths.
+
+    Args:
+      kv_dtype: cache dtype; default `dtype`; float8_e4m3fn gets random per-tensor scales.
+      spare_blocks: extra unused (NaN) blocks in the pool besides the null block.
+      null_unreachable_for: ``dict(sliding_window=..., attention_chunk_size=...)``: blocks that no query
+        of the request can attend to are replaced by `NULL_BLOCK_ID`, as the hybrid allocator does.
+    """
+    rng = np.random.default_rng(seed)
+    query_lens = np.asarray(query_lens, np.int64)
+    kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
+    fp8 = kv_dtype == FP8_DTYPE
+    k_scale, v_scale = (float(rng.uniform(0.02, 0.05)), float(rng.uniform(0.02, 0.05))) if fp8 else (None, None)
+    keys, values = [], []
+    for seq_len in seq_lens:
+        kv = rng.standard_normal((2, int(seq_len), num_kv_heads, head_dim))
+        if fp8:  # values of a few scales' size, so the e4m3 grid is used well
+            kv = kv * 8 * np.array([k_scale, v_scale])[:, None, None, None]
+        keys.append(kv[0])
+        values.append(kv[1])
+    q = rng.standard_normal((int(query_lens.sum()), num_q_heads, head_dim))
+    sinks = rng.uniform(-1.0, 3.0, num_q_heads) if with_sinks else None
+    return pack_paged_inputs(
+        rng, q, keys, values, query_lens,
+        block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, kv_layout=kv_layout, k_scale=k_scale,
+        v_scale=v_scale, spare_blocks=spare_blocks, sinks=sinks, causal=causal,
+        null_unreachable_for=null_unreachable_for,
+    )  # fmt: skip
+
+
+def pack_paged_inputs(
+    rng: np.random.Generator,
+    q: np.ndarray,
+    keys: list[np.ndarray],
+    values: list[np.ndarray],
+    query_lens,
+    *,
+    block_size: int,
+    dtype=jnp.bfloat16,
+    kv_dtype=None,
+    kv_layout: KVLayout = "NHD",
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    spare_blocks: int = 2,
+    sinks: np.ndarray | None = None,
+    causal: bool = True,
+    null_unreachable_for: dict | None = None,
+) -> PagedInputs:
+    """Store given per-request K/V ([seq_len, K, H] each) in randomly placed blocks of a NaN-filled pool."""
+    query_lens = np.asarray(query_lens, np.int64)
+    seq_lens = np.array([len(k) for k in keys], np.int64)
+    num_kv_heads, head_dim = keys[0].shape[1:]
+    kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
+    blocks_per_request = -(-seq_lens // block_size)
+    max_blocks = max(int(blocks_per_request.max(initial=0)), 1)
+    num_blocks = 1 + int(blocks_per_request.sum()) + spare_blocks
+    pool_ids = rng.permutation(np.arange(1, num_blocks))
+    block_tables = np.full((len(seq_lens), max_blocks), NULL_BLOCK_ID, np.int64)
+    block_tables[np.arange(max_blocks)[None, :] < blocks_per_request[:, None]] = pool_ids[: blocks_per_request.sum()]
+
+    fp8 = kv_dtype == FP8_DTYPE
+    scales = np.array([k_scale, v_scale] if fp8 else [1.0, 1.0])[:, None, None, None]
+    nhd = np.full((num_blocks, 2, block_size, num_kv_heads, head_dim), np.nan, np.float32)
+    stored_keys, stored_values = [], []
+    for r, (k, v) in enumerate(zip(keys, values)):
+        stored = (np.stack([k, v]) / scales).astype(kv_dtype)
+        positions = np.arange(len(k))
+        nhd[block_tables[r, positions // block_size], :, positions % block_size] = np.moveaxis(stored, 0, 1)
+        dequantized = stored.astype(np.float64) * scales
+        stored_keys.append(dequantized[0])
+        stored_values.append(dequantized[1])
+
+    if null_unreachable_for:
+        first_key, _ = allowed_key_range(
+            jnp.asarray(seq_lens - query_lens), jnp.asarray(seq_lens), causal=causal, **null_unreachable_for
+        )
+        unreachable = np.arange(max_blocks)[None, :] < (np.asarray(first_key) // block_size)[:, None]
+        block_tables[unreachable & (query_lens > 0)[:, None]] = NULL_BLOCK_ID
+
+    kv_cache = jnp.asarray(nhd).astype(kv_dtype)
+    if kv_layout == "HND":
+        kv_cache = jnp.swapaxes(kv_cache, 2, 3)
+    assert kv_cache.shape == get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, kv_layout=kv_layout)
+    metadata = make_attention_metadata(query_lens, seq_lens, block_tables, block_size=block_size, causal=causal)
+    return PagedInputs(
+        q=jnp.asarray(q, dtype),
+        kv_cache=kv_cache,
+        metadata=metadata,
+        sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+        k_scale=k_scale,
+        v_scale=v_scale,
+        keys=stored_keys,
+        values=stored_values,
+    )

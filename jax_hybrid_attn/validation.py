@@ -1,0 +1,206 @@
+"""Argument checks of the public functions, in one place.
+
+Static checks (shapes, dtypes, options) run on every call and raise `ValueError` naming the argument and
+its value. The checked mode (``checked=True``) also reads the metadata's values, which must be concrete:
+call it outside `jax.jit`. Unsupported combinations raise `NotImplementedError` where they are detected.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .constants import PAD_SLOT_ID
+from .layout import FP8_DTYPE, KV_CACHE_DTYPES, check_kv_layout, kv_cache_dims
+from .metadata import AttentionMetadata
+from .params import check_attention_options, resolve_sm_scale
+
+QUERY_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+METADATA_INDEX_DTYPE = jnp.dtype(jnp.int32)
+
+
+def _check_array(name: str, x, *, ndim: int) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must have {ndim} dimensions")
+
+
+def _check_index_array(name: str, x, *, ndim: int) -> None:
+    _check_array(name, x, ndim=ndim)
+    if x.dtype != METADATA_INDEX_DTYPE:
+        raise ValueError(
+            f"{name}.dtype={x.dtype} must be int32; convert explicitly (x.astype(jnp.int32)) after checking the "
+            "values fit, or build the metadata with make_attention_metadata"
+        )
+
+
+def check_metadata(metadata) -> None:
+    """Types, ranks, dtypes and mutual shapes of an `AttentionMetadata`."""
+    if not isinstance(metadata, AttentionMetadata):
+        raise ValueError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
+    _check_index_array("metadata.query_start_loc", metadata.query_start_loc, ndim=1)
+    _check_index_array("metadata.seq_lens", metadata.seq_lens, ndim=1)
+    _check_index_array("metadata.block_tables", metadata.block_tables, ndim=2)
+    _check_index_array("metadata.slot_mapping", metadata.slot_mapping, ndim=1)
+    _check_index_array("metadata.num_actual_tokens", metadata.num_actual_tokens, ndim=0)
+    num_reqs = metadata.seq_lens.shape[0]
+    if metadata.query_start_loc.shape != (num_reqs + 1,):
+        raise ValueError(
+            f"metadata.query_start_loc.shape={tuple(metadata.query_start_loc.shape)} must be [R+1={num_reqs + 1}]"
+        )
+    if metadata.block_tables.shape[0] != num_reqs:
+        raise ValueError(f"metadata.block_tables.shape={tuple(metadata.block_tables.shape)} must be [R={num_reqs}, P]")
+    for name in ("max_query_len", "max_seq_len"):
+        value = getattr(metadata, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"metadata.{name}={value!r} must be an int >= 0")
+    if not isinstance(metadata.causal, bool):
+        raise ValueError(f"metadata.causal={metadata.causal!r} must be a bool")
+
+
+def _concrete(name: str, x) -> np.ndarray:
+    if isinstance(x, jax.core.Tracer):
+        raise ValueError(f"checked=True reads {name}, which is traced here: call outside jax.jit")
+    return np.asarray(x)
+
+
+def check_metadata_values(metadata: AttentionMetadata, *, num_blocks: int, block_size: int) -> None:
+    """Value checks: block ids in the pool, lengths within the tables, consistent query offsets."""
+    check_metadata(metadata)
+    query_start_loc = _concrete("metadata.query_start_loc", metadata.query_start_loc)
+    seq_lens = _concrete("metadata.seq_lens", metadata.seq_lens)
+    block_tables = _concrete("metadata.block_tables", metadata.block_tables)
+    slot_mapping = _concrete("metadata.slot_mapping", metadata.slot_mapping)
+    num_actual_tokens = int(_concrete("metadata.num_actual_tokens", metadata.num_actual_tokens))
+    query_lens = np.diff(query_start_loc)
+    if query_start_loc[0] != 0 or np.any(query_lens < 0):
+        raise ValueError(f"metadata.query_start_loc={query_start_loc.tolist()} must start at 0 and never decrease")
+    if num_actual_tokens != query_start_loc[-1] or num_actual_tokens > metadata.num_tokens:
+        raise ValueError(
+            f"metadata.num_actual_tokens={num_actual_tokens} must equal query_start_loc[-1]={query_start_loc[-1]} "
+            f"and be at most T={metadata.num_tokens}"
+        )
+    if np.any(query_lens > seq_lens):
+        raise ValueError(f"query lengths {query_lens.tolist()} must not exceed metadata.seq_lens={seq_lens.tolist()}")
+    capacity = block_tables.shape[1] * block_size
+    if np.any(seq_lens > capacity):
+        raise ValueError(f"metadata.seq_lens={seq_lens.tolist()} exceed the block tables' capacity {capacity} tokens")
+    if block_tables.size and (block_tables.min() < 0 or block_tables.max() >= num_blocks):
+        raise ValueError(
+            f"metadata.block_tables holds ids in [{block_tables.min()}, {block_tables.max()}], outside [0, {num_blocks=})"
+        )
+    bad_slots = (slot_mapping != PAD_SLOT_ID) & ((slot_mapping < 0) | (slot_mapping >= num_blocks * block_size))
+    if bad_slots.any():
+        raise ValueError(
+            f"metadata.slot_mapping holds {slot_mapping[bad_slots][:4].tolist()}: slots must lie in "
+            f"[0, {num_blocks * block_size}) or be PAD_SLOT_ID={PAD_SLOT_ID}"
+        )
+    if query_lens.size and (
+        metadata.max_query_len < query_lens.max() or metadata.max_seq_len < seq_lens.max()
+    ):
+        raise ValueError(
+            f"metadata.max_query_len={metadata.max_query_len} / max_seq_len={metadata.max_seq_len} are below the "
+            f"actual maxima {query_lens.max()} / {seq_lens.max()}"
+        )
+
+
+def _check_kv_cache(kv_cache, kv_layout) -> None:
+    check_kv_layout(kv_layout)
+    _check_array("kv_cache", kv_cache, ndim=5)
+    if kv_cache.shape[1] != 2:
+        raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must have 2 (K and V) on axis 1")
+    if jnp.dtype(kv_cache.dtype) not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must be one of {[str(d) for d in KV_CACHE_DTYPES]}")
+
+
+def resolve_kv_scales(kv_cache_dtype, k_scale, v_scale) -> tuple[jax.Array, jax.Array]:
+    """float32 scalars; scales apply only to a float8_e4m3fn cache, where they default to 1."""
+    if jnp.dtype(kv_cache_dtype) != FP8_DTYPE:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(
+                f"k_scale={k_scale!r}, v_scale={v_scale!r} apply only to a {FP8_DTYPE} cache, not {kv_cache_dtype}"
+            )
+        return jnp.float32(1), jnp.float32(1)
+    resolved = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        scale = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
+        if scale.ndim != 0:
+            raise ValueError(f"{name} must be a scalar (one scale per tensor), got shape {scale.shape}")
+        if not isinstance(scale, jax.core.Tracer) and not float(scale) > 0:
+            raise ValueError(f"{name}={float(scale)} must be > 0")
+        resolved.append(scale)
+    return tuple(resolved)
+
+
+def check_write_kv_args(kv_cache, k, v, slot_mapping, *, kv_layout, k_scale, v_scale, checked):
+    _check_kv_cache(kv_cache, kv_layout)
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache_dims(kv_cache, kv_layout)
+    for name, x in (("k", k), ("v", v)):
+        _check_array(name, x, ndim=3)
+        if x.shape[1:] != (num_kv_heads, head_dim):
+            raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, K={num_kv_heads}, H={head_dim}]")
+    if k.shape != v.shape:
+        raise ValueError(f"k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} must be equal")
+    _check_index_array("slot_mapping", slot_mapping, ndim=1)
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [T={k.shape[0]}]")
+    if checked:
+        slots = _concrete("slot_mapping", slot_mapping)
+        bad = (slots != PAD_SLOT_ID) & ((slots < 0) | (slots >= num_blocks * block_size))
+        if bad.any():
+            raise ValueError(
+                f"slot_mapping holds {slots[bad][:4].tolist()}: slots must lie in [0, {num_blocks * block_size}) "
+                f"or be PAD_SLOT_ID={PAD_SLOT_ID}"
+            )
+    return resolve_kv_scales(kv_cache.dtype, k_scale, v_scale)
+
+
+def check_paged_attention_args(
+    q,
+    kv_cache,
+    metadata,
+    *,
+    sm_scale,
+    sliding_window,
+    attention_chunk_size,
+    logits_soft_cap,
+    sinks,
+    causal,
+    kv_layout,
+    k_scale,
+    v_scale,
+    checked,
+):
+    """All checks of `paged_attention`; returns ``(sm_scale, k_scale, v_scale)`` resolved to values."""
+    check_attention_options(
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        attention_chunk_size=attention_chunk_size,
+        logits_soft_cap=logits_soft_cap,
+        causal=causal,
+    )
+    _check_array("q", q, ndim=3)
+    if jnp.dtype(q.dtype) not in QUERY_DTYPES:
+        raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in QUERY_DTYPES]}")
+    _check_kv_cache(kv_cache, kv_layout)
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache_dims(kv_cache, kv_layout)
+    num_tokens, num_q_heads, q_head_dim = q.shape
+    if q_head_dim != head_dim:
+        raise ValueError(f"q.shape={tuple(q.shape)}: head_dim {q_head_dim} differs from the cache's H={head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
+    if jnp.dtype(kv_cache.dtype) not in (jnp.dtype(q.dtype), FP8_DTYPE):
+        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal q.dtype={q.dtype} or be {FP8_DTYPE}")
+    check_metadata(metadata)
+    if metadata.num_tokens != num_tokens:
+        raise ValueError(f"metadata.slot_mapping.shape={tuple(metadata.slot_mapping.shape)} must be [T={num_tokens}]")
+    if metadata.causal != causal:
+        raise ValueError(f"causal={causal} disagrees with metadata.causal={metadata.causal}")
+    if sinks is not None:
+        _check_array("sinks", sinks, ndim=1)
+        if sinks.shape != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"sinks (shape {tuple(sinks.shape)}, {sinks.dtype}) must be float [N={num_q_heads}]")
+    if checked:
+        check_metadata_values(metadata, num_blocks=num_blocks, block_size=block_size)
+    k_scale, v_scale = resolve_kv_scales(kv_cache.dtype, k_scale, v_scale)
+    return resolve_sm_scale(sm_scale, head_dim), k_scale, v_scale

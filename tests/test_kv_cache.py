@@ -1,0 +1,58 @@
+"""write_kv: drops pad slots, writes in place (donation), leaves every other slot bit-identical."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_hybrid_attn import PAD_SLOT_ID, get_kv_cache_shape, write_kv
+from jax_hybrid_attn.layout import kv_as_nhd
+
+NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 6, 4, 2, 8
+
+
+def random_cache(rng, kv_layout, dtype):
+    shape = get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv_layout=kv_layout)
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_writes_slots_and_nothing_else(kv_layout, dtype):
+    rng = np.random.default_rng(0)
+    cache = random_cache(rng, kv_layout, dtype)
+    before = np.asarray(kv_as_nhd(cache, kv_layout)).copy()
+    slots = np.array([5, PAD_SLOT_ID, 17, 0, PAD_SLOT_ID, 23], np.int32)
+    k = jnp.asarray(rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)), dtype)
+    v = jnp.asarray(rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)), dtype)
+
+    after = np.asarray(kv_as_nhd(write_kv(cache, k, v, jnp.asarray(slots), kv_layout=kv_layout, checked=True), kv_layout))
+
+    expected = before.copy()
+    for t, slot in enumerate(slots):
+        if slot != PAD_SLOT_ID:
+            expected[slot // BLOCK_SIZE, 0, slot % BLOCK_SIZE] = np.asarray(k[t])
+            expected[slot // BLOCK_SIZE, 1, slot % BLOCK_SIZE] = np.asarray(v[t])
+    np.testing.assert_array_equal(after.view(np.uint8), expected.view(np.uint8))  # bit-identical, NaN-safe
+    assert (after != before).any(axis=(1, 3, 4)).sum() == 4, "exactly the four named slots changed"
+
+
+def test_updates_the_donated_buffer_in_place():
+    rng = np.random.default_rng(1)
+    cache = random_cache(rng, "NHD", jnp.bfloat16)
+    pointer = cache.unsafe_buffer_pointer()
+    k = jnp.asarray(rng.standard_normal((2, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
+    new_cache = write_kv(cache, k, k, jnp.asarray([3, PAD_SLOT_ID], jnp.int32))
+    assert cache.is_deleted(), "the old cache was donated"
+    assert new_cache.unsafe_buffer_pointer() == pointer, "same buffer, updated in place"
+
+
+def test_fp8_cache_stores_scaled_saturated_values():
+    rng = np.random.default_rng(2)
+    cache = random_cache(rng, "NHD", jnp.float32).astype(jnp.float8_e4m3fn)
+    k = jnp.asarray(rng.uniform(-1, 1, (2, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16).at[0, 0, 0].set(1000.0)
+    v = jnp.asarray(rng.uniform(-1, 1, (2, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
+    after = write_kv(cache, k, v, jnp.asarray([1, 9], jnp.int32), k_scale=0.5, v_scale=0.25)
+    stored_k = np.asarray(after[0, 0, 1].astype(jnp.float32))
+    assert stored_k[0, 0] == 448.0, "saturated at the e4m3 maximum, not NaN"
+    np.testing.assert_allclose(stored_k.ravel()[1:], np.asarray(k[0], np.float32).ravel()[1:] / 0.5, rtol=0.07)
+    np.testing.assert_allclose(np.asarray(after[2, 1, 1].astype(jnp.float32)), np.asarray(v[1], np.float32) / 0.25, rtol=0.07, atol=1e-2)

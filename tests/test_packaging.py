@@ -1,0 +1,24 @@
+"""The distribution: import names, no torch in the core, public API present."""
+
+import importlib.metadata
+import subprocess
+import sys
+
+
+def test_core_import_does_not_import_torch():
+    code = "import sys, jax_hybrid_attn; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_interop_ships_under_a_project_specific_name():
+    import jax_hybrid_attn_torch
+
+    assert jax_hybrid_attn_torch.__name__ == "jax_hybrid_attn_torch"
+    assert "interop" in jax_hybrid_attn_torch.__file__
+
+
+def test_pins_match_the_gpu_image_and_no_dlpack_package():
+    requirements = importlib.metadata.requires("jax-hybrid-attn")
+    assert "jax==0.11.2" in requirements and "jaxlib==0.11.2" in requirements
+    assert not any(r.split()[0].startswith("dlpack") for r in requirements)
+    assert importlib.metadata.version("jax") == "0.11.2"
