@@ -115,7 +115,7 @@ def make_attention_metadata(
       num_tokens: T; tokens past ``sum(query_lens)`` are padding (`PAD_SLOT_ID`). Default: no padding.
       max_query_len, max_seq_len: static upper bounds (e.g. bucketed to limit recompiles); default exact.
     """
-    if not isinstance(block_size, int) or block_size <= 0:
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
         raise ValueError(f"block_size={block_size!r} must be a positive int")
     query_lens = _host_int32("query_lens", query_lens)
     seq_lens = _host_int32("seq_lens", seq_lens)
@@ -177,9 +177,14 @@ def split_decodes_and_prefills(
     query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
     query_lens = np.diff(query_start_loc)
     num_reqs, num_tokens = len(query_lens), int(query_start_loc[-1])
+    if num_reqs and query_lens.max() <= decode_threshold and (not require_uniform or decode_threshold == 1):
+        return num_reqs, 0, num_tokens, 0
     if num_reqs == 0 or query_lens[0] > decode_threshold:
         return 0, num_reqs, 0, num_tokens
-    is_prefill = query_lens != query_lens[0] if require_uniform else query_lens > decode_threshold
+    if require_uniform:  # padding requests (query length 0) do not break uniformity
+        is_prefill = (query_lens != query_lens[0]) & (query_lens != 0)
+    else:
+        is_prefill = query_lens > decode_threshold
     if not is_prefill.any():
         return num_reqs, 0, num_tokens, 0
     num_decodes = int(np.argmax(is_prefill))
@@ -287,7 +292,7 @@ def expand_block_tables(block_tables: Int[Array, "R P"], *, allocator_block_size
     Allocator block b becomes kernel blocks ``b * ratio ... b * ratio + ratio - 1`` (vLLM's "hybrid
     blocks"), where ``ratio = allocator_block_size // kernel_block_size``.
     """
-    if kernel_block_size <= 0 or allocator_block_size % kernel_block_size:
+    if not (0 < kernel_block_size <= allocator_block_size) or allocator_block_size % kernel_block_size:
         raise ValueError(f"{allocator_block_size=} must be a multiple of {kernel_block_size=} > 0")
     ratio = allocator_block_size // kernel_block_size
     expanded = block_tables[:, :, None] * ratio + jnp.arange(ratio, dtype=block_tables.dtype)

@@ -37,7 +37,8 @@ def _check_chunk(attention_chunk_size: int | None) -> None:
 
 
 def _check_positive_float(name: str, value: float | None) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if value is not None and not (is_number and math.isfinite(value) and value > 0):
         raise ValueError(f"{name}={value!r} must be a finite number > 0 or None")
 
 

@@ -1,0 +1,256 @@
+"""Every public entry point rejects malformed arguments with an error that names the offending argument.
+
+Each case mutates one field of a small valid call; `test_valid_calls_succeed` shows the unmutated calls pass.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_hybrid_attn import (
+    AttentionMetadata,
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    LayerAttentionParams,
+    SlidingWindowSpec,
+    expand_block_tables,
+    get_kv_cache_shape,
+    local_window_size,
+    make_attention_metadata,
+    make_local_attention_virtual_batches,
+    metadata_group_key,
+    reorder_decodes_first,
+    split_decodes_and_prefills,
+    window_left,
+    write_kv,
+)
+from jax_hybrid_attn.masks import attention_mask
+from jax_hybrid_attn.reference import paged_attention
+from jax_hybrid_attn.testing import random_paged_inputs
+
+QUERY_LENS, SEQ_LENS, BLOCK_SIZE = [3, 1, 4], [5, 6, 9], 4
+VALID = random_paged_inputs(
+    0, query_lens=QUERY_LENS, seq_lens=SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=8,
+    block_size=BLOCK_SIZE, dtype=jnp.float32,
+)  # fmt: skip
+Q, KV, MD = VALID.q, VALID.kv_cache, VALID.metadata
+T, N, H = Q.shape
+NUM_BLOCKS, NUM_COLS = KV.shape[0], MD.block_tables.shape[1]
+TABLE = np.asarray(MD.block_tables)
+NEW_KV = jnp.asarray(np.random.default_rng(1).standard_normal((T, 2, H)), jnp.float32)
+FP8 = jnp.float8_e4m3fn
+SPEC = dict(block_size=4, num_kv_heads=2, head_size=8, dtype=jnp.bfloat16)
+
+
+def attention(q=Q, kv_cache=KV, metadata=MD, **kwargs):
+    return paged_attention(q, kv_cache, metadata, **kwargs)
+
+
+def checked(**changes):
+    """paged_attention(checked=True) on the valid inputs with some metadata fields replaced."""
+    return attention(metadata=MD.replace(**changes), checked=True)
+
+
+def edited(field, index, value):
+    """A copy of the valid metadata's `field` (int32) with one entry set."""
+    array = np.array(getattr(MD, field))
+    array[index] = value
+    return jnp.asarray(array)
+
+
+def write(kv_cache=None, k=NEW_KV, v=NEW_KV, slot_mapping=MD.slot_mapping, **kwargs):
+    kv_cache = jnp.array(KV) if kv_cache is None else kv_cache  # a fresh copy: write_kv donates it
+    return write_kv(kv_cache, k, v, slot_mapping, **kwargs)
+
+
+def build(query_lens=QUERY_LENS, seq_lens=SEQ_LENS, block_tables=TABLE, block_size=BLOCK_SIZE, **kwargs):
+    return make_attention_metadata(query_lens, seq_lens, block_tables, block_size=block_size, **kwargs)
+
+
+def int64_metadata(field):
+    return lambda: attention(metadata=MD.replace(**{field: np.asarray(getattr(MD, field), np.int64)}))
+
+
+def traced_checked_call():
+    return jax.jit(lambda q, metadata: paged_attention(q, KV, metadata, checked=True))(Q, MD)
+
+
+VALID_CALLS = {
+    "paged_attention": lambda: attention(),
+    "paged_attention-checked": lambda: attention(checked=True),
+    "paged_attention-fp8": lambda: attention(kv_cache=KV.astype(FP8), k_scale=0.5, v_scale=2.0),
+    "write_kv": lambda: write(checked=True),
+    "make_attention_metadata": lambda: build(num_tokens=T + 2),
+    "specs": lambda: (FullAttentionSpec(**SPEC), SlidingWindowSpec(sliding_window=5, **SPEC),
+                      ChunkedLocalAttentionSpec(attention_chunk_size=8, **SPEC)),  # fmt: skip
+    "params": lambda: metadata_group_key(LayerAttentionParams(sliding_window=4, logits_soft_cap=30.0)),
+    "helpers": lambda: (make_local_attention_virtual_batches(8, MD, 4), split_decodes_and_prefills(MD),
+                        expand_block_tables(MD.block_tables, allocator_block_size=4, kernel_block_size=2)),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("call", VALID_CALLS.values(), ids=VALID_CALLS.keys())
+def test_valid_calls_succeed(call):
+    jax.block_until_ready(call())
+
+
+def test_valid_attention_output_is_finite():
+    out = attention(checked=True)
+    assert out.shape == Q.shape and np.all(np.isfinite(out))
+
+
+E, NI = ValueError, NotImplementedError
+CASES = [
+    # paged_attention: q
+    ("q-rank", lambda: attention(q=Q[..., None]), E, r"q\.shape"),
+    ("q-int32", lambda: attention(q=Q.astype(jnp.int32)), E, r"q\.dtype"),
+    ("q-float64", lambda: attention(q=np.asarray(Q, np.float64)), E, r"q\.dtype"),
+    ("q-head-dim", lambda: attention(q=Q[..., : H // 2]), E, "head_dim"),
+    ("q-heads-not-multiple-of-kv-heads", lambda: attention(q=Q[:, :3]), E, "num_q_heads"),
+    # paged_attention: kv_cache
+    ("kv-rank", lambda: attention(kv_cache=KV[0]), E, r"kv_cache\.shape"),
+    ("kv-axis1-3", lambda: attention(kv_cache=jnp.concatenate([KV, KV[:, :1]], axis=1)), E, r"kv_cache\.shape"),
+    ("kv-int8", lambda: attention(kv_cache=KV.astype(jnp.int8)), E, r"kv_cache\.dtype"),
+    ("kv-dtype-differs-from-q", lambda: attention(kv_cache=KV.astype(jnp.bfloat16)), E, r"kv_cache\.dtype"),
+    ("kv-layout-lowercase", lambda: attention(kv_layout="nhd"), E, "kv_layout"),
+    # paged_attention: options
+    ("sliding-window-0", lambda: attention(sliding_window=0), E, "sliding_window"),
+    ("sliding-window-negative", lambda: attention(sliding_window=-1), E, "sliding_window"),
+    ("sliding-window-float", lambda: attention(sliding_window=2.5), E, "sliding_window"),
+    ("sliding-window-bool", lambda: attention(sliding_window=True), E, "sliding_window"),
+    ("chunk-0", lambda: attention(attention_chunk_size=0), E, "attention_chunk_size"),
+    ("soft-cap-0", lambda: attention(logits_soft_cap=0.0), E, "logits_soft_cap"),
+    ("soft-cap-negative", lambda: attention(logits_soft_cap=-1.0), E, "logits_soft_cap"),
+    ("soft-cap-inf", lambda: attention(logits_soft_cap=float("inf")), E, "logits_soft_cap"),
+    ("sm-scale-0", lambda: attention(sm_scale=0.0), E, "sm_scale"),
+    ("sm-scale-nan", lambda: attention(sm_scale=float("nan")), E, "sm_scale"),
+    ("causal-int", lambda: attention(causal=1), E, "causal"),
+    ("causal-disagrees-with-metadata", lambda: attention(causal=False), E, r"metadata\.causal"),
+    ("sinks-shape", lambda: attention(sinks=jnp.ones(N + 1, jnp.float32)), E, "sinks"),
+    ("sinks-rank", lambda: attention(sinks=jnp.ones((N, 1), jnp.float32)), E, "sinks"),
+    ("sinks-int", lambda: attention(sinks=jnp.ones(N, jnp.int32)), E, "sinks"),
+    ("k-scale-for-float-cache", lambda: attention(k_scale=0.5), E, "k_scale"),
+    ("v-scale-for-float-cache", lambda: attention(v_scale=0.5), E, "v_scale"),
+    ("fp8-k-scale-0", lambda: attention(kv_cache=KV.astype(FP8), k_scale=0.0), E, "k_scale"),
+    ("fp8-v-scale-negative", lambda: attention(kv_cache=KV.astype(FP8), v_scale=-1.0), E, "v_scale"),
+    ("fp8-k-scale-vector", lambda: attention(kv_cache=KV.astype(FP8), k_scale=jnp.ones(2)), E, "k_scale"),
+    # paged_attention: metadata structure
+    ("metadata-not-metadata", lambda: attention(metadata=dict(vars(MD))), E, "metadata must be"),
+    *[(f"metadata-int64-{f}", int64_metadata(f), E, rf"metadata\.{f}\.dtype")
+      for f in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping")],  # fmt: skip
+    ("query-start-loc-length", lambda: attention(metadata=MD.replace(query_start_loc=MD.query_start_loc[:-1])),
+     E, r"metadata\.query_start_loc\.shape"),  # fmt: skip
+    ("block-tables-rank", lambda: attention(metadata=MD.replace(block_tables=MD.block_tables[0])),
+     E, r"metadata\.block_tables\.shape"),  # fmt: skip
+    ("block-tables-rows", lambda: attention(metadata=MD.replace(block_tables=MD.block_tables[:-1])),
+     E, r"metadata\.block_tables\.shape"),  # fmt: skip
+    ("slot-mapping-length", lambda: attention(metadata=MD.replace(slot_mapping=MD.slot_mapping[:-1])),
+     E, r"metadata\.slot_mapping\.shape"),  # fmt: skip
+    ("max-query-len-negative", lambda: attention(metadata=MD.replace(max_query_len=-1)), E, r"metadata\.max_query_len"),
+    ("metadata-causal-int", lambda: attention(metadata=MD.replace(causal=1)), E, r"metadata\.causal"),
+    # paged_attention: checked mode
+    ("checked-block-id-too-large", lambda: checked(block_tables=edited("block_tables", (1, 0), NUM_BLOCKS)),
+     E, r"metadata\.block_tables"),  # fmt: skip
+    ("checked-block-id-negative", lambda: checked(block_tables=edited("block_tables", (2, 1), -1)),
+     E, r"metadata\.block_tables"),  # fmt: skip
+    ("checked-seq-len-beyond-table", lambda: checked(seq_lens=edited("seq_lens", 1, NUM_COLS * BLOCK_SIZE + 1)),
+     E, r"metadata\.seq_lens.*capacity"),  # fmt: skip
+    ("checked-query-start-loc-decreasing", lambda: checked(query_start_loc=edited("query_start_loc", 1, 5)),
+     E, r"metadata\.query_start_loc"),  # fmt: skip
+    ("checked-query-start-loc-not-at-0", lambda: checked(query_start_loc=edited("query_start_loc", 0, 1)),
+     E, r"metadata\.query_start_loc"),  # fmt: skip
+    ("checked-query-len-above-seq-len", lambda: checked(seq_lens=edited("seq_lens", 0, 2)),
+     E, r"metadata\.seq_lens"),  # fmt: skip
+    ("checked-num-actual-tokens", lambda: checked(num_actual_tokens=jnp.int32(T - 1)),
+     E, r"metadata\.num_actual_tokens"),  # fmt: skip
+    ("checked-slot-outside-cache", lambda: checked(slot_mapping=edited("slot_mapping", 0, NUM_BLOCKS * BLOCK_SIZE)),
+     E, r"metadata\.slot_mapping"),  # fmt: skip
+    ("checked-slot-negative", lambda: checked(slot_mapping=edited("slot_mapping", 2, -2)), E, r"metadata\.slot_mapping"),
+    ("checked-max-query-len-too-small", lambda: checked(max_query_len=max(QUERY_LENS) - 1),
+     E, r"metadata\.max_query_len"),  # fmt: skip
+    ("checked-max-seq-len-too-small", lambda: checked(max_seq_len=max(SEQ_LENS) - 1), E, "max_seq_len"),
+    ("checked-under-jit", traced_checked_call, E, r"checked=True.*traced"),
+    # write_kv
+    ("write-k-shape", lambda: write(k=NEW_KV[:, :1]), E, r"k\.shape"),
+    ("write-v-length", lambda: write(v=NEW_KV[:-1]), E, r"v\.shape"),
+    ("write-slot-mapping-int64", lambda: write(slot_mapping=np.asarray(MD.slot_mapping, np.int64)),
+     E, r"slot_mapping\.dtype"),  # fmt: skip
+    ("write-slot-mapping-length", lambda: write(slot_mapping=MD.slot_mapping[1:]), E, r"slot_mapping\.shape"),
+    ("write-checked-slot-outside-cache",
+     lambda: write(slot_mapping=edited("slot_mapping", 1, NUM_BLOCKS * BLOCK_SIZE), checked=True),
+     E, "slot_mapping"),  # fmt: skip
+    ("write-kv-layout", lambda: write(kv_layout="NDH"), E, "kv_layout"),
+    ("write-k-scale-for-float-cache", lambda: write(k_scale=2.0), E, "k_scale"),
+    ("write-cache-rank", lambda: write(kv_cache=KV[0]), E, r"kv_cache\.shape"),
+    # get_kv_cache_shape
+    ("kv-shape-0-blocks", lambda: get_kv_cache_shape(0, 16, 2, 8), E, "num_blocks"),
+    ("kv-shape-bool-heads", lambda: get_kv_cache_shape(4, 16, True, 8), E, "num_kv_heads"),
+    ("kv-shape-layout", lambda: get_kv_cache_shape(4, 16, 2, 8, kv_layout="NCHW"), E, "kv_layout"),
+    # make_attention_metadata
+    ("build-seq-lens-below-query-lens", lambda: build(seq_lens=[2, 6, 9]), E, "query_lens"),
+    ("build-negative-query-len", lambda: build(query_lens=[3, -1, 4]), E, "query_lens"),
+    ("build-table-too-short", lambda: build(block_tables=TABLE[:, :-1]), E, "capacity"),
+    ("build-table-rows", lambda: build(block_tables=TABLE[:-1]), E, "block_tables"),
+    ("build-float-query-lens", lambda: build(query_lens=[3.0, 1.0, 4.0]), E, "query_lens"),
+    ("build-seq-lens-beyond-int32", lambda: build(seq_lens=[5, 6, 2**31]), E, "seq_lens"),
+    ("build-block-ids-beyond-int32", lambda: build(block_tables=TABLE.astype(np.int64) + 2**31), E, "block_tables"),
+    ("build-block-size-0", lambda: build(block_size=0), E, "block_size"),
+    ("build-num-tokens-too-small", lambda: build(num_tokens=T - 1), E, "num_tokens"),
+    ("build-max-query-len-too-small", lambda: build(max_query_len=1), E, "max_query_len"),
+    # specs
+    ("full-spec-block-size-0", lambda: FullAttentionSpec(**{**SPEC, "block_size": 0}), E, "block_size"),
+    ("full-spec-heads-bool", lambda: FullAttentionSpec(**{**SPEC, "num_kv_heads": True}), E, "num_kv_heads"),
+    ("sliding-spec-window-0", lambda: SlidingWindowSpec(sliding_window=0, **SPEC), E, "sliding_window"),
+    ("chunked-spec-not-multiple", lambda: ChunkedLocalAttentionSpec(attention_chunk_size=6, **SPEC),
+     E, "attention_chunk_size"),  # fmt: skip
+    ("spec-dtype-not-a-dtype", lambda: FullAttentionSpec(**{**SPEC, "dtype": "not-a-dtype"}), E, "dtype"),
+    ("spec-max-model-len-0",
+     lambda: FullAttentionSpec(**SPEC).max_memory_usage_bytes(max_model_len=0, max_num_batched_tokens=8),
+     E, "max_model_len"),  # fmt: skip
+    ("base-spec-block-count",
+     lambda: AttentionSpec(**SPEC).max_memory_usage_bytes(max_model_len=64, max_num_batched_tokens=8),
+     NI, "AttentionSpec"),  # fmt: skip
+    # params and masks
+    ("params-sliding-window-0", lambda: LayerAttentionParams(sliding_window=0), E, "sliding_window"),
+    ("params-chunk-bool", lambda: LayerAttentionParams(attention_chunk_size=True), E, "attention_chunk_size"),
+    ("params-has-sinks-int", lambda: LayerAttentionParams(has_sinks=1), E, "has_sinks"),
+    ("params-causal-none", lambda: LayerAttentionParams(causal=None), E, "causal"),
+    ("group-key-not-params", lambda: metadata_group_key("x"), E, "params"),
+    ("window-left-0", lambda: window_left(0), E, "sliding_window"),
+    ("local-window-size-negative", lambda: local_window_size(-3), E, "sliding_window"),
+    ("mask-chunk-0", lambda: attention_mask(jnp.arange(4), jnp.arange(4), 4, attention_chunk_size=0),
+     E, "attention_chunk_size"),  # fmt: skip
+    # metadata helpers
+    ("virtual-chunk-not-multiple", lambda: make_local_attention_virtual_batches(6, MD, 4), E, "attention_chunk_size"),
+    ("virtual-chunk-0", lambda: make_local_attention_virtual_batches(0, MD, 4), E, "attention_chunk_size"),
+    ("virtual-block-size-0", lambda: make_local_attention_virtual_batches(8, MD, 0), E, "block_size"),
+    ("split-threshold-0", lambda: split_decodes_and_prefills(MD, decode_threshold=0), E, "decode_threshold"),
+    ("reorder-threshold-0", lambda: reorder_decodes_first(MD, decode_threshold=0), E, "decode_threshold"),
+    ("reorder-is-prefilling-shape", lambda: reorder_decodes_first(MD, is_prefilling=[True, False]),
+     E, "is_prefilling"),  # fmt: skip
+    ("expand-not-dividing", lambda: expand_block_tables(MD.block_tables, allocator_block_size=16, kernel_block_size=6),
+     E, "allocator_block_size"),  # fmt: skip
+    ("expand-kernel-larger",
+     lambda: expand_block_tables(MD.block_tables, allocator_block_size=8, kernel_block_size=16),
+     E, "allocator_block_size"),  # fmt: skip
+    ("expand-kernel-0", lambda: expand_block_tables(MD.block_tables, allocator_block_size=16, kernel_block_size=0),
+     E, "kernel_block_size"),  # fmt: skip
+    ("expand-allocator-0", lambda: expand_block_tables(MD.block_tables, allocator_block_size=0, kernel_block_size=8),
+     E, "allocator_block_size"),  # fmt: skip
+    ("expand-allocator-negative",
+     lambda: expand_block_tables(MD.block_tables, allocator_block_size=-16, kernel_block_size=8),
+     E, "allocator_block_size"),  # fmt: skip
+]
+
+
+def test_case_ids_are_unique():
+    ids = [case[0] for case in CASES]
+    assert len(ids) == len(set(ids)) and len(ids) >= 30
+
+
+@pytest.mark.parametrize("call, error, match", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_malformed_call_raises(call, error, match):
+    with pytest.raises(error, match=match):
+        jax.block_until_ready(call())
