@@ -5,6 +5,7 @@ pool · S block_size · P max blocks per request. Window convention: see `jax_hy
 """
 
 from . import masks, reference
+from .attention import paged_attention
 from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from .kv_cache import write_kv
 from .layout import KV_LAYOUTS, get_kv_cache_shape
@@ -38,6 +39,7 @@ __all__ = [
     "make_local_attention_virtual_batches",
     "masks",
     "metadata_group_key",
+    "paged_attention",
     "reference",
     "reorder_decodes_first",
     "split_decodes_and_prefills",

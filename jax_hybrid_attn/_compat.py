@@ -8,7 +8,7 @@ the Mosaic GPU import path and interpret-mode parameters (public from 0.11.1), a
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["register_pytree_dataclass", "plgpu", "interpret_params", "dense_attention"]
+__all__ = ["register_pytree_dataclass", "plgpu", "interpret_params", "races_found", "dense_attention"]
 
 
 def register_pytree_dataclass(cls, *, data_fields: list[str], meta_fields: list[str]):
@@ -19,6 +19,24 @@ def register_pytree_dataclass(cls, *, data_fields: list[str], meta_fields: list[
 def interpret_params(*, detect_races: bool = False) -> "plgpu.InterpretGPUParams":
     """Mosaic GPU interpret mode on the CPU; uninitialized memory reads as NaN so stray reads show."""
     return plgpu.InterpretGPUParams(detect_races=detect_races, uninitialized_memory="nan")
+
+
+def resolve_interpret(interpret) -> "plgpu.InterpretGPUParams | None":
+    """`interpret` as the kernels take it: False (compile for the GPU), True, or explicit parameters."""
+    if interpret is True:
+        return interpret_params()
+    if interpret is False or interpret is None:
+        return None
+    if not isinstance(interpret, plgpu.InterpretGPUParams):
+        raise ValueError(f"interpret={interpret!r} must be a bool or plgpu.InterpretGPUParams")
+    return interpret
+
+
+def races_found() -> bool:
+    """Whether interpret mode with ``detect_races=True`` saw a data race (a private API in 0.11.2)."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    return interpret_pallas_call.get_races().races_found
 
 
 def dense_attention(q, k, v, *, scale: float, is_causal: bool, local_window_size):

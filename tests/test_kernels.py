@@ -1,0 +1,116 @@
+"""The Mosaic GPU kernels against the reference, on the CPU in interpret mode (tiny shapes, sampled grid).
+
+The same cases run at larger shapes on the H200 through benchmarks/paged_attention_h200.py.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_hybrid_attn import paged_attention, reference
+from jax_hybrid_attn._compat import interpret_params, races_found
+from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
+
+AXES = {
+    "block_size": [16, 32, 64],
+    "heads": [(4, 4), (8, 2), (6, 1), (16, 2)],
+    "mask": [{}, dict(sliding_window=1), dict(sliding_window=8), dict(sliding_window=40),
+             dict(sliding_window=4096), dict(attention_chunk_size=64), dict(attention_chunk_size=128)],
+    "logits_soft_cap": [None, 30.0],
+    "with_sinks": [False, True],
+    "causal": [True, False],
+    "dtype": [jnp.bfloat16, jnp.float16],
+    "kv_layout": ["NHD", "HND"],
+}  # fmt: skip
+NUM_CASES = 14
+# (query_lens, seq_lens): decodes, speculative verification, prefills with and without cached context,
+# lengths straddling blocks (16..64) and chunks (64, 128).
+BATCHES = [
+    ([1, 1, 1], [1, 65, 130]),
+    ([1, 3, 17], [16, 40, 17]),
+    ([2, 33, 1], [129, 99, 64]),
+    ([1, 70], [200, 70]),
+]
+
+
+def sampled_cases():
+    rng = np.random.default_rng(1)
+    orders = {name: rng.permutation(len(v) * -(-NUM_CASES // len(v))) % len(v) for name, v in AXES.items()}
+    for i in range(NUM_CASES):
+        case = {name: AXES[name][orders[name][i]] for name in AXES}
+        case["batch"] = BATCHES[i % len(BATCHES)]
+        yield pytest.param(case, id=f"case{i}")
+
+
+def run_case(case, *, seed, interpret=True):
+    num_q_heads, num_kv_heads = case["heads"]
+    query_lens, seq_lens = case["batch"]
+    inputs = random_paged_inputs(
+        seed, query_lens=query_lens, seq_lens=seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=64, block_size=case["block_size"], dtype=case["dtype"], kv_layout=case["kv_layout"],
+        with_sinks=case["with_sinks"], causal=case["causal"],
+        null_unreachable_for=case["mask"] if case["causal"] else None,
+    )  # fmt: skip
+    options = dict(case["mask"], logits_soft_cap=case["logits_soft_cap"], causal=case["causal"],
+                   kv_layout=case["kv_layout"], sinks=inputs.sinks)  # fmt: skip
+    out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, interpret=interpret, **options)
+    expected = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
+    return np.asarray(out.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("case", list(sampled_cases()))
+def test_kernel_matches_reference(case):
+    out, expected = run_case(case, seed=7)
+    assert np.isfinite(out).all(), "a NaN-filled block was read"
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
+
+
+def test_no_races_detected():
+    case = dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
+                causal=True, dtype=jnp.bfloat16, kv_layout="NHD", batch=([1, 20], [40, 33]))  # fmt: skip
+    out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
+    assert not races_found()
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+
+
+def test_mixed_batch_equals_its_parts():
+    query_lens, seq_lens = [1, 2, 40], [50, 77, 60]
+    inputs = random_paged_inputs(11, query_lens=query_lens, seq_lens=seq_lens, num_q_heads=8, num_kv_heads=2,
+                                 head_dim=64, block_size=16, dtype=jnp.bfloat16)  # fmt: skip
+    whole = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, sliding_window=30, interpret=True)
+    starts = np.asarray(inputs.metadata.query_start_loc)
+    for r, query_len in enumerate(query_lens):
+        part = inputs.metadata.replace(
+            query_start_loc=jnp.asarray([0, query_len], jnp.int32), seq_lens=inputs.metadata.seq_lens[r : r + 1],
+            block_tables=inputs.metadata.block_tables[r : r + 1],
+            slot_mapping=inputs.metadata.slot_mapping[starts[r] : starts[r + 1]],
+            num_actual_tokens=jnp.asarray(query_len, jnp.int32), max_query_len=query_len,
+        )  # fmt: skip
+        alone = paged_attention(inputs.q[starts[r] : starts[r + 1]], inputs.kv_cache, part, sliding_window=30, interpret=True)
+        np.testing.assert_allclose(np.asarray(whole[starts[r] : starts[r + 1]], np.float32), np.asarray(alone, np.float32),
+                                   **TOLERANCES[jnp.dtype(jnp.bfloat16)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(kv_dtype=jnp.float8_e4m3fn), "float8"),
+        (dict(dtype=jnp.float32), "float32"),
+        (dict(head_dim=32), "head_dim"),
+        (dict(block_size=256), "block_size"),
+    ],
+)
+def test_unsupported_combinations_raise(change, message):
+    kwargs = dict(query_lens=[1], seq_lens=[20], num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
+                  dtype=jnp.bfloat16) | change  # fmt: skip
+    inputs = random_paged_inputs(0, **kwargs)
+    with pytest.raises(NotImplementedError, match=message):
+        paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, implementation="kernel",
+                        k_scale=inputs.k_scale, v_scale=inputs.v_scale)  # fmt: skip
+
+
+def test_cpu_default_is_the_reference():
+    inputs = random_paged_inputs(0, query_lens=[2], seq_lens=[20], num_q_heads=2, num_kv_heads=1, head_dim=64,
+                                 block_size=16, dtype=jnp.bfloat16)  # fmt: skip
+    np.testing.assert_array_equal(paged_attention(inputs.q, inputs.kv_cache, inputs.metadata),
+                                  reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata))  # fmt: skip
