@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import metadata_group_key, reference, split_decodes_and_prefills
+from . import metadata_group_key, paged_attention, split_decodes_and_prefills
 from .params import LayerAttentionParams
 from .testing import random_paged_inputs
 
@@ -35,13 +35,14 @@ def main(argv=None) -> None:
         block_size=args.block_size, dtype=jnp.bfloat16, with_sinks=True,
     )  # fmt: skip
     decodes, prefills, decode_tokens, prefill_tokens = split_decodes_and_prefills(inputs.metadata)
-    print(f"jax {jax.__version__} on {jax.default_backend()}; block_size={args.block_size}")
+    implementation = "Mosaic GPU kernels" if jax.default_backend() == "gpu" else "the jnp reference (CPU)"
+    print(f"jax {jax.__version__} on {jax.default_backend()}: {implementation}; block_size={args.block_size}")
     print(f"batch: query_lens={query_lens} seq_lens={seq_lens}")
     print(f"  {decodes} decodes ({decode_tokens} tokens), {prefills} prefills ({prefill_tokens} tokens)")
     print(f"  q {inputs.q.shape} {inputs.q.dtype}, kv_cache {inputs.kv_cache.shape} (NaN in unused blocks)")
     print(f"  metadata groups: {len({metadata_group_key(p) for p in LAYERS.values()})} for {len(LAYERS)} layers")
     for name, params in LAYERS.items():
-        out = reference.paged_attention(
+        out = paged_attention(
             inputs.q, inputs.kv_cache, inputs.metadata, sm_scale=params.sm_scale,
             sliding_window=params.sliding_window, attention_chunk_size=params.attention_chunk_size,
             logits_soft_cap=params.logits_soft_cap, sinks=inputs.sinks if params.has_sinks else None,
