@@ -11,6 +11,8 @@ from jax_hybrid_attn import paged_attention, reference
 from jax_hybrid_attn._compat import interpret_params, races_found
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
+from .sampling import covering_sample
+
 AXES = {
     "block_size": [16, 32, 64],
     "heads": [(4, 4), (8, 2), (6, 1), (16, 2)],
@@ -34,10 +36,7 @@ BATCHES = [
 
 
 def sampled_cases():
-    rng = np.random.default_rng(1)
-    orders = {name: rng.permutation(len(v) * -(-NUM_CASES // len(v))) % len(v) for name, v in AXES.items()}
-    for i in range(NUM_CASES):
-        case = {name: AXES[name][orders[name][i]] for name in AXES}
+    for i, case in enumerate(covering_sample(AXES, NUM_CASES, seed=1)):
         case["batch"] = BATCHES[i % len(BATCHES)]
         yield pytest.param(case, id=f"case{i}")
 

@@ -10,6 +10,7 @@ from jax_hybrid_attn import reference
 from jax_hybrid_attn.testing import TOLERANCES, pack_paged_inputs, random_paged_inputs
 
 from .oracle import attention_float64
+from .sampling import covering_sample
 
 LENGTHS = [1, 3, 17, 99, 513]
 AXES = {
@@ -30,10 +31,8 @@ NUM_CASES = 40
 
 def sampled_cases(num_cases, seed=0):
     """Every value of every axis appears at least num_cases // len(values) times, in shuffled company."""
-    rng = np.random.default_rng(seed)
-    orders = {name: rng.permutation(len(values) * -(-num_cases // len(values))) % len(values) for name, values in AXES.items()}
-    for i in range(num_cases):
-        case = {name: AXES[name][orders[name][i]] for name in AXES}
+    rng = np.random.default_rng(seed + 1)
+    for i, case in enumerate(covering_sample(AXES, num_cases, seed=seed)):
         # A batch mixing decodes and prefills: a few requests, lengths from LENGTHS, some with cached context.
         num_reqs = int(rng.integers(1, 4))
         seq_lens = rng.choice(LENGTHS, num_reqs)
