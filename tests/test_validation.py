@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from jax_hybrid_attn import (
-    AttentionMetadata,
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
