@@ -1,12 +1,15 @@
 """Paged attention kernels on the H200: parity against the reference for every feature, then timings.
 
 Run from the repository root:  PYTHONPATH=. python benchmarks/paged_attention_h200.py
-Prints one line per parity case and per timed case, and a summary table last. Timing: CUPTI kernel time
+(``--sections parity,decode,prefill`` picks parts; ``--sweep`` also times the configurations behind the
+kernel defaults). Prints one line per parity case and per timed case, and a summary table last. Timing: CUPTI kernel time
 (Mosaic GPU profiler, every kernel of the jitted call), median of 30 runs, compile excluded. Decode is
 reported in GB/s of the KV blocks a query can see, against the measured 4.28 TB/s copy ceiling; prefill
 in TFLOP/s of the visible (query, key) pairs. Peers run side by side in the same process.
 """
 
+import argparse
+import contextlib
 import statistics
 import time
 import traceback
@@ -18,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
-from jax_hybrid_attn import make_attention_metadata, paged_attention, reference
+from jax_hybrid_attn import attention, make_attention_metadata, paged_attention, reference
+from jax_hybrid_attn.kernels.paged_attention import KernelConfig
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
@@ -34,13 +38,17 @@ PARITY_CASES = [  # (name, random_paged_inputs kwargs, attention options)
     ("fp16 gqa8 chunk 64 bs64", dict(num_q_heads=64, num_kv_heads=8, head_dim=128, block_size=64, dtype=jnp.float16), dict(attention_chunk_size=64)),
     ("non-causal gqa4 HND bs32", dict(num_q_heads=32, num_kv_heads=8, head_dim=64, block_size=32, causal=False, kv_layout="HND"), dict(causal=False, kv_layout="HND")),
     ("gqa4 sinks chunk 128 softcap", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=32, with_sinks=True), dict(attention_chunk_size=128, logits_soft_cap=50.0)),
+    ("fp8 kv gqa4 bs16 d128 window 512", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, kv_dtype=jnp.float8_e4m3fn), dict(sliding_window=512)),
+    ("fp8 kv HND mqa d256 bs32 chunk 128 sinks", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=32, kv_dtype=jnp.float8_e4m3fn, kv_layout="HND", with_sinks=True), dict(attention_chunk_size=128, kv_layout="HND", logits_soft_cap=30.0)),
+    ("fp8 kv fp16 q d64 bs64 non-causal", dict(num_q_heads=16, num_kv_heads=2, head_dim=64, block_size=64, kv_dtype=jnp.float8_e4m3fn, dtype=jnp.float16, causal=False), dict(causal=False)),
 ]  # fmt: skip
 
 
 def check(inputs_kwargs, options, query_lens, seq_lens):
     inputs = random_paged_inputs(0, query_lens=query_lens, seq_lens=seq_lens, **{"dtype": jnp.bfloat16, **inputs_kwargs})
-    out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, sinks=inputs.sinks, **options)
-    ref = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, sinks=inputs.sinks, **options)
+    options = dict(options, sinks=inputs.sinks, k_scale=inputs.k_scale, v_scale=inputs.v_scale)
+    out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
+    ref = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
     out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
     ok = bool(np.isfinite(out).all()) and np.allclose(out, ref, **TOLERANCES[jnp.dtype(inputs.q.dtype)])
     return ok, float(np.abs(out - ref).max())
@@ -69,9 +77,74 @@ def visible_keys(query_len, seq_len, **mask):
     return np.asarray(last) - np.asarray(first) + 1, np.asarray(first)
 
 
-def main():
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
-    rows = []
+def record(rows, *fields):
+    """Print one result line now (a long run reports as it goes) and keep it for the summary."""
+    print(" | ".join(fields), flush=True)
+    rows.append(("time", *fields))
+
+
+@contextlib.contextmanager
+def kernel_configs_replaced(*, decode=None, prefill=None):
+    """Time a kernel configuration other than the default (the sweeps behind `default_config`)."""
+    original = attention.kernel_configs
+
+    def replaced(*args, **kwargs):
+        default_decode, default_prefill = original(*args, **kwargs)
+        return decode or default_decode, prefill or default_prefill
+
+    attention.kernel_configs = replaced
+    attention._paged_attention_kernels.clear_cache()
+    try:
+        yield
+    finally:
+        attention.kernel_configs = original
+        attention._paged_attention_kernels.clear_cache()
+
+
+def time_decode(rows, name, q, kv_cache, metadata, options, full_ms):
+    """One decode timing line: GB/s of the K and V blocks a query can see; returns the time."""
+    mask = {key: value for key, value in options.items() if key in ("sliding_window", "attention_chunk_size")}
+    num_reqs, seq_len = q.shape[0], int(metadata.seq_lens[0])
+    _, first = visible_keys(1, seq_len, **mask)
+    needed = num_reqs * (seq_len - int(first[0]) // 16 * 16) * 8 * 128 * 2 * kv_cache.dtype.itemsize
+    fn = jax.jit(partial(paged_attention, **options))
+    try:
+        expected = reference.paged_attention(q, kv_cache, metadata, **options).astype(jnp.float32)
+        error = float(jnp.abs(fn(q, kv_cache, metadata).astype(jnp.float32) - expected).max())
+        ms = kernel_ms(fn, q, kv_cache, metadata)
+    except Exception as exc:
+        record(rows, name, f"ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        return full_ms
+    gbps = needed / ms / 1e6
+    speedup = f"{full_ms / ms:.1f}x vs full" if full_ms else ""
+    record(rows, name, f"{ms:.3f} ms", f"{gbps:.0f} GB/s ({100 * gbps / COPY_CEILING_GBPS:.0f}%)", speedup, f"err {error:.3g}")
+    return full_ms or ms
+
+
+def time_prefill(rows, q, kv_cache, metadata, name, mask, *, num_reqs, seq_len):
+    """One prefill timing line: TFLOP/s of the visible (query, key) pairs; returns the flop count."""
+    counts, _ = visible_keys(seq_len, seq_len, **mask)
+    flops = 4 * num_reqs * 32 * 128 * int(counts.sum())
+    fn = jax.jit(partial(paged_attention, **mask))
+    first = metadata.replace(query_start_loc=metadata.query_start_loc[:2], seq_lens=metadata.seq_lens[:1],
+                             block_tables=metadata.block_tables[:1], slot_mapping=metadata.slot_mapping[:seq_len],
+                             num_actual_tokens=jnp.asarray(seq_len, jnp.int32))  # fmt: skip
+    try:
+        expected = reference.paged_attention(q[:seq_len], kv_cache, first, **mask).astype(jnp.float32)
+        error = float(jnp.abs(fn(q, kv_cache, metadata)[:seq_len].astype(jnp.float32) - expected).max())
+        ms = kernel_ms(fn, q, kv_cache, metadata, repeats=10)
+    except Exception as exc:
+        record(rows, name, f"ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        return flops
+    record(rows, name, f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s", f"err(request 0) {error:.3g}")
+    return flops
+
+
+SHAPE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
+MASKS = [("full", {}), ("window 1024", dict(sliding_window=1024)), ("chunk 1024", dict(attention_chunk_size=1024))]
+
+
+def parity_section(rows):
     for name, inputs_kwargs, options in PARITY_CASES:
         for batch_name, (query_lens, seq_lens) in [("mixed", MIXED), ("decodes", DECODES)]:
             start = time.time()
@@ -99,23 +172,16 @@ def main():
     print(f"mixed batch vs its parts: max|diff|={worst:.3g}", flush=True)
     rows.append(("parity", "mixed batch == parts (window 256)", "", "PASS" if worst <= 2e-2 else "FAIL", f"{worst:.3g}"))
 
-    shape = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
-    masks = [("full", {}), ("window 1024", dict(sliding_window=1024)), ("chunk 1024", dict(attention_chunk_size=1024))]
+
+def decode_section(rows, *, sweep):
     for seq_len in [8192, 32768]:
-        q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=seq_len, **shape)
+        q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=seq_len, **SHAPE)
         full_ms = None
-        for label, mask in masks:
-            _, first = visible_keys(1, seq_len, **mask)
-            needed = 64 * (seq_len - int(first[0]) // 16 * 16) * 8 * 128 * 2 * 2  # bytes of K and V, whole blocks
-            fn = jax.jit(partial(paged_attention, **mask))
-            error = float(jnp.abs(fn(q, kv_cache, metadata).astype(jnp.float32) - reference.paged_attention(q, kv_cache, metadata, **mask).astype(jnp.float32)).max())
-            ms = kernel_ms(fn, q, kv_cache, metadata)
-            full_ms = full_ms or ms
-            gbps = needed / ms / 1e6
-            line = (f"decode B=64 ctx={seq_len} {label}", f"{ms:.3f} ms", f"{gbps:.0f} GB/s ({100 * gbps / COPY_CEILING_GBPS:.0f}%)",
-                    f"{full_ms / ms:.1f}x vs full", f"err {error:.3g}")  # fmt: skip
-            print(" | ".join(line), flush=True)
-            rows.append(("time",) + line)
+        for label, mask in MASKS:
+            full_ms = time_decode(rows, f"decode B=64 ctx={seq_len} {label}", q, kv_cache, metadata, mask, full_ms)
+        fp8_cache = (kv_cache * 0.5).astype(jnp.float8_e4m3fn)
+        time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV", q, fp8_cache, metadata, dict(k_scale=2.0, v_scale=2.0), None)
+        del fp8_cache
         if seq_len == 8192:  # peer: JAX's stock Pallas (Triton) paged decode kernel, full attention
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -125,44 +191,61 @@ def main():
             peer = jax.jit(partial(triton_paged.paged_attention, pages_per_compute_block=8, k_splits=16))
             ms = kernel_ms(peer, q, k_pages, v_pages, metadata.block_tables, metadata.seq_lens)
             gbps = 64 * seq_len * 8 * 128 * 4 / ms / 1e6
-            line = (f"peer pallas-triton paged decode ctx={seq_len} full", f"{ms:.3f} ms", f"{gbps:.0f} GB/s", "", "")
-            print(" | ".join(line), flush=True)
-            rows.append(("time",) + line)
+            record(rows, f"peer pallas-triton paged decode ctx={seq_len} full", f"{ms:.3f} ms", f"{gbps:.0f} GB/s")
+            del k_pages, v_pages
+        if sweep and seq_len == 32768:  # the split and block_kv sweep behind the decode defaults
+            window = dict(sliding_window=1024)
+            for splits, block_kv, stages in [(1, 128, 2), (2, 128, 2), (4, 128, 2), (2, 64, 3), (4, 64, 3), (8, 64, 3)]:
+                config = KernelConfig(block_kv=block_kv, num_stages=stages, num_splits=splits)
+                with kernel_configs_replaced(decode=config):
+                    time_decode(rows, f"sweep decode ctx={seq_len} window 1024 splits={splits} block_kv={block_kv} stages={stages}", q, kv_cache, metadata, window, None)
         del q, kv_cache
 
+
+def prefill_section(rows, *, sweep):
     # Prefill: 8 requests of 4096 new tokens; TFLOP/s over the visible pairs. Peer: cuDNN on contiguous K/V.
     num_reqs, seq_len = 8, 4096
-    q, kv_cache, metadata = device_batch(2, num_reqs=num_reqs, query_len=seq_len, seq_len=seq_len, **shape)
+    q, kv_cache, metadata = device_batch(2, num_reqs=num_reqs, query_len=seq_len, seq_len=seq_len, **SHAPE)
     k_dense = kv_cache[1:, 0].reshape(num_reqs, seq_len, 8, 128)  # not the same blocks as the table: timing only
     q_dense = q.reshape(num_reqs, seq_len, 32, 128)
-    for label, mask in masks:
-        counts, _ = visible_keys(seq_len, seq_len, **mask)
-        flops = 4 * num_reqs * 32 * 128 * int(counts.sum())
-        fn = jax.jit(partial(paged_attention, **mask))
-        first = metadata.replace(query_start_loc=metadata.query_start_loc[:2], seq_lens=metadata.seq_lens[:1],
-                                 block_tables=metadata.block_tables[:1], slot_mapping=metadata.slot_mapping[:seq_len],
-                                 num_actual_tokens=jnp.asarray(seq_len, jnp.int32))  # fmt: skip
-        expected = reference.paged_attention(q[:seq_len], kv_cache, first, **mask).astype(jnp.float32)
-        error = float(jnp.abs(fn(q, kv_cache, metadata)[:seq_len].astype(jnp.float32) - expected).max())
-        ms = kernel_ms(fn, q, kv_cache, metadata, repeats=10)
-        line = (f"prefill 8x4096 {label}", f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s", "", f"err(request 0) {error:.3g}")
-        print(" | ".join(line), flush=True)
-        rows.append(("time",) + line)
+    prefill = partial(time_prefill, rows, q, kv_cache, metadata, num_reqs=num_reqs, seq_len=seq_len)
+    for label, mask in MASKS:
+        flops = prefill(f"prefill 8x4096 {label}", mask)
         if "attention_chunk_size" not in mask:
             window = mask.get("sliding_window")
             peer = jax.jit(partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn",
                                    local_window_size=None if window is None else (window - 1, 0)))  # fmt: skip
+            name = f"peer cuDNN dense prefill 8x4096 {label}"
             try:
                 ms = kernel_ms(peer, q_dense, k_dense, k_dense, repeats=10)
-                line = (f"peer cuDNN dense prefill 8x4096 {label}", f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s", "", "")
+                record(rows, name, f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s")
             except Exception as exc:
-                line = (f"peer cuDNN dense prefill 8x4096 {label}", f"ERROR {type(exc).__name__}", "", "", "")
-            print(" | ".join(line), flush=True)
-            rows.append(("time",) + line)
+                record(rows, name, f"ERROR {type(exc).__name__}")
+    prefill_sweep = [(128, 2, False), (64, 3, True), (64, 4, True)] if sweep else []
+    for block_kv, stages, ping_pong in prefill_sweep:
+        config = KernelConfig(block_kv=block_kv, num_stages=stages, num_consumers=2, ping_pong=ping_pong)
+        with kernel_configs_replaced(prefill=config):
+            prefill(f"sweep prefill 8x4096 full block_kv={block_kv} stages={stages} ping_pong={ping_pong}", {})
 
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="parity,decode,prefill", help="comma-separated: parity, decode, prefill")
+    parser.add_argument("--sweep", action="store_true", help="also time the configurations behind the defaults")
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+    rows = []
+    sections = args.sections.split(",")
+    if "parity" in sections:
+        parity_section(rows)
+    if "decode" in sections:
+        decode_section(rows, sweep=args.sweep)
+    if "prefill" in sections:
+        prefill_section(rows, sweep=args.sweep)
     print("\n== summary ==")
     for row in rows:
         print(" | ".join(row))
+
 
 
 if __name__ == "__main__":

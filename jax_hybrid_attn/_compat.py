@@ -5,10 +5,19 @@ the Mosaic GPU import path and interpret-mode parameters (public from 0.11.1), a
 `jax.nn.dot_product_attention`'s `local_window_size`.
 """
 
+import os
+
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["register_pytree_dataclass", "plgpu", "interpret_params", "races_found", "dense_attention"]
+__all__ = [
+    "register_pytree_dataclass",
+    "plgpu",
+    "interpret_params",
+    "check_interpret_dispatch",
+    "races_found",
+    "dense_attention",
+]
 
 
 def register_pytree_dataclass(cls, *, data_fields: list[str], meta_fields: list[str]):
@@ -30,6 +39,27 @@ def resolve_interpret(interpret) -> "plgpu.InterpretGPUParams | None":
     if not isinstance(interpret, plgpu.InterpretGPUParams):
         raise ValueError(f"interpret={interpret!r} must be a bool or plgpu.InterpretGPUParams")
     return interpret
+
+
+INTERPRET_CPU_THREADS = 8
+"""Threads the CPU client needs for interpret mode: one per warpgroup of a CTA, each blocked in callbacks."""
+
+
+def check_interpret_dispatch() -> None:
+    """Refuse interpret mode when the CPU client's thread pool is too small for warp-specialized kernels.
+
+    Interpret mode runs each warpgroup of a CTA as a thread whose barrier waits block one of the CPU
+    client's pool threads. The pool has one thread per core, so on a 2-core machine a producer and two
+    consumers starve it and hang. `PJRT_NPROC` sets the pool size; it is read when the CPU backend
+    starts, so it must be set before the first JAX computation.
+    """
+    threads = int(os.environ.get("PJRT_NPROC", 0)) or os.cpu_count() or 1
+    if threads < INTERPRET_CPU_THREADS:
+        raise RuntimeError(
+            f"Mosaic GPU interpret mode needs at least {INTERPRET_CPU_THREADS} CPU client threads, this machine "
+            f"gives {threads}: set os.environ['PJRT_NPROC'] = '{INTERPRET_CPU_THREADS}' (or the environment "
+            "variable) before the first JAX computation"
+        )
 
 
 def races_found() -> bool:

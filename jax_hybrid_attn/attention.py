@@ -1,9 +1,11 @@
 """The public entry point: paged attention on the Mosaic GPU kernels, or the reference.
 
 A mixed batch is split on the device, with no host round trip: requests whose whole query fits one
-query tile (``64 // G`` tokens: decodes and short speculative-verification queries) run as decode tiles,
-one per request with its keys split across CTAs (flash-decoding); longer queries run as prefill tiles of
-``64 // G`` tokens. Each request is computed by exactly one of the two launches.
+64-row query tile (``64 // G`` tokens: decodes and short speculative-verification queries) run as decode
+tiles, one per request with its keys split across CTAs (flash-decoding) and one consumer warpgroup;
+longer queries run as prefill tiles of ``128 // G`` tokens with two consumer warpgroups. Each request is
+computed by exactly one of the two launches. A float8_e4m3fn cache's k scale multiplies the logits in
+the kernel and its v scale the merged output.
 """
 
 import math
@@ -14,10 +16,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from . import reference
-from ._compat import plgpu, resolve_interpret
+from ._compat import check_interpret_dispatch, plgpu, resolve_interpret
 from .kernels import tiles as query_tiles
 from .kernels.paged_attention import attention_partials, default_config
-from .layout import FP8_DTYPE, KVLayout, kv_cache_dims
+from .layout import KVLayout, kv_cache_dims
 from .metadata import AttentionMetadata
 from .validation import check_paged_attention_args
 
@@ -57,7 +59,9 @@ def paged_attention(
       NotImplementedError: the kernel does not support this combination (named in the message).
     """
     if implementation is None:
-        implementation = "kernel" if resolve_interpret(interpret) or jax.default_backend() == "gpu" else "reference"
+        implementation = (
+            "kernel" if resolve_interpret(interpret) or jax.default_backend() == "gpu" else "reference"
+        )
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
     options = dict(
@@ -68,27 +72,50 @@ def paged_attention(
         return reference.paged_attention(
             q, kv_cache, metadata, sinks=sinks, k_scale=k_scale, v_scale=v_scale, checked=checked, **options
         )
-    sm_scale, _, _ = check_paged_attention_args(
+    sm_scale, k_scale, v_scale = check_paged_attention_args(
         q, kv_cache, metadata, sinks=sinks, k_scale=k_scale, v_scale=v_scale, checked=checked, **options
     )
     check_kernel_support(q, kv_cache, kv_layout)
-    return _paged_attention_kernels(q, kv_cache, metadata, sinks, **{**options, "sm_scale": sm_scale}, interpret=interpret)
+    if resolve_interpret(interpret) is not None:
+        check_interpret_dispatch()
+    return _paged_attention_kernels(
+        q,
+        kv_cache,
+        metadata,
+        sinks,
+        k_scale,
+        v_scale,
+        **{**options, "sm_scale": sm_scale},
+        interpret=interpret,
+    )
+
+
+def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_splits: int = 1):
+    """The decode (one consumer, split keys) and prefill (two consumers, or one where two do not fit in
+    shared memory: head_dim 256 with a float8 cache) kernel configurations."""
+    itemsizes = (jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize)
+    decode = default_config(head_dim, *itemsizes, num_splits=decode_splits, num_consumers=1)
+    try:
+        prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=2)
+    except NotImplementedError:
+        prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=1)
+    return decode, prefill
 
 
 def check_kernel_support(q, kv_cache, kv_layout) -> None:
     """Raise NotImplementedError naming what the kernels cannot do yet."""
     _, block_size, num_kv_heads, head_dim = kv_cache_dims(kv_cache, kv_layout)
-    if jnp.dtype(kv_cache.dtype) == FP8_DTYPE:
-        raise NotImplementedError("kernel with a float8_e4m3fn KV cache: use implementation='reference'")
     if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
         raise NotImplementedError(f"kernel with q.dtype={q.dtype}: supported are bfloat16 and float16")
     if head_dim % 64:
         raise NotImplementedError(f"kernel with {head_dim=}: must be a multiple of 64")
-    config = default_config(head_dim, q.dtype.itemsize, num_splits=1)
-    if config.block_kv % block_size:
-        raise NotImplementedError(f"kernel with {block_size=}: must divide {config.block_kv}")
+    for config in kernel_configs(head_dim, q.dtype, kv_cache.dtype):
+        if config.block_kv % block_size:
+            raise NotImplementedError(f"kernel with {block_size=}: must divide {config.block_kv}")
     if q.shape[1] // num_kv_heads > query_tiles.ROWS:
-        raise NotImplementedError(f"kernel with {q.shape[1] // num_kv_heads} query heads per KV head: at most 64")
+        raise NotImplementedError(
+            f"kernel with {q.shape[1] // num_kv_heads} query heads per KV head: at most 64"
+        )
 
 
 @partial(
@@ -96,30 +123,37 @@ def check_kernel_support(q, kv_cache, kv_layout) -> None:
     static_argnames=("sm_scale", "sliding_window", "attention_chunk_size", "logits_soft_cap", "causal",
                      "kv_layout", "interpret"),
 )  # fmt: skip
-def _paged_attention_kernels(q, kv_cache, metadata, sinks, *, kv_layout, interpret, **options):
+def _paged_attention_kernels(
+    q, kv_cache, metadata, sinks, k_scale, v_scale, *, sm_scale, kv_layout, interpret, **options
+):
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = kv_cache_dims(kv_cache, kv_layout)
     group_size = num_q_heads // num_kv_heads
     query_lens = metadata.query_lens
+    logit_scale = jnp.reshape(sm_scale * k_scale, (1,)).astype(jnp.float32)
     out = jnp.zeros_like(q)
 
-    def run(tiles, num_splits):
+    def run(tiles, config):
         tokens, heads = query_tiles.tile_rows(
-            tiles, metadata.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads, num_tokens=num_tokens
-        )
+            tiles, metadata.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads,
+            num_tokens=num_tokens, rows=config.rows,
+        )  # fmt: skip
         partial_out, lse = attention_partials(
             query_tiles.pack_query_rows(q, tokens, heads), kv_cache, tiles, metadata.seq_lens, query_lens,
-            metadata.block_tables, block_size=block_size, group_size=group_size, kv_layout=kv_layout,
-            config=default_config(head_dim, q.dtype.itemsize, num_splits=num_splits), interpret=interpret,
-            **options,
+            metadata.block_tables, logit_scale, block_size=block_size, group_size=group_size, kv_layout=kv_layout,
+            config=config, interpret=interpret, **options,
         )  # fmt: skip
         sinks_rows = None if sinks is None else sinks.astype(jnp.float32)[heads]
-        return tokens, heads, query_tiles.merge_splits(partial_out, lse, sinks_rows)
+        return tokens, heads, query_tiles.merge_splits(partial_out, lse, sinks_rows) * v_scale
 
     decode_splits = max(1, min(16, math.ceil(TARGET_DECODE_CTAS / (metadata.num_reqs * num_kv_heads))))
-    tokens, heads, rows = run(query_tiles.decode_tiles(query_lens, group_size), decode_splits)
+    decode_config, prefill_config = kernel_configs(
+        head_dim, q.dtype, kv_cache.dtype, decode_splits=decode_splits
+    )
+    tokens, heads, rows = run(query_tiles.decode_tiles(query_lens, group_size), decode_config)
     out = query_tiles.scatter_rows(out, rows, tokens, heads)
     if metadata.max_query_len > query_tiles.tokens_per_tile(group_size):
-        tokens, heads, rows = run(query_tiles.prefill_tiles(query_lens, group_size, num_tokens), 1)
+        tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
+        tokens, heads, rows = run(tiles, prefill_config)
         out = query_tiles.scatter_rows(out, rows, tokens, heads)
     return out

@@ -22,9 +22,10 @@ AXES = {
     "with_sinks": [False, True],
     "causal": [True, False],
     "dtype": [jnp.bfloat16, jnp.float16],
+    "kv_fp8": [False, True],
     "kv_layout": ["NHD", "HND"],
 }  # fmt: skip
-NUM_CASES = 14
+NUM_CASES = 16
 # (query_lens, seq_lens): decodes, speculative verification, prefills with and without cached context,
 # lengths straddling blocks (16..64) and chunks (64, 128).
 BATCHES = [
@@ -47,11 +48,12 @@ def run_case(case, *, seed, interpret=True):
     inputs = random_paged_inputs(
         seed, query_lens=query_lens, seq_lens=seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
         head_dim=64, block_size=case["block_size"], dtype=case["dtype"], kv_layout=case["kv_layout"],
+        kv_dtype=jnp.float8_e4m3fn if case["kv_fp8"] else None,
         with_sinks=case["with_sinks"], causal=case["causal"],
         null_unreachable_for=case["mask"] if case["causal"] else None,
     )  # fmt: skip
     options = dict(case["mask"], logits_soft_cap=case["logits_soft_cap"], causal=case["causal"],
-                   kv_layout=case["kv_layout"], sinks=inputs.sinks)  # fmt: skip
+                   kv_layout=case["kv_layout"], sinks=inputs.sinks, k_scale=inputs.k_scale, v_scale=inputs.v_scale)  # fmt: skip
     out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, interpret=interpret, **options)
     expected = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
     return np.asarray(out.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32))
@@ -64,9 +66,12 @@ def test_kernel_matches_reference(case):
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
 
 
-def test_no_races_detected():
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_no_races_detected(kv_fp8):
+    """A decode tile (producer + one consumer) and prefill tiles (producer + two consumers), edge steps
+    with V rows zeroed by consumer 0 for both (bf16) or in each consumer's staging buffer (fp8)."""
     case = dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
-                causal=True, dtype=jnp.bfloat16, kv_layout="NHD", batch=([1, 20], [40, 33]))  # fmt: skip
+                causal=True, dtype=jnp.bfloat16, kv_fp8=kv_fp8, kv_layout="NHD", batch=([1, 20], [40, 33]))  # fmt: skip
     out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
     assert not races_found()
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
@@ -93,7 +98,6 @@ def test_mixed_batch_equals_its_parts():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(kv_dtype=jnp.float8_e4m3fn), "float8"),
         (dict(dtype=jnp.float32), "float32"),
         (dict(head_dim=32), "head_dim"),
         (dict(block_size=256), "block_size"),
@@ -113,3 +117,11 @@ def test_cpu_default_is_the_reference():
                                  block_size=16, dtype=jnp.bfloat16)  # fmt: skip
     np.testing.assert_array_equal(paged_attention(inputs.q, inputs.kv_cache, inputs.metadata),
                                   reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata))  # fmt: skip
+
+
+def test_interpret_mode_refuses_a_small_cpu_thread_pool(monkeypatch):
+    inputs = random_paged_inputs(0, query_lens=[1], seq_lens=[20], num_q_heads=2, num_kv_heads=1, head_dim=64,
+                                 block_size=16, dtype=jnp.bfloat16)  # fmt: skip
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    with pytest.raises(RuntimeError, match="PJRT_NPROC"):
+        paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, interpret=True)

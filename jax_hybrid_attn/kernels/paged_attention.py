@@ -1,12 +1,22 @@
-"""Paged attention over query tiles in Pallas Mosaic GPU (flash-decoding when a tile's keys are split).
+"""Paged attention over query tiles in Pallas Mosaic GPU: a producer warpgroup and one or two consumers.
 
-A query tile is up to ``64 // G`` consecutive query tokens of one request (G = N // K): its 64 wgmma rows
-hold the G query heads of one KV head for each token, row ``j * G + g``. One CTA per (tile, KV head,
-split). The CTA walks only the blocks between the first key any of its queries may see and the last
-(window, chunk or sequence end), split evenly across the splits; TMA streams ``block_kv // S`` pages per
-step through a ring of `num_stages` buffers, picked through the block table. Masks are applied only on
-steps that straddle an edge, where V rows that no query sees are zeroed first (stale or NaN memory must
-not reach ``0 * V``). Each split writes its normalized partial output and log-sum-exp; `tiles.merge_splits`
+A query tile holds ``64 * num_consumers`` wgmma rows; each consumer warpgroup owns 64 of them, the G query
+heads of one KV head for ``64 // G`` consecutive tokens (row ``j * G + g``). One CTA per (tile, KV head,
+split). The producer warpgroup streams the blocks between the first key any query of the tile may see and
+the last (window, chunk or sequence end) by TMA through the block table, ``block_kv // S`` blocks per step,
+into a ring of `num_stages` slots that the consumers release through "consumed" barriers. Decode tiles use
+one consumer and split the keys across CTAs (flash-decoding); prefill tiles use two consumers that share
+every K/V step and take turns on the tensor cores (a schedule barrier, as FlashAttention-3 does).
+
+Masks are applied only on steps that straddle an edge of a consumer's key range. On a step that holds keys
+outside the tile's range (a block's unwritten tail, or a clamped duplicate block), V rows that no query
+sees are zeroed first: stale or NaN memory must not reach ``0 * V``. With two consumers, consumer 0 zeroes
+and signals consumer 1 through a barrier. A float8_e4m3fn cache is converted to q's dtype in each
+consumer's staging buffers (zeroing happens there); its k scale multiplies the logits and its v scale is
+applied after the split merge. P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
+which runs wgmma only from shared memory, it goes through a shared-memory tile instead.
+
+Each split writes its normalized partial output (q's dtype) and its log-sum-exp; `tiles.merge_splits`
 combines them with the sinks, which enter the denominator only.
 """
 
@@ -22,133 +32,260 @@ from jax.experimental import pallas as pl
 from .._compat import plgpu, resolve_interpret
 from ..masks import allowed_key_range, attention_mask
 
-ROWS = 64  # wgmma M: query rows per CTA
+ROWS = 64  # wgmma M: query rows per consumer warpgroup
 LOG2E = math.log2(math.e)
 MASKED_LOGIT = -1e30  # finite, so fully masked steps never produce inf - inf
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40  # per thread, with two consumers and one producer
+SMEM_BUDGET_BYTES = 227 * 1024 - 4096  # H100/H200 per-block maximum, less room for barriers and alignment
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
-    """`block_kv` keys per step (whole blocks), `num_stages` TMA buffers, `num_splits` CTAs per tile and head."""
+    """`block_kv` keys per step (whole blocks), `num_stages` ring slots, `num_splits` CTAs per tile and head,
+    `num_consumers` warpgroups of 64 query rows sharing the K/V stream, which take turns on the tensor
+    cores when `ping_pong` is set."""
 
     block_kv: int = 128
     num_stages: int = 2
     num_splits: int = 1
+    num_consumers: int = 1
+    ping_pong: bool = True
 
     def __post_init__(self):
         if self.block_kv % 64 or self.block_kv <= 0:
             raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
         if self.num_stages < 1 or self.num_splits < 1:
             raise ValueError(f"num_stages={self.num_stages}, num_splits={self.num_splits} must be >= 1")
+        if self.num_consumers not in (1, 2):
+            raise ValueError(f"num_consumers={self.num_consumers} must be 1 or 2")
 
-    def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-        """Shared memory of the main loop: q tile, K and V rings, the P tile (barriers aside)."""
-        return (ROWS * head_dim + 2 * self.num_stages * self.block_kv * head_dim + ROWS * self.block_kv) * itemsize
+    @property
+    def rows(self) -> int:
+        """Query rows per tile."""
+        return ROWS * self.num_consumers
+
+    def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int) -> int:
+        """Shared memory on the GPU: q/output tiles, the K and V ring, fp8 staging buffers (barriers aside)."""
+        q_tiles = self.num_consumers * (ROWS * head_dim * q_itemsize + ROWS * 4)
+        ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
+        staging = (
+            self.num_consumers * 2 * self.block_kv * head_dim * q_itemsize if kv_itemsize != q_itemsize else 0
+        )
+        return q_tiles + ring + staging
 
 
-SMEM_BUDGET_BYTES = 227 * 1024 - 2048  # H100/H200 per-block maximum, less room for barriers
-
-
-def default_config(head_dim: int, itemsize: int, *, num_splits: int) -> KernelConfig:
+def default_config(head_dim: int, q_itemsize: int, kv_itemsize: int, *, num_splits: int, num_consumers: int):
     """The measured best on the H200 (benchmarks/RESULTS.md), shrunk until it fits in shared memory."""
     for block_kv, num_stages in ((128, 2), (64, 3), (64, 2), (64, 1)):
-        config = KernelConfig(block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
-        if config.smem_bytes(head_dim, itemsize) <= SMEM_BUDGET_BYTES:
+        config = KernelConfig(
+            block_kv=block_kv, num_stages=num_stages, num_splits=num_splits, num_consumers=num_consumers
+        )
+        if config.smem_bytes(head_dim, q_itemsize, kv_itemsize) <= SMEM_BUDGET_BYTES:
             return config
     raise NotImplementedError(f"{head_dim=} does not fit the kernel's shared memory")
 
 
+def smem_transforms(head_dim: int, dtype) -> tuple:
+    """Tiling and swizzle of a [rows, head_dim] shared-memory tile that wgmma or TMA reads."""
+    row_bytes = head_dim * jnp.dtype(dtype).itemsize
+    swizzle = 128 if row_bytes % 128 == 0 else 64
+    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def take_turn(schedule) -> None:
+    """Two consumer warpgroups alternate on the tensor cores: each arrival lets the other one go."""
+    plgpu.barrier_arrive(schedule)
+    plgpu.barrier_wait(schedule)
+
+
 def _paged_attention_kernel(
     tile_request_ref, tile_query_start_ref, tile_query_len_ref, seq_lens_ref, query_lens_ref, block_tables_ref,
-    q_ref, kv_ref, o_ref, lse_ref,
-    *, block_size, group_size, sm_scale, sliding_window, attention_chunk_size, logits_soft_cap, causal,
-    kv_layout, config,
+    logit_scale_ref, q_ref, kv_ref, o_ref, lse_ref,
+    *, block_size, group_size, sliding_window, attention_chunk_size, logits_soft_cap, causal, kv_layout,
+    config, p_in_registers,
 ):  # fmt: skip
     tile, kv_head, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
     request = tile_request_ref[tile]
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
-    block_kv, num_stages = config.block_kv, config.num_stages
+    converts = kv_ref.dtype != dtype  # float8 cache: consumers convert each step into staging buffers
+    block_kv, num_stages, num_consumers = config.block_kv, config.num_stages, config.num_consumers
     blocks_per_step = block_kv // block_size
-    mask_options = dict(causal=causal, sliding_window=sliding_window, attention_chunk_size=attention_chunk_size)
+    tokens_per_consumer = ROWS // group_size
+    mask_options = dict(
+        causal=causal, sliding_window=sliding_window, attention_chunk_size=attention_chunk_size
+    )
 
     seq_len = seq_lens_ref[request]
-    query_len = tile_query_len_ref[tile]
+    tile_len = tile_query_len_ref[tile]
     first_q_pos = seq_len - query_lens_ref[request] + tile_query_start_ref[tile]
-    last_q_pos = first_q_pos + query_len - 1
-    # Keys some query sees: [key_lo, key_hi]; keys every query sees: [all_lo, all_hi].
-    key_lo, all_hi = allowed_key_range(first_q_pos, seq_len, **mask_options)
-    all_lo, key_hi = allowed_key_range(last_q_pos, seq_len, **mask_options)
+    # Keys some query of the tile sees: [key_lo, key_hi]. The CTA streams the steps holding them.
+    key_lo, _ = allowed_key_range(first_q_pos, seq_len, **mask_options)
+    _, key_hi = allowed_key_range(first_q_pos + tile_len - 1, seq_len, **mask_options)
     block_lo, block_hi = key_lo // block_size, key_hi // block_size
     step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
     steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
     my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
-    my_hi = jnp.where(query_len > 0, jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
-    # Steps whose keys every query sees need no mask.
-    inner_lo = jnp.clip(pl.cdiv(all_lo, block_kv), my_lo, my_hi)
-    inner_hi = jnp.clip((jnp.minimum(all_hi, seq_len - 1) + 1) // block_kv, inner_lo, my_hi)
+    my_hi = jnp.where(tile_len > 0, jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
+
+    def holds_foreign_keys(step):
+        """Whether the step holds keys outside [key_lo, key_hi], whose V rows must be zeroed."""
+        return (step * block_kv < key_lo) | ((step + 1) * block_kv - 1 > key_hi)
 
     def kv_source(page, kv):
         if kv_layout == "NHD":
             return kv_ref.at[page, kv, :, kv_head, :]
         return kv_ref.at[page, kv, kv_head]
 
-    def body(q_smem, k_smem, v_smem, p_smem, k_barriers, v_barriers):
-        def issue(step):
+    def zero_foreign_rows(v, first_key):
+        """`v` holds keys from `first_key` on; rows outside [key_lo, key_hi] become 0."""
+        keys = lax.broadcasted_iota(jnp.int32, v.shape, 0) + first_key
+        return jnp.where((keys >= key_lo) & (keys <= key_hi), v, jnp.zeros_like(v))
+
+    def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed):
+        def load_pages(step):
+            """The step's pages, read from the block table together (their latencies overlap) and used for K and V."""
+            blocks = [
+                jnp.clip(step * blocks_per_step + p, block_lo, block_hi) for p in range(blocks_per_step)
+            ]
+            return [block_tables_ref[request, block] for block in blocks]
+
+        def issue(step, pages, ring, loaded, kv):
             slot = lax.rem(step - my_lo, num_stages)
-            for p in range(blocks_per_step):
-                block = jnp.clip(step * blocks_per_step + p, block_lo, block_hi)
-                page = block_tables_ref[request, block]
+            for p, page in enumerate(pages):
                 rows = pl.ds(p * block_size, block_size)
-                plgpu.copy_gmem_to_smem(kv_source(page, 0), k_smem.at[slot, rows], k_barriers.at[slot])
-                plgpu.copy_gmem_to_smem(kv_source(page, 1), v_smem.at[slot, rows], v_barriers.at[slot])
+                plgpu.copy_gmem_to_smem(kv_source(page, kv), ring.at[slot, rows], loaded.at[slot])
+
+        def fill(step):  # a free slot: no consumer to wait for
+            pages = load_pages(step)
+            issue(step, pages, k_ring, k_loaded, 0)
+            issue(step, pages, v_ring, v_loaded, 1)
 
         for i in range(num_stages):
-            pl.when(my_lo + i < my_hi)(partial(issue, my_lo + i))
+            pl.when(my_lo + i < my_hi)(partial(fill, my_lo + i))
+
+        @pl.loop(my_lo + num_stages, my_hi)
+        def _(step):
+            slot = lax.rem(step - my_lo, num_stages)
+            pages = load_pages(step)
+            plgpu.barrier_wait(k_consumed.at[slot])
+            issue(step, pages, k_ring, k_loaded, 0)
+            plgpu.barrier_wait(v_consumed.at[slot])
+            issue(step, pages, v_ring, v_loaded, 1)
+
+    def consumer(wg, q_smem, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, extras):
+        k_staging, v_staging, p_smem, v_zeroed, schedule = extras
+        my_first_q_pos = first_q_pos + wg * tokens_per_consumer
+        my_len = jnp.clip(tile_len - wg * tokens_per_consumer, 0, tokens_per_consumer)
+        # Steps whose keys every query of this consumer sees need no mask.
+        all_lo, _ = allowed_key_range(my_first_q_pos + my_len - 1, seq_len, **mask_options)
+        _, all_hi = allowed_key_range(my_first_q_pos, seq_len, **mask_options)
+        inner_lo = jnp.where(my_len > 0, jnp.clip(pl.cdiv(all_lo, block_kv), my_lo, my_hi), my_hi)
+        inner_hi = jnp.clip((jnp.minimum(all_hi, seq_len - 1) + 1) // block_kv, inner_lo, my_hi)
+        # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
+        logit_scale = logit_scale_ref[0] if logits_soft_cap is not None else logit_scale_ref[0] * LOG2E
 
         rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
         cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-        q_pos = first_q_pos + rows // group_size
+        q_pos = my_first_q_pos + rows // group_size
+
+        def stage(ring_slot, staging, step, *, zero):
+            """Convert a float8 step into q's dtype (zeroing foreign V rows) in this consumer's buffer,
+            64 rows at a time to bound registers. sm90 converts e4m3 only to f16: bf16 goes through f32."""
+            for first_row in range(0, block_kv, ROWS):
+                rows = pl.ds(first_row, ROWS)
+                x = ring_slot[rows]
+                x = x.astype(dtype) if dtype == jnp.float16 else x.astype(jnp.float32).astype(dtype)
+                if zero:  # on steps without foreign keys every row is kept
+                    x = zero_foreign_rows(x, step * block_kv + first_row)
+                staging[rows] = x
+            plgpu.commit_smem()
+            return staging
+
+        def prepare_v(step, slot, *, masked):
+            """The V operand of this step, foreign rows zeroed on edge steps."""
+            if converts:
+                v = stage(v_ring.at[slot], v_staging, step, zero=masked)
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                return v
+            if masked:
+                if num_consumers == 1:
+
+                    @pl.when(holds_foreign_keys(step))
+                    def _():
+                        v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
+                        plgpu.commit_smem()
+
+                else:
+
+                    @pl.when(holds_foreign_keys(step) & (wg == 0))
+                    def _():
+                        v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
+                        plgpu.commit_smem()
+                        plgpu.barrier_arrive(v_zeroed)
+
+                    @pl.when(holds_foreign_keys(step) & (wg == 1))
+                    def _():
+                        plgpu.barrier_wait(v_zeroed)
+
+            return v_ring.at[slot]
 
         def step_body(step, carry, *, masked):
             acc, m_i, l_i = carry
             slot = lax.rem(step - my_lo, num_stages)
-            plgpu.barrier_wait(k_barriers.at[slot])
+            plgpu.barrier_wait(k_loaded.at[slot])
+            if converts:
+                k = stage(k_ring.at[slot], k_staging, step, zero=False)
+                plgpu.barrier_arrive(k_consumed.at[slot])
+            else:
+                k = k_ring.at[slot]
 
             def compute_qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
+                if schedule is not None:
+                    take_turn(schedule)
                 return acc_ref[...]
 
-            logits = pl.run_scoped(compute_qk, plgpu.ACC((ROWS, block_kv), jnp.float32)) * sm_scale
+            logits = pl.run_scoped(compute_qk, plgpu.ACC((ROWS, block_kv), jnp.float32)) * logit_scale
+            if not converts:
+                plgpu.barrier_arrive(k_consumed.at[slot])
             if logits_soft_cap is not None:
-                logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-            logits = logits * LOG2E
+                logits = (logits_soft_cap * LOG2E) * jnp.tanh(logits / logits_soft_cap)
             if masked:
                 k_pos = step * block_kv + cols
-                logits = jnp.where(attention_mask(q_pos, k_pos, seq_len, **mask_options), logits, MASKED_LOGIT)
+                logits = jnp.where(
+                    attention_mask(q_pos, k_pos, seq_len, **mask_options), logits, MASKED_LOGIT
+                )
             m_new = jnp.maximum(m_i, logits.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
             l_i = l_i * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_barriers.at[slot])
-            if masked:  # zero V rows that no query sees: they may hold stale data or NaN
-                v = v_smem[slot]
-                v_rows = lax.broadcasted_iota(jnp.int32, v.shape, 0) + step * block_kv
-                v_smem[slot] = jnp.where((v_rows >= key_lo) & (v_rows <= key_hi), v, jnp.zeros_like(v))
+            p = p.astype(dtype)
+            if schedule is not None:
+                plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(v_loaded.at[slot])
+            v = prepare_v(step, slot, masked=masked)
+            if schedule is not None:
+                plgpu.barrier_wait(schedule)
+
+            if p_in_registers:
+
+                def compute_pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p, v)
+
+                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+            else:  # interpret mode: wgmma operands from shared memory, a fresh accumulator added in registers
+                p_smem[...] = p
                 plgpu.commit_smem()
 
-            # P goes through shared memory and a fresh accumulator is added in registers: CPU interpret
-            # mode runs wgmma only from SMEM operands, and not inside pl.run_state(ACC.init(...)).
-            p_smem[...] = p.astype(dtype)
-            plgpu.commit_smem()
+                def compute_pv(pv_ref):
+                    plgpu.wgmma(pv_ref, p_smem, v)
+                    return pv_ref[...]
 
-            def compute_pv(pv_ref):
-                plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
-                return pv_ref[...]
-
-            acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
-            pl.when(step + num_stages < my_hi)(partial(issue, step + num_stages))
+                acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+            if not converts:
+                plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, l_i
 
         carry = (
@@ -160,66 +297,118 @@ def _paged_attention_kernel(
         carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
         return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
 
-    def with_q(q_smem, q_barrier):
-        plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head], q_smem, q_barrier.at[0])
-        plgpu.barrier_wait(q_barrier.at[0])
-        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        acc, m_i, l_i = pl.run_scoped(
-            lambda *refs: body(q_smem, *refs),
-            plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, block_kv, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((ROWS, block_kv), dtype, transforms=transforms),
-            plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=num_stages),
-            plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=num_stages),
-        )
-        has_keys = l_i > 0
-        safe_l = jnp.where(has_keys, l_i, 1.0)
-        out = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
-        lse = jnp.where(has_keys, (m_i + jnp.log2(safe_l)) / LOG2E, -jnp.inf)
+    def body(q_smem, lse_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
+             k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
+        wg = lax.axis_index("wg")
+        ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
 
-        def write(o_smem, lse_smem):
-            o_smem[...] = out
-            lse_smem[...] = lse
+        @pl.when(wg == num_consumers)
+        def _():
+            if num_consumers > 1:
+                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            producer(*ring)
+
+        def run_consumer(wg):
+            if num_consumers > 1:
+                plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            rows = pl.ds(wg * ROWS, ROWS)
+            plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[wg], q_loaded.at[wg])
+            plgpu.barrier_wait(q_loaded.at[wg])
+            if schedule is not None:
+                pl.when(wg == 1)(partial(take_turn, schedule))
+            extras = (
+                None if k_staging is None else k_staging.at[wg],
+                None if v_staging is None else v_staging.at[wg],
+                None if p_smem is None else p_smem.at[wg],
+                v_zeroed,
+                schedule,
+            )
+            acc, m_i, l_i = consumer(wg, q_smem.at[wg], *ring, extras)
+            if schedule is not None:
+                pl.when(wg == 0)(partial(take_turn, schedule))
+            has_keys = l_i > 0
+            safe_l = jnp.where(has_keys, l_i, 1.0)
+            q_smem[wg] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
+            lse_smem[wg] = jnp.where(has_keys, (m_i + jnp.log2(safe_l)) / LOG2E, -jnp.inf)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[tile, kv_head, split])
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[tile, kv_head, split])
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[tile, kv_head, split, rows])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile, kv_head, split, rows])
             plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(write, plgpu.SMEM((ROWS, head_dim), jnp.float32), plgpu.SMEM((ROWS,), jnp.float32))
+        # The traced index, even with one consumer: a static `.at[0]` view cannot feed wgmma in pl.run_state.
+        pl.when(wg < num_consumers)(lambda: run_consumer(wg))
 
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    pl.run_scoped(with_q, plgpu.SMEM((ROWS, head_dim), dtype, transforms=transforms), plgpu.Barrier(num_barriers=1))
+    q_transforms = smem_transforms(head_dim, dtype)
+    kv_transforms = smem_transforms(head_dim, kv_ref.dtype)
+    ring_shape = (num_stages, block_kv, head_dim)
+    staging = (
+        plgpu.SMEM((num_consumers, block_kv, head_dim), dtype, transforms=q_transforms) if converts else None
+    )
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
+        plgpu.SMEM((num_consumers, ROWS), jnp.float32),
+        plgpu.SMEM(ring_shape, kv_ref.dtype, transforms=kv_transforms),
+        plgpu.SMEM(ring_shape, kv_ref.dtype, transforms=kv_transforms),
+        staging,
+        staging,
+        None
+        if p_in_registers
+        else plgpu.SMEM((num_consumers, ROWS, block_kv), dtype, transforms=q_transforms),
+        plgpu.Barrier(num_barriers=num_consumers),
+        plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
+        plgpu.Barrier() if num_consumers > 1 and not converts else None,
+        plgpu.Barrier(num_arrivals=num_consumers) if num_consumers > 1 and config.ping_pong else None,
+        collective_axes="wg",
+    )
 
 
 def attention_partials(
-    q_tiles, kv_cache, tiles, seq_lens, query_lens, block_tables,
-    *, block_size, group_size, sm_scale, sliding_window, attention_chunk_size, logits_soft_cap, causal,
-    kv_layout, config, interpret,
+    q_tiles, kv_cache, tiles, seq_lens, query_lens, block_tables, logit_scale,
+    *, block_size, group_size, sliding_window, attention_chunk_size, logits_soft_cap, causal, kv_layout,
+    config, interpret,
 ):  # fmt: skip
     """Run the kernel over query tiles.
 
     Args:
-      q_tiles: [NT, K, 64, H] packed query rows (`tiles.pack_query_rows`).
+      q_tiles: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`), rows = ``config.rows``.
       tiles: `tiles.QueryTiles` with [NT] request, query start and query length per tile (length 0: idle).
+      logit_scale: [1] float32, ``sm_scale * k_scale``.
     Returns:
-      partial outputs [NT, K, splits, 64, H] (float32, normalized per split) and their log-sum-exp
-      [NT, K, splits, 64] (natural log; -inf where a split saw no key).
+      partial outputs [NT, K, splits, rows, H] (q's dtype, normalized per split) and their log-sum-exp
+      [NT, K, splits, rows] (float32, natural log; -inf where a split saw no key).
     """
     num_tiles, num_kv_heads, _, head_dim = q_tiles.shape
+    interpret = resolve_interpret(interpret)
     kernel = partial(
-        _paged_attention_kernel, block_size=block_size, group_size=group_size, sm_scale=sm_scale,
-        sliding_window=sliding_window, attention_chunk_size=attention_chunk_size,
-        logits_soft_cap=logits_soft_cap, causal=causal, kv_layout=kv_layout, config=config,
+        _paged_attention_kernel, block_size=block_size, group_size=group_size, sliding_window=sliding_window,
+        attention_chunk_size=attention_chunk_size, logits_soft_cap=logits_soft_cap, causal=causal,
+        kv_layout=kv_layout, config=config, p_in_registers=interpret is None,
     )  # fmt: skip
-    splits = config.num_splits
+    splits, rows = config.num_splits, config.rows
     return plgpu.kernel(
         kernel,
         out_type=(
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, ROWS, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, ROWS), jnp.float32),
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim), q_tiles.dtype),
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32),
         ),
         grid=(num_tiles, num_kv_heads, splits),
         grid_names=("tile", "kv_head", "split"),
+        num_threads=config.num_consumers + 1,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=resolve_interpret(interpret),
-    )(tiles.request, tiles.query_start, tiles.query_len, seq_lens, query_lens, block_tables, q_tiles, kv_cache)
+        interpret=interpret,
+    )(
+        tiles.request,
+        tiles.query_start,
+        tiles.query_len,
+        seq_lens,
+        query_lens,
+        block_tables,
+        logit_scale,
+        q_tiles,
+        kv_cache,
+    )
