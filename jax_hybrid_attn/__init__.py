@@ -4,7 +4,7 @@ Shape letters: T query tokens · R requests · N query heads · K kv heads · H 
 pool · S block_size · P max blocks per request. Window convention: see `jax_hybrid_attn.params`.
 """
 
-from . import masks, reference
+from . import allocator, masks, reference
 from .attention import paged_attention
 from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from .kv_cache import write_kv
@@ -26,6 +26,7 @@ __all__ = [
     "PAD_SLOT_ID",
     "KV_LAYOUTS",
     "AttentionMetadata",
+    "allocator",
     "AttentionSpec",
     "ChunkedLocalAttentionSpec",
     "FullAttentionSpec",

@@ -1,8 +1,10 @@
 """The distribution: import names, no torch in the core, public API present."""
 
 import importlib.metadata
+import pathlib
 import subprocess
 import sys
+import tomllib
 
 
 def test_core_import_does_not_import_torch():
@@ -22,3 +24,11 @@ def test_pins_match_the_gpu_image_and_no_dlpack_package():
     assert "jax==0.11.2" in requirements and "jaxlib==0.11.2" in requirements
     assert not any(r.split()[0].startswith("dlpack") for r in requirements)
     assert importlib.metadata.version("jax") == "0.11.2"
+
+
+def test_every_subpackage_ships():
+    """A non-editable wheel carries exactly the packages pyproject lists: none may be forgotten."""
+    root = pathlib.Path(__file__).parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(root).parts) for init in (root / "jax_hybrid_attn").rglob("__init__.py")}
+    assert found <= listed

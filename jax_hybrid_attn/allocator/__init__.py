@@ -1,0 +1,84 @@
+"""The hybrid block allocator: vLLM v1's hybrid KV-cache manager with its state as a pytree and its step jitted.
+
+Behaviour: vLLM's `KVCacheManager` with the hybrid coordinator (reference: shared/reference/
+vllm-hybrid-allocator.md §1), free order of vLLM 0.33 (unhashed blocks to the head of the free queue, hashed ones
+to the tail). Use `KVCacheManager` from Python, or the jitted functions (`add_requests`, `append_token_ids`,
+`allocate_slots`, `free`, `get_computed_blocks`, `reset_prefix_cache`) on an `AllocatorState` directly.
+
+Modules, one job each:
+  columns      named columns of the packed state arrays; sentinels
+  config       KV-cache configuration from per-layer specs (groups, shared tensors, num_blocks, startup check)
+  hashing      chained 64-bit block hashes in JAX
+  state        `AllocatorConfig` (static) and the `AllocatorState` pytree
+  prefix_map   hash -> block map in arrays
+  pool         free queue, reference counts, caching and lazy eviction
+  managers     per attention type: skipped tokens, hit search, caching mask
+  coordinator  prefix hits over all groups (hybrid fixed point)
+  requests     request slots: token ids and block hashes
+  step         `allocate_slots`, `free`, `get_computed_blocks`, `reset_prefix_cache`
+  manager      `KVCacheManager`, a thin Python object around the jitted functions
+
+Deliberate differences from vLLM (each explained where it is made):
+  * A request that cannot be served leaves the state unchanged; vLLM first frees its out-of-window blocks.
+  * Prefix hits are searched inside `allocate_slots` for a request that holds no blocks, so a batch sees the
+    blocks cached by its earlier rows, as vLLM's scheduler loop does; the scheduler gives such a request a token
+    budget, and the step reports how many tokens it scheduled.
+  * Block hashes: a fixed-seed 64-bit non-cryptographic hash (stable across processes) instead of sha256 with a
+    random seed; a coarse block is keyed by its last fine hash instead of the concatenation; optional token
+    verification on every hit.
+  * The prefix map is a bucketed table: if both buckets of a key are full (negligible, counted) the block is not
+    findable, though it keeps its hash.
+  * The startup check and `max_concurrency` keep the null block out of the usable blocks.
+  * Beyond vLLM: `sliding_window_in_window_only`; one jitted call for a whole batch, on CPU or GPU.
+  * Not supported: Mamba, cross-attention, MLA, sinks-full specs, EAGLE, external (connector) tokens, delayed
+    caching, KV-cache events, data/context parallelism, multimodal and prompt-embedding extra keys, mixed page
+    sizes of one attention type through `UniformTypeKVCacheSpecs`.
+"""
+
+from .config import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    blocks_per_request,
+    check_enough_kv_cache_memory,
+    estimate_max_model_len,
+    get_kv_cache_config,
+    get_kv_cache_groups,
+    max_concurrency,
+    unify_page_sizes,
+)
+from .hashing import NO_ADAPTER, cache_salt_words
+from .manager import KVCacheManager, PrefixCacheStatsSnapshot
+from .pool import free_queue_order
+from .requests import add_requests, append_token_ids
+from .state import AllocatorConfig, AllocatorState, init_state
+from .step import StepOutput, allocate_slots, free, get_computed_blocks, reset_prefix_cache, usage
+
+__all__ = [
+    "NO_ADAPTER",
+    "AllocatorConfig",
+    "AllocatorState",
+    "KVCacheConfig",
+    "KVCacheGroupSpec",
+    "KVCacheManager",
+    "KVCacheTensor",
+    "PrefixCacheStatsSnapshot",
+    "StepOutput",
+    "add_requests",
+    "allocate_slots",
+    "append_token_ids",
+    "blocks_per_request",
+    "cache_salt_words",
+    "check_enough_kv_cache_memory",
+    "estimate_max_model_len",
+    "free",
+    "free_queue_order",
+    "get_computed_blocks",
+    "get_kv_cache_config",
+    "get_kv_cache_groups",
+    "init_state",
+    "max_concurrency",
+    "reset_prefix_cache",
+    "unify_page_sizes",
+    "usage",
+]

@@ -1,0 +1,264 @@
+"""`KVCacheManager`: a thin Python object around the jitted allocator, for schedulers written in Python.
+
+It maps request ids to slots, keeps each request's computed-token count, pads every batch to ``max_num_seqs``
+rows (one compiled shape), checks arguments, and returns Python lists where vLLM does. All the work happens in
+the jitted functions of `step` and `requests`; the state stays on the device.
+
+Differences from vLLM's `KVCacheManager` beyond those of `step`: `allocate_slots` returns every block id of the
+request per group (vLLM returns the newly allocated blocks); a request must be added (`add_request`) before it
+is allocated; prefix hits are found by `allocate_slots` itself, `get_computed_blocks` only previews them.
+"""
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import pool as pool_ops
+from . import requests as request_ops
+from . import step as step_ops
+from .columns import NUM_TOKENS, STAT_HITS, STAT_QUERIES, STAT_REQUESTS
+from .hashing import NO_ADAPTER, cache_salt_words
+from .state import AllocatorConfig, init_state
+
+__all__ = ["KVCacheManager", "PrefixCacheStatsSnapshot"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheStatsSnapshot:
+    """Prefix-cache counters since the previous snapshot: requests looked up, their tokens, tokens hit."""
+
+    requests: int
+    queries: int
+    hits: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """vLLM-style allocator API over `AllocatorState` (see the module docstring).
+
+    Example:
+      >>> manager = KVCacheManager(config)
+      >>> manager.add_request("a", prompt_token_ids)
+      >>> manager.allocate_slots("a", len(prompt_token_ids))      # [[block ids of group 0], ...] or None
+      >>> manager.append_token_ids("a", [sampled_token])
+      >>> manager.allocate_slots("a", 1)
+      >>> manager.free("a")
+    """
+
+    def __init__(self, config: AllocatorConfig):
+        if not isinstance(config, AllocatorConfig):
+            raise ValueError(f"config must be an AllocatorConfig, got {type(config).__name__}")
+        self.config = config
+        self.state = init_state(config)
+        self._slot_of: dict[Hashable, int] = {}
+        self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self._num_computed: dict[Hashable, int] = {}
+
+    # ------------------------------------------------------------------------------------------- requests
+
+    def _slot(self, request_id) -> int:
+        if request_id not in self._slot_of:
+            raise ValueError(f"request_id={request_id!r} is not a known request (add_request it first)")
+        return self._slot_of[request_id]
+
+    def add_request(
+        self, request_id: Hashable, token_ids: Sequence[int], *, cache_salt=None, adapter_id=NO_ADAPTER
+    ):
+        """Register a request and its prompt; its full blocks are hashed on the device. Returns its slot."""
+        if request_id in self._slot_of:
+            raise ValueError(f"request_id={request_id!r} is already added")
+        if not self._free_slots:
+            raise ValueError(f"all max_num_seqs={self.config.max_num_seqs} request slots are in use")
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        if tokens.size > self.config.max_model_len:
+            raise ValueError(
+                f"len(token_ids)={tokens.size} exceeds max_model_len={self.config.max_model_len}"
+            )
+        if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
+            raise ValueError("token_ids must be non-negative int32 values")
+        if not isinstance(adapter_id, int) or isinstance(adapter_id, bool) or not 0 <= adapter_id < 2**31:
+            raise ValueError(f"adapter_id={adapter_id!r} must be an int in [0, 2**31)")
+        slot = self._free_slots.pop()
+        row = np.zeros((1, self.config.max_model_len), np.int32)
+        row[0, : tokens.size] = tokens
+        self.state = request_ops.add_requests(
+            self.config,
+            self.state,
+            jnp.array([slot]),
+            jnp.asarray(row),
+            jnp.array([tokens.size]),
+            jnp.asarray(cache_salt_words(cache_salt))[None],
+            jnp.array([adapter_id]),
+        )
+        self._slot_of[request_id] = slot
+        self._num_computed[request_id] = 0
+        return slot
+
+    def append_token_ids(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Append tokens (e.g. the one sampled this step) to a request."""
+        slot = self._slot(request_id)
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        length = self.num_tokens(request_id)
+        if length + tokens.shape[1] > self.config.max_model_len:
+            raise ValueError(
+                f"request_id={request_id!r}: {length} + {tokens.shape[1]} tokens exceed max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        self.state = request_ops.append_token_ids(
+            self.config,
+            self.state,
+            jnp.array([slot]),
+            jnp.asarray(tokens, jnp.int32),
+            jnp.array([tokens.shape[1]]),
+        )
+
+    def num_tokens(self, request_id: Hashable) -> int:
+        return int(self.state.requests.rows[self._slot(request_id), NUM_TOKENS])
+
+    def num_computed_tokens(self, request_id: Hashable) -> int:
+        self._slot(request_id)
+        return self._num_computed[request_id]
+
+    # -------------------------------------------------------------------------------------------- the step
+
+    def schedule(
+        self,
+        new_tokens: Sequence[tuple[Hashable, int]],
+        *,
+        num_lookahead_tokens: Sequence[int] | None = None,
+        full_sequence_must_fit: Sequence[bool] | None = None,
+    ) -> step_ops.StepOutput:
+        """One `allocate_slots` call for a batch of ``(request_id, num_new_tokens)``, in row order (vLLM's: running
+        requests, then new ones). Rows are padded to ``max_num_seqs``; T is ``max_num_batched_tokens``."""
+        config = self.config
+        if len(new_tokens) > config.max_num_seqs:
+            raise ValueError(f"{len(new_tokens)} requests exceed max_num_seqs={config.max_num_seqs}")
+        ids = [request_id for request_id, _ in new_tokens]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request ids {ids!r} must be distinct")
+        counts = [count for _, count in new_tokens]
+        for request_id, count in new_tokens:
+            self._slot(request_id)
+            if not isinstance(count, (int, np.integer)) or count <= 0:
+                raise ValueError(f"num_new_tokens={count!r} of request {request_id!r} must be a positive int")
+        if sum(counts) > config.max_num_batched_tokens:
+            raise ValueError(
+                f"{sum(counts)} new tokens exceed max_num_batched_tokens={config.max_num_batched_tokens}"
+            )
+        lookahead = [0] * len(ids) if num_lookahead_tokens is None else list(num_lookahead_tokens)
+        if len(lookahead) != len(ids) or any(x < 0 or x > config.max_num_lookahead_tokens for x in lookahead):
+            raise ValueError(
+                f"num_lookahead_tokens={lookahead!r} must give each request a value in "
+                f"[0, max_num_lookahead_tokens={config.max_num_lookahead_tokens}]"
+            )
+        must_fit = (
+            [False] * len(ids)
+            if full_sequence_must_fit is None
+            else [bool(x) for x in full_sequence_must_fit]
+        )
+        if len(must_fit) != len(ids):
+            raise ValueError(f"full_sequence_must_fit has {len(must_fit)} entries for {len(ids)} requests")
+
+        pad = config.max_num_seqs - len(ids)
+        slots = np.array([self._slot_of[i] for i in ids] + [-1] * pad, np.int32)
+        computed = np.array([self._num_computed[i] for i in ids] + [0] * pad, np.int32)
+        output_state, out = step_ops.allocate_slots(
+            config,
+            self.state,
+            jnp.asarray(slots),
+            jnp.asarray(computed),
+            jnp.asarray(np.array(counts + [0] * pad, np.int32)),
+            jnp.asarray(np.array(lookahead + [0] * pad, np.int32)),
+            jnp.asarray(np.array(must_fit + [False] * pad)),
+        )
+        self.state = output_state
+        success = np.asarray(out.success)
+        done = np.asarray(out.seq_lens)
+        for row, request_id in enumerate(ids):
+            if success[row]:
+                self._num_computed[request_id] = int(done[row])
+        return out
+
+    def allocate_slots(
+        self,
+        request_id: Hashable,
+        num_new_tokens: int,
+        *,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> list[list[int]] | None:
+        """Allocate for one request (vLLM's per-request call). Returns its block ids per group, or None if the
+        pool has no room (the state is then unchanged)."""
+        out = self.schedule(
+            [(request_id, num_new_tokens)],
+            num_lookahead_tokens=[num_lookahead_tokens],
+            full_sequence_must_fit=[full_sequence_must_fit],
+        )
+        return self.get_block_ids(request_id) if bool(out.success[0]) else None
+
+    def get_computed_blocks(self, request_id: Hashable) -> tuple[list[list[int]], int]:
+        """Preview the prefix hit of a request: (hit block ids per group, null blocks included; hit tokens)."""
+        slot = self._slot(request_id)
+        length, lists = step_ops.get_computed_blocks(self.config, self.state, jnp.array([slot]))
+        length = int(length[0])
+        return [table[0, : length // s].tolist() for table, s in zip(lists, self.config.block_sizes)], length
+
+    def free(self, request_id: Hashable) -> None:
+        """Free a finished request's blocks (each group tail first) and release its slot."""
+        self.preempt(request_id)
+        self._free_slots.append(self._slot_of.pop(request_id))
+        del self._num_computed[request_id]
+
+    def preempt(self, request_id: Hashable) -> None:
+        """Free a request's blocks but keep it (and its tokens): its next `allocate_slots` starts over, with
+        prefix hits on whatever of its blocks is still cached."""
+        slot = self._slot(request_id)
+        self.state = step_ops.free(self.config, self.state, jnp.array([slot]))
+        self._num_computed[request_id] = 0
+
+    # --------------------------------------------------------------------------------------- inspection
+
+    def get_block_ids(self, request_id: Hashable) -> list[list[int]]:
+        """The request's block list per group, null blocks (`NULL_BLOCK_ID`) included."""
+        slot = self._slot(request_id)
+        requests = self.state.requests
+        lengths = np.asarray(requests.num_table_blocks[:, slot])
+        tables = np.asarray(requests.tables[:, slot])
+        return [tables[g, : lengths[g]].tolist() for g in range(self.config.num_groups)]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        self.state, ok = step_ops.reset_prefix_cache(self.config, self.state)
+        return bool(ok)
+
+    @property
+    def usage(self) -> float:
+        return float(step_ops.usage(self.state))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return int(self.state.pool.num_free)
+
+    def free_block_queue(self) -> list[int]:
+        """Free block ids from the head (next to be taken) to the tail."""
+        return pool_ops.free_queue_order(self.state.pool)
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStatsSnapshot:
+        """Counters since the previous call (then reset), like vLLM's ``make_prefix_cache_stats``."""
+        stats = self.state.stats
+        snapshot = PrefixCacheStatsSnapshot(int(stats.requests), int(stats.queries), int(stats.hits))
+        pool = self.state.pool
+        counters = pool.counters.at[STAT_REQUESTS].set(0).at[STAT_QUERIES].set(0).at[STAT_HITS].set(0)
+        self.state = dataclasses.replace(self.state, pool=dataclasses.replace(pool, counters=counters))
+        return snapshot
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheManager({len(self._slot_of)} requests, {self.num_free_blocks}/{self.config.num_blocks - 1} "
+            f"blocks free, groups={self.config.block_sizes})"
+        )

@@ -1,0 +1,114 @@
+"""The prefix map: block hash (and group) -> cached block, as a two-choice bucketed hash table in arrays.
+
+``prefix_map[NB, W + 1]`` holds W block ids per bucket and a bit mask of the used slots; a key may live in either of
+two buckets chosen from its hash, and an insert goes to the emptier one. The keys themselves are read from the
+pool's per-block rows (hash, group), so a slot is one int32. Deleting is clearing a slot: no tombstones, no probing.
+
+Like vLLM's `BlockHashToBlockMap`, equal keys are not deduplicated: every cached block is inserted, and a lookup
+returns the first inserted (smallest stamp) of the live blocks with that key. With ``NB * W`` about four times the
+number of blocks and two choices, a bucket overflows with negligible probability (the most loaded of n buckets
+holds about ``2 + log2(log(n))`` keys, against W = 8 slots); an insert that finds both buckets full is dropped and
+counted (`BlockPool.dropped_inserts`): the block keeps its hash, so free order is unchanged, but it cannot be hit.
+Inserts of one call are placed in rounds; when two of them pick the same slot one wins and the other retries.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int, UInt32
+
+from .columns import GROUP, HASH_HI, HASH_LO, STAMP
+from .hashing import hash_words
+
+__all__ = ["BUCKET_WIDTH", "EMPTY_SLOT", "NO_BLOCK", "bucket_pair", "delete", "insert", "lookup"]
+
+BUCKET_WIDTH = 8
+"""W: slots per bucket."""
+
+EMPTY_SLOT = -1
+"""`map_slots` entry of an empty slot."""
+
+NO_BLOCK = -1
+"""`lookup` result of a miss."""
+
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+
+
+def bucket_pair(keys: UInt32[Array, "... 2"], groups: Int[Array, "..."], num_buckets: int):
+    """The two candidate buckets of each (hash, group) key."""
+    mixed = hash_words(jnp.concatenate([keys, groups.astype(jnp.uint32)[..., None]], axis=-1))
+    mask = jnp.uint32(num_buckets - 1)
+    return (mixed[..., 0] & mask).astype(jnp.int32), (mixed[..., 1] & mask).astype(jnp.int32)
+
+
+def lookup(
+    prefix_map: Int[Array, "NB W+1"],
+    info: Int[Array, "B 8"],
+    keys: UInt32[Array, "... 2"],
+    groups: Int[Array, "..."],
+) -> Int[Array, "..."]:
+    """The first-inserted cached block with each key, or `NO_BLOCK` (`info`: `state.BlockPool.info`)."""
+    width = prefix_map.shape[1] - 1
+    b1, b2 = bucket_pair(keys, groups, prefix_map.shape[0])
+    candidates = jnp.concatenate([prefix_map[b1, :width], prefix_map[b2, :width]], axis=-1)  # [..., 2W]
+    rows = info[jnp.maximum(candidates, 0)]  # [..., 2W, 8]
+    words = jax.lax.bitcast_convert_type(keys, jnp.int32)
+    match = (
+        (candidates != EMPTY_SLOT)
+        & (rows[..., HASH_HI] == words[..., None, 0])
+        & (rows[..., HASH_LO] == words[..., None, 1])
+        & (rows[..., GROUP] == groups[..., None])
+    )
+    stamp = jnp.where(match, rows[..., STAMP], _INT32_MAX)
+    best = jnp.argmin(stamp, axis=-1)
+    found = jnp.take_along_axis(candidates, best[..., None], axis=-1)[..., 0]
+    return jnp.where(jnp.any(match, axis=-1), found, NO_BLOCK)
+
+
+def insert(
+    prefix_map: Int[Array, "NB W+1"],
+    blocks: Int[Array, "E"],
+    keys: UInt32[Array, "E 2"],
+    groups: Int[Array, "E"],
+    mask: Bool[Array, "E"],
+):
+    """Insert ``blocks[mask]`` under their keys.
+
+    The last column of a bucket has bit j set when slot j is used, so its load and first free slot come from one
+    int32. Returns (prefix_map, flat slot ``bucket * W + column`` of each block or -1, number dropped).
+    """
+    num_buckets, width = prefix_map.shape[0], prefix_map.shape[1] - 1
+    b1, b2 = bucket_pair(keys, groups, num_buckets)
+
+    def place(carry):
+        table, pending, slot_of, dropped = carry
+        bits1, bits2 = table[b1, width], table[b2, width]
+        load1, load2 = jax.lax.population_count(bits1), jax.lax.population_count(bits2)
+        first = load1 <= load2
+        bucket, used = jnp.where(first, b1, b2), jnp.where(first, bits1, bits2)
+        free_bits = ~used & ((1 << width) - 1)
+        column = jax.lax.population_count((free_bits & -free_bits) - 1)  # lowest free slot
+        full = free_bits == 0
+        go = pending & ~full
+        table = table.at[jnp.where(go, bucket, num_buckets), column].set(blocks, mode="drop")
+        won = go & (table[bucket, column] == blocks)
+        table = table.at[jnp.where(won, bucket, num_buckets), width].add(1 << column, mode="drop")
+        slot_of = jnp.where(won, bucket * width + column, slot_of)
+        dropped = dropped + jnp.sum(pending & full, dtype=jnp.int32)
+        return table, pending & ~won & ~full, slot_of, dropped
+
+    carry = place((prefix_map, mask, jnp.full(blocks.shape, -1, jnp.int32), jnp.zeros((), jnp.int32)))
+    table, _, slot_of, dropped = jax.lax.while_loop(lambda c: jnp.any(c[1]), place, carry)  # rare: collisions
+    return table, slot_of, dropped
+
+
+def delete(
+    prefix_map: Int[Array, "NB W+1"], blocks: Int[Array, "E"], slots: Int[Array, "E"], mask: Bool[Array, "E"]
+) -> Int[Array, "NB W+1"]:
+    """Clear the flat slots (distinct) that hold `blocks`, in one scatter-add."""
+    num_buckets, width = prefix_map.shape[0], prefix_map.shape[1] - 1
+    bucket = jnp.where(mask & (slots >= 0), slots // width, num_buckets)
+    column = slots % width
+    rows = jnp.concatenate([bucket, bucket])
+    columns = jnp.concatenate([column, jnp.full_like(column, width)])
+    delta = jnp.concatenate([EMPTY_SLOT - blocks, -(1 << column)])  # slot -> EMPTY_SLOT, its bit cleared
+    return prefix_map.at[rows, columns].add(delta, mode="drop")

@@ -1,0 +1,669 @@
+"""The jitted allocator step: `allocate_slots` for a batch of requests, `free`, prefix hits, reset, usage.
+
+`allocate_slots` is vLLM's ``KVCacheManager.allocate_slots`` (and, for a request that holds no blocks yet, the
+``get_computed_blocks`` the scheduler calls just before it) for every row of a batch, in row order, in one
+jitted call with no host round trip. Row r sees the state left by rows < r, as vLLM's scheduler loop does; a row
+that cannot be served changes nothing (no reference count, free queue or table change) and later rows proceed.
+
+For one row (``n`` tokens computed, ``t`` new tokens, ``la`` lookahead, all in tokens):
+  1. A row whose slot holds no blocks (a new or preempted request) with ``n == 0`` looks up its prefix in the
+     cache (hits capped at ``num_tokens - 1``); its computed tokens become ``n + hits`` and ``t`` is clipped to the
+     tokens left (``min(t, num_tokens - n - hits)``).
+  2. Per group, blocks wholly before the window or chunk of token ``n`` are replaced by the null block and
+     freed, highest index first.
+  3. Blocks needed: ``cdiv(min(n + t + la, max_model_len), S) - len(blocks)``, plus prefix-hit blocks that sit in
+     the free queue (touching them takes them out of it). With ``full_sequence_must_fit``, the row also needs
+     room for all its known tokens with the window/chunk admission cap applied (vLLM's admission gate).
+  4. If the free queue has room (counting the blocks step 2 frees), hits are touched, new blocks are taken from
+     the head of the free queue, group by group, and full blocks up to ``min(n + t, num_tokens)`` (rounded down to
+     the lcm of the block sizes when there are several groups) are offered to the prefix cache.
+
+Speed (the XLA CPU runtime pays a few microseconds per operation, so the step is a few hundred array
+operations whatever R is):
+  * Rows with nothing to do this step (a decode that neither crosses a block edge nor frees nor caches a block,
+    i.e. 14 of 16 decodes with block 16) succeed without any work.
+  * The others go in order, up to `CHUNK_ROWS` at a time, through a vectorised path with one event slot per
+    (row, group): running requests that free only hashed blocks (to the tail of the free queue) and need at most
+    one new block and one cached block per group. Taking every row's blocks from the head in row order is then
+    exactly what the sequential loop does; the free room each row sees is a prefix sum over the rows before it.
+  * The first row this path cannot serve exactly (a new request, a row that frees an unhashed block or needs
+    several blocks, a row that fails) goes alone through the general one-row path; then the vectorised path
+    resumes after it.
+  * Rarely needed work (ring compaction, stamp re-ranking, the one-row path) sits in 0-or-1-trip loops, which
+    update the state in place; `lax.cond` would copy the state arrays on the CPU.
+
+Deliberate differences from vLLM:
+  * A failed row leaves the state unchanged; vLLM frees its out-of-window blocks (step 2) before it fails. The
+    success test is the same (those blocks count as free room).
+  * Hits are searched inside the step, so the scheduler passes a token budget for a new request instead of an
+    exact count after hits; ``num_scheduled_tokens`` reports what was scheduled.
+  * ``sliding_window_in_window_only`` (off by default; not in vLLM): a sliding-window group allocates blocks only
+    for positions that a later step still reads, i.e. ``>= n + t - W + 1``; with a chunk longer than the window,
+    the chunk's earlier tokens get `PAD_SLOT_ID` and null blocks, so the attention of this step must read the
+    chunk's own keys from the step's K/V rather than from the cache. Blocks are never allocated and freed again
+    within a chunk; the peak per request drops from ``cdiv(W - 1 + t, S) + 1`` to at most ``2 * (cdiv(W - 1, S) + 1)``.
+  * No external (connector) tokens, EAGLE, delayed caching, encoder tokens, KV events.
+"""
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from .._compat import register_pytree_dataclass
+from ..constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from . import pool as pool_ops
+from .columns import (
+    ADAPTER,
+    FULL,
+    HASHED,
+    NUM_FREE,
+    NUM_TOKENS,
+    REF,
+    ROW_GROUP_COLUMNS,
+    RUNNING,
+    SLIDING_WINDOW,
+    STAT_HITS,
+    STAT_QUERIES,
+    STAT_REQUESTS,
+    cumsum,
+    run_if,
+)
+from .coordinator import compute_hits
+from .managers import cacheable_mask, group_constants, kind_mask, per_block, skipped_blocks
+from .state import AllocatorConfig, AllocatorState
+
+__all__ = ["StepOutput", "allocate_slots", "free", "get_computed_blocks", "reset_prefix_cache", "usage"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What one `allocate_slots` call scheduled, as device arrays ready for the kernels (R = batch rows).
+
+    Attributes:
+      success: [R] bool, the row got its blocks (False for padding rows and rows that did not fit).
+      num_computed_tokens: [R] tokens already in the cache, prefix hits included.
+      num_new_computed_tokens: [R] of which prefix hits found by this call.
+      num_scheduled_tokens: [R] tokens to compute this step (0 unless `success`).
+      query_start_loc: [R + 1] cumulative `num_scheduled_tokens`.
+      seq_lens: [R] ``num_computed_tokens + num_scheduled_tokens``.
+      positions: [T] position of each scheduled token (0 for padding); T = ``max_num_batched_tokens``.
+      token_ids: [T] its token id, where known (0 otherwise).
+      block_tables: [G, R, P_max] int32 block ids; group g's table is ``block_tables[g, :, :P_g]``
+        (`NULL_BLOCK_ID` outside the window or chunk and past the end). None with ``return_block_tables=False``.
+      slot_mappings: [G, T] int32 ``block_id * S + offset`` of each token in each group, `PAD_SLOT_ID` for padding
+        (and, with ``sliding_window_in_window_only``, for tokens whose K/V no later step reads).
+    """
+
+    success: Bool[Array, "R"]
+    num_computed_tokens: Int[Array, "R"]
+    num_new_computed_tokens: Int[Array, "R"]
+    num_scheduled_tokens: Int[Array, "R"]
+    query_start_loc: Int[Array, "R+1"]
+    seq_lens: Int[Array, "R"]
+    positions: Int[Array, "T"]
+    token_ids: Int[Array, "T"]
+    block_tables: Int[Array, "G R P_max"] | None
+    slot_mappings: Int[Array, "G T"]
+
+
+register_pytree_dataclass(
+    StepOutput, data_fields=[f.name for f in dataclasses.fields(StepOutput)], meta_fields=[]
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    slot: Int[Array, "R"]
+    num_computed: Int[Array, "R"]
+    num_new: Int[Array, "R"]
+    num_lookahead: Int[Array, "R"]
+    must_fit: Bool[Array, "R"]
+    active: Bool[Array, "R"]
+
+    def at(self, r) -> "_Rows":
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r, 1), self)
+
+    def pack(self) -> Int[Array, "R 6"]:
+        return jnp.stack([getattr(self, f.name).astype(jnp.int32) for f in dataclasses.fields(self)], axis=1)
+
+    @classmethod
+    def unpack(cls, packed: Int[Array, "R 6"]) -> "_Rows":
+        columns = {f.name: packed[:, i] for i, f in enumerate(dataclasses.fields(cls))}
+        return cls(**{**columns, "must_fit": columns["must_fit"] != 0, "active": columns["active"] != 0})
+
+
+register_pytree_dataclass(_Rows, data_fields=[f.name for f in dataclasses.fields(_Rows)], meta_fields=[])
+
+
+def _materialize(x):
+    """Compute `x` once: without this, XLA fuses a gather into each of its consumers and repeats it."""
+    return jax.lax.optimization_barrier(x)
+
+
+def _table_index(config: AllocatorConfig, group, slot, column):
+    """Flat index into ``tables.reshape(-1)`` of ``tables[group, slot, column]``."""
+    return (group * config.max_num_seqs + slot) * config.max_blocks_per_row + column
+
+
+def _group_counters(row: Int[Array, "R 5+3G"], num_groups: int):
+    """(num_table_blocks, num_null, num_cached) of gathered request rows, each [G, R]."""
+    start = ROW_GROUP_COLUMNS
+    return tuple(row[:, start + k * num_groups : start + (k + 1) * num_groups].T for k in range(3))
+
+
+def _expand(counts: Int[Array, "N"], capacity: int):
+    """Enumerate ``counts[i]`` events for each i, in order, into `capacity` slots.
+
+    Returns (segment i of each event, its index inside the segment, whether the slot holds an event).
+    """
+    ends = cumsum(counts)
+    starts = ends - counts
+    marks = jnp.zeros(capacity, jnp.int32).at[starts].add(1, mode="drop")
+    segment = jnp.clip(cumsum(marks) - 1, 0, counts.shape[0] - 1)
+    event = jnp.arange(capacity, dtype=jnp.int32)
+    return segment, event - starts[segment], event < ends[-1]
+
+
+def _per_row(values: Int[Array, "E"], rows: Int[Array, "E"], num_rows: int) -> Int[Array, "R"]:
+    return jnp.zeros(num_rows, jnp.int32).at[rows].add(values.astype(jnp.int32))
+
+
+def _process(config: AllocatorConfig, state: AllocatorState, rows: _Rows, *, single: bool):
+    """Allocate for `rows`.
+
+    ``single``: one row, any kind. Otherwise: the leading run of rows that the vectorised path serves exactly
+    (running requests that free only hashed blocks, need at most one block per group, and fit); each (row, group)
+    is then one event slot. Returns (state, (success, computed, scheduled, hits)[, where the run stops]).
+    """
+    c = group_constants(config)
+    req, pool = state.requests, state.pool
+    num_rows, num_groups, width = rows.slot.shape[0], config.num_groups, config.max_blocks_per_row
+    length = config.max_model_len
+
+    slot_ok = (rows.slot >= 0) & (rows.slot < config.max_num_seqs)
+    slot = jnp.clip(rows.slot, 0, config.max_num_seqs - 1)
+    row = _materialize(req.rows[slot])  # [R, 5 + 3G]
+    running = row[:, RUNNING] != 0
+    is_new = ~running
+    num_tokens = row[:, NUM_TOKENS]
+
+    # 1. Prefix hits of a request that holds no blocks yet.
+    hit_tokens = jnp.zeros(num_rows, jnp.int32)
+    hit_first = jnp.zeros((num_groups, num_rows), jnp.int32)
+    hit_lists = None
+    if single and config.enable_caching:
+        search = rows.active[0] & slot_ok[0] & is_new[0] & (rows.num_computed[0] == 0) & (rows.num_new[0] > 0)
+
+        def do_search(_):
+            return compute_hits(config, pool, req, slot[0], num_tokens[0] - 1)
+
+        def no_search(_):
+            nulls = jnp.full((num_groups, width), NULL_BLOCK_ID, jnp.int32)
+            return jnp.zeros((), jnp.int32), nulls, jnp.zeros(num_groups, jnp.int32)
+
+        found, lists, first_real = jax.lax.cond(search, do_search, no_search, None)
+        hit_tokens, hit_first, hit_lists = found[None], first_real[:, None], lists[:, None, :]
+        counters = pool.counters.at[STAT_REQUESTS].add(search.astype(jnp.int32))
+        counters = counters.at[STAT_QUERIES].add(jnp.where(search, num_tokens[0], 0))
+        pool = dataclasses.replace(pool, counters=counters.at[STAT_HITS].add(jnp.where(search, found, 0)))
+
+    computed = rows.num_computed + hit_tokens
+    new_tokens = jnp.where(is_new, jnp.minimum(rows.num_new, num_tokens - computed), rows.num_new)
+    valid = (
+        rows.active
+        & slot_ok
+        & (rows.num_new > 0)
+        & (new_tokens > 0)
+        & (rows.num_computed >= 0)
+        & (rows.num_lookahead >= 0)
+        & (computed + new_tokens <= length)
+    )
+    end = jnp.minimum(computed + new_tokens + rows.num_lookahead, length)
+
+    # 2-3. Per group [G, R]: skipped blocks to free, the block list after hits, blocks to take.
+    skipped = skipped_blocks(config, computed)
+    num_blocks, num_null, num_cached = _group_counters(row, num_groups)
+    hit_blocks = per_block(config, hit_tokens)
+    freeable = jnp.minimum(skipped, num_blocks)
+    free_count = jnp.where((running & valid)[None, :], jnp.maximum(freeable - num_null, 0), 0)
+    base_len = jnp.where(is_new[None, :], jnp.maximum(skipped, hit_blocks), num_blocks)
+    null_after = jnp.where(is_new[None, :], jnp.maximum(skipped, hit_first), jnp.maximum(num_null, freeable))
+    required = per_block(config, end, round_up=True)
+    new_start = base_len
+    if config.sliding_window_in_window_only:
+        keep_from = per_block(
+            config, jnp.maximum(0, computed[None, :] + new_tokens - c.window + 1), per_group=True
+        )
+        new_start = jnp.where(kind_mask(config, SLIDING_WINDOW), jnp.maximum(base_len, keep_from), base_len)
+    new_count = jnp.where(valid[None, :], jnp.maximum(required - new_start, 0), 0)
+    len_after = jnp.maximum(base_len, required)
+
+    evictable = jnp.zeros(num_rows, jnp.int32)
+    if hit_lists is not None:
+        column = jnp.arange(width, dtype=jnp.int32)
+        touch_from = jnp.maximum(skipped, hit_first)
+        touch_mask = (
+            (column >= touch_from[..., None])
+            & (column < hit_blocks[..., None])
+            & (hit_lists != NULL_BLOCK_ID)
+            & valid[None, :, None]
+        )
+        evictable = jnp.sum(touch_mask & (pool.info[hit_lists, REF] == 0), axis=(0, 2), dtype=jnp.int32)
+    need = jnp.sum(new_count, axis=0) + evictable
+
+    known_blocks = per_block(config, jnp.minimum(num_tokens, length), round_up=True)
+    capped = jnp.where(kind_mask(config, FULL), known_blocks, jnp.minimum(known_blocks, c.cap))
+    gate_held = jnp.where(is_new[None, :], jnp.maximum(skipped, hit_blocks), num_blocks)
+    gate = jnp.sum(jnp.maximum(capped - gate_held, 0), axis=0) + evictable
+
+    cache_from = jnp.where(is_new[None, :], base_len, num_cached)
+    if config.enable_caching:
+        cache_until = jnp.minimum(computed + new_tokens, num_tokens)
+        if num_groups > 1:
+            cache_until = cache_until // config.alignment * config.alignment
+        cache_until = per_block(config, cache_until)
+        cache_count = jnp.where(valid[None, :], jnp.maximum(cache_until - cache_from, 0), 0)
+        cached_after = jnp.maximum(cache_from, cache_until)
+    else:
+        cache_count = jnp.zeros_like(cache_from)
+        cached_after = cache_from
+
+    # Events in order: row, group, then (frees) block index from high to low. Each (row, group) is one vLLM
+    # free_blocks call. Single row: enumerated from the counts; batch: one event slot per (row, group).
+    def events(counts, capacity):
+        """(row, group, index inside the (row, group), present) of each event slot."""
+        if single:
+            call, index, present = _expand(counts.T.reshape(-1), capacity)
+            return call // num_groups, call % num_groups, index, present
+        call = jnp.arange(num_rows * num_groups, dtype=jnp.int32)
+        return call // num_groups, call % num_groups, jnp.zeros_like(call), counts.T.reshape(-1) > 0
+
+    capacity = config.max_row_blocks if single else num_rows * num_groups
+    ev_row, ev_group, index, present = events(free_count, capacity)
+    ev_pos = freeable[ev_group, ev_row] - 1 - index
+    flat_tables = req.tables.reshape(-1)  # flat indices: one cheap 1-D gather or scatter each
+    ev_index = _table_index(config, ev_group, slot[ev_row], jnp.clip(ev_pos, 0, width - 1))
+    ev_block = flat_tables[ev_index]
+    ev_real = present & (ev_block != NULL_BLOCK_ID)
+    ev_info = pool.info[ev_block]
+    ref_before = ev_info[:, REF]
+    num_free = pool.counters[NUM_FREE]
+
+    if single:
+        free_room = num_free + jnp.sum(ev_real & (ref_before == 1), dtype=jnp.int32)
+        commit = valid & (need <= free_room) & (~rows.must_fit | (gate <= num_free))
+    else:
+
+        def exact_zero(_):
+            num_blocks_pool = pool.info.shape[0]
+            safe = jnp.where(ev_real, ev_block, num_blocks_pool)
+            order = jnp.arange(capacity, dtype=jnp.int32)
+            count = jnp.zeros(num_blocks_pool, jnp.int32).at[safe].add(1, mode="drop")
+            latest = jnp.full(num_blocks_pool, -1, jnp.int32).at[safe].max(order, mode="drop")
+            return ev_real & (latest[ev_block] == order) & (ref_before == count[ev_block])
+
+        shared = jnp.any(ev_real & (ref_before > 1))
+        reaches_zero = jax.lax.cond(shared, exact_zero, lambda _: ev_real & (ref_before == 1), None)
+        freed = jnp.sum(reaches_zero.reshape(num_rows, num_groups), axis=1, dtype=jnp.int32)
+        unhashed = jnp.any((ev_real & (ev_info[:, HASHED] == 0)).reshape(num_rows, num_groups), axis=1)
+        delta = jnp.where(valid, freed - need, 0)
+        free_before = num_free + cumsum(delta) - delta
+        ok = valid & (need <= free_before + freed) & (~rows.must_fit | (gate <= free_before))
+        one_each = jnp.all((free_count <= 1) & (new_count <= 1) & (cache_count <= 1), axis=0)
+        stop = valid & ~(ok & running & ~unhashed & one_each)
+        first_stop = jnp.where(jnp.any(stop), jnp.argmax(stop), num_rows).astype(jnp.int32)
+        commit = valid & (jnp.arange(num_rows) < first_stop)
+
+    # 4. Commit: free skipped blocks, touch hits, take new blocks, cache full blocks.
+    commit_ev = ev_real & commit[ev_row]
+    take_count = jnp.where(commit[None, :], new_count, 0)
+    if not single:  # one compaction check for the frees and the takes (nothing else touches the ring here)
+        appended = jnp.sum(reaches_zero & commit[ev_row], dtype=jnp.int32)
+        pool = run_if(
+            pool_ops.needs_compaction(pool, appended=appended, count=jnp.sum(take_count), max_count=capacity),
+            lambda pool: (pool_ops.compact(pool),),
+            pool,
+        )[0]
+    tables = flat_tables.at[jnp.where(commit_ev, ev_index, flat_tables.shape[0])].set(
+        NULL_BLOCK_ID, mode="drop"
+    )
+    pool = pool_ops.free_blocks(
+        pool,
+        ev_block,
+        commit_ev,
+        ev_row * num_groups + ev_group,
+        num_calls=num_rows * num_groups,
+        unique=single,
+        hashed_only=not single,
+        compact=single,
+    )
+    if hit_lists is not None:
+        touch_now = touch_mask & commit[None, :, None]
+        pool = pool_ops.touch(pool, hit_lists.reshape(-1), touch_now.reshape(-1))
+        group_index = jnp.broadcast_to(jnp.arange(num_groups)[:, None, None], hit_lists.shape)
+        hit_index = _table_index(config, group_index, slot[None, :, None], column)
+        tables = tables.at[jnp.where(touch_now, hit_index, tables.shape[0])].set(hit_lists, mode="drop")
+
+    pool, taken = pool_ops.take(pool, jnp.sum(take_count), capacity, compact=single)
+    tk_row, tk_group, index, present = events(take_count, capacity)
+    rank = jnp.arange(capacity) if single else cumsum(present) - 1
+    tk_pos = new_start[tk_group, tk_row] + index
+    tk_index = _table_index(config, tk_group, slot[tk_row], jnp.clip(tk_pos, 0, width - 1))
+    tables = tables.at[jnp.where(present, tk_index, tables.shape[0])].set(taken[rank], mode="drop")
+
+    if config.enable_caching:
+        cc_row, cc_group, index, present = events(jnp.where(commit[None, :], cache_count, 0), capacity)
+        pool = _cache(
+            config, pool, req, tables, slot[cc_row], cc_group, cache_from[cc_group, cc_row] + index, present
+        )
+
+    new_row = jnp.concatenate(
+        [
+            row[:, :RUNNING],
+            jnp.ones_like(row[:, RUNNING:ADAPTER]),
+            row[:, ADAPTER:ROW_GROUP_COLUMNS],
+            len_after.T,
+            null_after.T,
+            cached_after.T,
+        ],
+        axis=1,
+    )
+    rows_table = req.rows.at[jnp.where(commit, slot, config.max_num_seqs)].set(new_row, mode="drop")
+    tables = tables.reshape(req.tables.shape)
+    state = AllocatorState(pool=pool, requests=dataclasses.replace(req, tables=tables, rows=rows_table))
+    result = (commit, computed, jnp.where(commit, new_tokens, 0), hit_tokens)
+    if single:
+        return state, result
+    return state, result, first_stop
+
+
+def _cache(config, pool, req, tables, slot, group, position, present):
+    """Offer block `position` of each event's (request slot, group) to the prefix cache."""
+    block = tables[_table_index(config, group, slot, jnp.clip(position, 0, config.max_blocks_per_row - 1))]
+    sizes = set(config.block_sizes)
+    if len(sizes) == 1:  # one block size: Python constants, no per-event lookups or divisions
+        (block_size,) = sizes
+        scale, mask = block_size // config.hash_block_size, present
+    else:
+        c = group_constants(config).of(group)
+        block_size, scale = c.block_size, c.hash_scale
+        mask = present & cacheable_mask(c, position, config.alignment)
+    key_index = jnp.clip((position + 1) * scale - 1, 0, config.hash_blocks_per_row - 1)
+    flat_hashes = req.block_hashes.reshape(
+        -1, 2
+    )  # a 1-D row gather is much cheaper than a 2-D one on the CPU
+    keys = flat_hashes[slot * config.hash_blocks_per_row + key_index]
+    tokens = None
+    if config.verify_hits:
+        offset = jnp.arange(config.stored_block_tokens, dtype=jnp.int32)
+        size = jnp.reshape(block_size, (-1, 1))
+        token_pos = jnp.clip(position[:, None] * size + offset, 0, config.max_model_len - 1)
+        tokens = jnp.where(offset < size, req.token_ids[slot[:, None], token_pos], 0)
+    return pool_ops.cache_blocks(pool, block, keys, group, mask, tokens)
+
+
+def _outputs(
+    config, state, rows: _Rows, success, computed, scheduled, hits, *, num_tokens, block_tables
+) -> StepOutput:
+    req = state.requests
+    slot_ok = (rows.slot >= 0) & (rows.slot < config.max_num_seqs)
+    slot = jnp.clip(rows.slot, 0, config.max_num_seqs - 1)
+    ends = cumsum(scheduled)
+    row, index, token_ok = _expand(scheduled, num_tokens)
+    position = jnp.where(token_ok, computed[row] + index, 0)
+    token_slot = slot[row]
+    known = position < req.rows[token_slot, NUM_TOKENS]
+    token_ids = jnp.where(token_ok & known, req.token_ids[token_slot, position], 0)
+    groups = jnp.arange(config.num_groups, dtype=jnp.int32)[:, None]
+    column = per_block(config, position)  # [G, T]
+    index = _table_index(config, groups, token_slot[None, :], column)
+    block = req.tables.reshape(-1)[index]  # [G, T]: one gather for every group
+    block_size = jnp.asarray(config.block_sizes, jnp.int32)[:, None]
+    offset = position[None, :] - column * block_size
+    mapping = jnp.where(token_ok & (block != NULL_BLOCK_ID), block * block_size + offset, PAD_SLOT_ID)
+    tables = None
+    if block_tables:  # one gather for all groups (a tuple of per-group tables would cost a copy each)
+        rows_or_out = jnp.where(slot_ok, slot, config.max_num_seqs)  # padding rows read past the end: null blocks
+        tables = req.tables.at[:, rows_or_out].get(mode="fill", fill_value=NULL_BLOCK_ID)
+    return StepOutput(
+        success=success,
+        num_computed_tokens=computed,
+        num_new_computed_tokens=hits,
+        num_scheduled_tokens=scheduled,
+        query_start_loc=jnp.concatenate([jnp.zeros(1, jnp.int32), ends]),
+        seq_lens=computed + scheduled,
+        positions=position,
+        token_ids=token_ids,
+        block_tables=tables,
+        slot_mappings=mapping,
+    )
+
+
+def _as_rows(
+    slots, num_computed_tokens, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit
+) -> _Rows:
+    slots = jnp.asarray(slots, jnp.int32)
+    zeros = jnp.zeros(slots.shape, jnp.int32)
+
+    def column(x, default, dtype):
+        return default if x is None else jnp.broadcast_to(jnp.asarray(x, dtype), slots.shape)
+
+    return _Rows(
+        slot=slots,
+        num_computed=column(num_computed_tokens, zeros, jnp.int32),
+        num_new=column(num_new_tokens, zeros, jnp.int32),
+        num_lookahead=column(num_lookahead_tokens, zeros, jnp.int32),
+        must_fit=column(full_sequence_must_fit, jnp.zeros(slots.shape, bool), bool),
+        active=jnp.ones(slots.shape, bool),
+    )
+
+
+CHUNK_ROWS = 64
+"""Rows the vectorised path serves per iteration (rows with nothing to do are skipped before)."""
+
+
+def _idle_rows(config: AllocatorConfig, state: AllocatorState, rows: _Rows):
+    """Rows to skip: (idle, bad). Idle: a running request whose step frees, takes and caches nothing (it
+    succeeds and changes nothing); bad: padding, a slot named twice, or a running request's invalid numbers."""
+    req = state.requests
+    num_rows = rows.slot.shape[0]
+    slot_ok = (rows.slot >= 0) & (rows.slot < config.max_num_seqs)
+    slot = jnp.clip(rows.slot, 0, config.max_num_seqs - 1)
+    first_row = (
+        jnp.full(config.max_num_seqs, num_rows, jnp.int32)
+        .at[slot]
+        .min(jnp.where(slot_ok, jnp.arange(num_rows, dtype=jnp.int32), num_rows))
+    )
+    slot_ok = slot_ok & (first_row[slot] == jnp.arange(num_rows))
+    row = _materialize(req.rows[slot])
+    running = row[:, RUNNING] != 0
+    computed, new_tokens = rows.num_computed, rows.num_new
+    valid = (
+        slot_ok
+        & (new_tokens > 0)
+        & (computed >= 0)
+        & (rows.num_lookahead >= 0)
+        & (computed + new_tokens <= config.max_model_len)
+    )
+    num_blocks, num_null, num_cached = _group_counters(row, config.num_groups)
+    skipped = skipped_blocks(config, computed)
+    end = jnp.minimum(computed + new_tokens + rows.num_lookahead, config.max_model_len)
+    busy = (jnp.minimum(skipped, num_blocks) > num_null) | (
+        per_block(config, end, round_up=True) > num_blocks
+    )
+    if config.enable_caching:
+        cache_until = jnp.minimum(computed + new_tokens, row[:, NUM_TOKENS])
+        if config.num_groups > 1:
+            cache_until = cache_until // config.alignment * config.alignment
+        busy = busy | (per_block(config, cache_until) > num_cached)
+    idle = running & valid & ~rows.must_fit & ~jnp.any(busy, axis=0)
+    return idle, ~slot_ok | (running & ~valid)
+
+
+@partial(jax.jit, static_argnames=("config", "num_tokens", "return_block_tables"), donate_argnames=("state",))
+def allocate_slots(
+    config: AllocatorConfig,
+    state: AllocatorState,
+    slots: Int[Array, "R"],
+    num_computed_tokens: Int[Array, "R"],
+    num_new_tokens: Int[Array, "R"],
+    num_lookahead_tokens: Int[Array, "R"] | None = None,
+    full_sequence_must_fit: Bool[Array, "R"] | None = None,
+    *,
+    num_tokens: int | None = None,
+    return_block_tables: bool = True,
+) -> tuple[AllocatorState, StepOutput]:
+    """Allocate blocks for one scheduler step of a batch of requests, in row order (see the module docstring).
+
+    `state` is donated. Rows with a negative slot are padding.
+
+    Args:
+      slots: [R] request slot of each row (`manager.KVCacheManager` maps request ids to slots).
+      num_computed_tokens: [R] tokens of the request already in the cache (0 for a new request; prefix hits are
+        found here and added).
+      num_new_tokens: [R] tokens to compute this step; for a request that holds no blocks, a budget (clipped to
+        the tokens left after prefix hits). Their sum must be <= `num_tokens`.
+      num_lookahead_tokens: [R] extra slots to reserve (speculative tokens); default 0.
+      full_sequence_must_fit: [R] bool, also require room for all known tokens (vLLM's admission gate).
+      num_tokens: T, static length of the per-token outputs (default ``max_num_batched_tokens``; bucket it,
+        e.g. T = R for decode-only steps).
+      return_block_tables: gather each row's block tables into `StepOutput.block_tables` ([G, R, P_max]). With
+        False it is None: when rows are the slots in order, ``state.requests.tables`` is the same table (a
+        persistent block table, as vLLM's model runner keeps), with no copy.
+
+    Returns:
+      (new state, `StepOutput`).
+    """
+    rows = _as_rows(slots, num_computed_tokens, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit)
+    num_rows = rows.slot.shape[0]
+    chunk = min(num_rows, CHUNK_ROWS)
+    state = dataclasses.replace(state, pool=pool_ops.renormalize_stamps(state.pool))
+    idle, bad = _idle_rows(config, state, rows)
+    success = idle
+    computed = jnp.where(bad, 0, rows.num_computed)
+    scheduled = jnp.where(idle, rows.num_new, 0)
+    hits = jnp.zeros(num_rows, jnp.int32)
+    work = ~idle & ~bad
+    packed = rows.pack()
+    position = jnp.where(
+        work, cumsum(work) - 1, num_rows + chunk
+    )  # the rows with work, in order, then padding
+    queue = (
+        jnp.full(num_rows + chunk, num_rows, jnp.int32)
+        .at[position]
+        .set(jnp.arange(num_rows, dtype=jnp.int32))
+    )
+
+    def step(carry):
+        k, state, success, computed, scheduled, hits = carry
+        members = jax.lax.dynamic_slice_in_dim(queue, k, chunk)
+        present = members < num_rows
+        gathered = _Rows.unpack(packed[jnp.minimum(members, num_rows - 1)])  # one gather for every field
+        gathered = dataclasses.replace(gathered, active=present)
+        state, (ok, _, sched, _), stop = _process(config, state, gathered, single=False)
+        where_ok = jnp.where(ok, members, num_rows)
+        success = success.at[where_ok].set(True, mode="drop")
+        scheduled = scheduled.at[where_ok].set(sched, mode="drop")
+        stop_row = jnp.where(stop < chunk, members[jnp.minimum(stop, chunk - 1)], num_rows)
+
+        def one_row(state, success, computed, scheduled, hits):  # the row the vectorised path stopped at
+            state, (ok, comp, sched, hit) = _process(config, state, rows.at(stop_row), single=True)
+
+            def put(arr, value):
+                return arr.at[stop_row].set(value[0].astype(arr.dtype))
+
+            return state, put(success, ok), put(computed, comp), put(scheduled, sched), put(hits, hit)
+
+        args = run_if(stop_row < num_rows, one_row, state, success, computed, scheduled, hits)
+        return (jnp.where(stop < chunk, k + stop + 1, k + chunk),) + tuple(args)
+
+    carry = (jnp.zeros((), jnp.int32), state, success, computed, scheduled, hits)
+    count = jnp.sum(work, dtype=jnp.int32)
+    _, state, success, computed, scheduled, hits = jax.lax.while_loop(lambda c: c[0] < count, step, carry)
+    out = _outputs(
+        config,
+        state,
+        rows,
+        success,
+        computed,
+        scheduled,
+        hits,
+        num_tokens=config.max_num_batched_tokens if num_tokens is None else num_tokens,
+        block_tables=return_block_tables,
+    )
+    return state, out
+
+
+@partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def free(config: AllocatorConfig, state: AllocatorState, slots: Int[Array, "R"]) -> AllocatorState:
+    """Free every block of each request (finished or preempted), in row order; each group frees its blocks
+    tail first. The slots keep their tokens and hashes (a preempted request is resumed as a new request)."""
+    slots = jnp.asarray(slots, jnp.int32)
+    num_groups, width = config.num_groups, config.max_blocks_per_row
+
+    def one(i, state):
+        req = state.requests
+        slot_ok = (slots[i] >= 0) & (slots[i] < config.max_num_seqs)
+        slot = jnp.clip(slots[i], 0, config.max_num_seqs - 1)
+        reverse = req.tables[:, slot, ::-1]  # [G, P]: tail block first
+        position = width - 1 - jnp.arange(width, dtype=jnp.int32)
+        lengths = req.rows[slot, ROW_GROUP_COLUMNS : ROW_GROUP_COLUMNS + num_groups]
+        mask = slot_ok & (position[None, :] < lengths[:, None]) & (reverse != NULL_BLOCK_ID)
+        calls = jnp.broadcast_to(jnp.arange(num_groups, dtype=jnp.int32)[:, None], reverse.shape)
+        pool = pool_ops.free_blocks(
+            state.pool,
+            reverse.reshape(-1),
+            mask.reshape(-1),
+            calls.reshape(-1),
+            num_calls=num_groups,
+            unique=True,
+        )
+        drop = jnp.where(slot_ok, slot, config.max_num_seqs)
+        cleared = req.rows[slot].at[RUNNING].set(0).at[ROW_GROUP_COLUMNS:].set(0)
+        req = dataclasses.replace(
+            req,
+            tables=req.tables.at[:, drop, :].set(NULL_BLOCK_ID, mode="drop"),
+            rows=req.rows.at[drop].set(cleared, mode="drop"),
+        )
+        return dataclasses.replace(state, pool=pool, requests=req)
+
+    return jax.lax.fori_loop(0, slots.shape[0], one, state)
+
+
+@partial(jax.jit, static_argnames=("config",))
+def get_computed_blocks(config: AllocatorConfig, state: AllocatorState, slots: Int[Array, "R"]):
+    """Prefix hits of requests as they stand (read only; `allocate_slots` searches again when it runs).
+
+    Returns (hit tokens [R], per group [R, P_g] hit block lists with null blocks). Hits are capped at
+    ``num_tokens - 1`` so that the last token is computed; 0 when caching is off.
+    """
+    slots = jnp.clip(jnp.asarray(slots, jnp.int32), 0, config.max_num_seqs - 1)
+    if not config.enable_caching:
+        nulls = jnp.full((slots.shape[0], config.max_blocks_per_row), NULL_BLOCK_ID, jnp.int32)
+        return jnp.zeros(slots.shape, jnp.int32), tuple(nulls[:, :p] for p in config.blocks_per_row)
+
+    def one(slot):
+        length, lists, _ = compute_hits(
+            config, state.pool, state.requests, slot, state.requests.rows[slot, NUM_TOKENS] - 1
+        )
+        return length, lists
+
+    lengths, lists = jax.vmap(one)(slots)
+    return lengths, tuple(lists[:, g, :p] for g, p in enumerate(config.blocks_per_row))
+
+
+@partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
+def reset_prefix_cache(config: AllocatorConfig, state: AllocatorState):
+    """Forget every cached hash, only when no block is in use. Returns (state, whether it was reset)."""
+    del config
+    pool, ok = pool_ops.reset_prefix_cache(state.pool)
+    return dataclasses.replace(state, pool=pool), ok
+
+
+def usage(state: AllocatorState) -> Array:
+    """Fraction of usable blocks in use: ``1 - num_free / (num_blocks - 1)``."""
+    usable = state.pool.info.shape[0] - 1
+    return 1.0 - state.pool.counters[NUM_FREE] / max(usable, 1)

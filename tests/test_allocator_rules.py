@@ -1,0 +1,440 @@
+"""Every rule of vLLM's hybrid allocator (reference §1), with the worked examples written there."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_hybrid_attn import NULL_BLOCK_ID, PAD_SLOT_ID
+from jax_hybrid_attn.allocator import KVCacheManager, allocate_slots, managers
+from jax_hybrid_attn.allocator.columns import MAP_SLOT, SLIDING_WINDOW
+from jax_hybrid_attn.allocator.coordinator import find_longest_cache_hit
+
+from .allocator_cases import CONFIGS, Mirror, check_invariants, chunked, full, make_config, window
+
+BASIC = make_config([full(16)], num_blocks=11, max_model_len=256, max_num_batched_tokens=256)
+WINDOW_2_4 = make_config(
+    [window(2, 4)], num_blocks=16, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16
+)
+CHUNK_4_8 = make_config(
+    [chunked(4, 8)], num_blocks=16, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16
+)
+HYBRID = CONFIGS["hybrid"]  # full 4, window 7 (x2), chunked 8; block 4
+
+
+def state_leaves(manager):
+    return [np.asarray(x) for x in jax.tree.leaves(manager.state)]
+
+
+def semantic_leaves(manager):
+    """The state without where the prefix map put each block (inserts made together or one by one may land in
+    other slots of the same buckets; lookups find the same blocks)."""
+    pool = manager.state.pool
+    info = np.asarray(pool.info).copy()
+    info[:, MAP_SLOT] = 0
+    return [info, np.asarray(pool.ring), np.asarray(pool.counters)] + [
+        np.asarray(x) for x in jax.tree.leaves(manager.state.requests)
+    ]
+
+
+# ------------------------------------------------------------------------------------ block pool, free order
+
+
+def test_free_queue_order_of_vllm_033_basic_prefill_example():
+    """Pool of 11, block 16: req0 holds [1,2,3,4] (1-3 hashed); req1 hits 1-3 and gets 5 (unhashed).
+    Freeing req0 then req1 leaves [5,4,6,7,8,9,10,3,2,1] (vLLM 0.33: unhashed to the head, hashed to the tail)."""
+    mirror = Mirror(BASIC)
+    manager = mirror.manager
+    assert manager.free_block_queue() == list(range(1, 11))  # ascending ids; the null block is not in it
+    common = list(range(48))
+    mirror.add("req0", common + [100] * 7)
+    mirror.schedule([("req0", 55)])
+    assert manager.get_block_ids("req0") == [[1, 2, 3, 4]]
+    mirror.add("req1", common + [200] * 7)
+    assert manager.get_computed_blocks("req1") == ([[1, 2, 3]], 48)
+    mirror.schedule([("req1", 55)])
+    assert manager.get_block_ids("req1") == [[1, 2, 3, 5]]
+    assert manager.free_block_queue() == [6, 7, 8, 9, 10]
+    mirror.free("req0")
+    assert manager.free_block_queue() == [4, 6, 7, 8, 9, 10]
+    mirror.free("req1")
+    assert manager.free_block_queue() == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
+    assert manager.make_prefix_cache_stats().hits == 48
+
+
+def test_null_block_is_never_handed_out_nor_freed():
+    manager = KVCacheManager(BASIC)
+    manager.add_request("a", list(range(160)))
+    assert manager.allocate_slots("a", 160) == [list(range(1, 11))]  # the whole pool but block 0
+    manager.add_request("b", [7] * 16)
+    assert manager.allocate_slots("b", 16) is None
+    assert manager.usage == 1.0
+    manager.free("a")
+    assert NULL_BLOCK_ID not in manager.free_block_queue() and len(manager.free_block_queue()) == 10
+    assert manager.usage == 0.0
+
+
+def test_eviction_takes_the_head_and_a_freed_request_returns_its_tail_first():
+    """Hashed blocks of a finished request go to the tail, tail block first: its parents are evicted last."""
+    mirror = Mirror(BASIC)
+    mirror.add("a", list(range(64)))  # four full blocks, all cached
+    mirror.schedule([("a", 64)])
+    mirror.free("a")
+    assert mirror.manager.free_block_queue() == [5, 6, 7, 8, 9, 10, 4, 3, 2, 1]
+    mirror.add("b", [999] * 112)  # seven fresh blocks: the six untouched ones, then 4, the last block of "a"
+    mirror.schedule([("b", 112)])
+    assert mirror.manager.get_block_ids("b") == [[5, 6, 7, 8, 9, 10, 4]]
+    mirror.add("c", list(range(64)))  # "a"'s prompt again: blocks 1-3 are still cached (lazy eviction)
+    assert mirror.manager.get_computed_blocks("c") == ([[1, 2, 3]], 48)
+
+
+def test_freed_block_keeps_its_hash_until_reused():
+    mirror = Mirror(BASIC)
+    mirror.add("a", list(range(33)))
+    mirror.schedule([("a", 33)])
+    mirror.free("a")
+    pool = mirror.manager.state.pool
+    assert bool(pool.block_hashed[1]) and bool(pool.block_hashed[2]) and not bool(pool.block_hashed[3])
+    mirror.add("b", list(range(33)))
+    mirror.schedule([("b", 33)])  # hits 1, 2; block 3 (unhashed, at the head) is reused for the tail
+    assert mirror.manager.get_block_ids("b") == [[1, 2, 3]]
+
+
+def test_caching_off_returns_every_block_to_the_head_later_groups_in_front():
+    mirror = Mirror(CONFIGS["no_cache_in_window"])  # full 4, window 6 (in-window only); no caching
+    mirror.add("a", list(range(10)))
+    mirror.schedule([("a", 10)])
+    assert mirror.manager.get_block_ids("a") == [[1, 2, 3], [0, 4, 5]]
+    mirror.free("a")  # group 0 prepends [3, 2, 1], then group 1 prepends [5, 4] in front of it
+    assert mirror.manager.free_block_queue()[:6] == [5, 4, 3, 2, 1, 6]
+
+
+# ------------------------------------------------------------------------------------------- skipped tokens
+
+
+@pytest.mark.parametrize(
+    "spec, computed, skipped",
+    [
+        (window(1, 4), 7, 4),
+        (chunked(8, 8), 13, 8),
+        (chunked(8, 8), 8, 8),
+        (chunked(8, 8), 7, 0),
+        (full(4), 99, 0),
+    ],
+)
+def test_skipped_tokens_docstring_examples(spec, computed, skipped):
+    constants = managers.group_constants(make_config([spec]))
+    assert int(managers.num_skipped_tokens(constants, jnp.array([computed]))[0, 0]) == skipped
+
+
+def test_a_block_is_freed_only_when_all_its_tokens_are_skipped():
+    """Block 2, window 4: at n=4 one token is skipped and no block is freed; at n=5, block 0 goes."""
+    mirror = Mirror(WINDOW_2_4)
+    mirror.add("r", [1, 2, 3, 4, 5, 6])
+    mirror.schedule([("r", 4)])
+    assert mirror.manager.get_block_ids("r") == [[1, 2]]
+    mirror.schedule([("r", 1)])  # n = 4
+    assert mirror.manager.get_block_ids("r") == [[1, 2, 3]]
+    mirror.schedule([("r", 1)])  # n = 5: tokens 0, 1 skipped
+    assert mirror.manager.get_block_ids("r") == [[NULL_BLOCK_ID, 2, 3]]
+    assert mirror.manager.free_block_queue()[-1] == 1  # cached, so to the tail
+
+
+def test_window_blocks_are_freed_highest_index_first():
+    mirror = Mirror(WINDOW_2_4)
+    mirror.add("r", list(range(11)))
+    mirror.schedule([("r", 10)])
+    assert mirror.manager.get_block_ids("r") == [[1, 2, 3, 4, 5]]
+    mirror.schedule([("r", 1)])  # n = 10: tokens 0..6 skipped, blocks 0..2 freed as 3, 2, 1
+    assert mirror.manager.get_block_ids("r") == [[0, 0, 0, 4, 5, 6]]
+    assert mirror.manager.free_block_queue()[-3:] == [3, 2, 1]
+
+
+def test_chunk_blocks_are_freed_at_the_chunk_boundary():
+    mirror = Mirror(CHUNK_4_8)
+    mirror.add("r", list(range(8)))  # hits need num_tokens - 1 >= 8 to skip a chunk: none here
+    mirror.schedule([("r", 7)])
+    assert mirror.manager.get_block_ids("r") == [[1, 2]]
+    mirror.schedule([("r", 1)])  # n = 7: the chunk is not complete
+    assert mirror.manager.get_block_ids("r") == [[1, 2]]
+    mirror.append("r", [8])
+    mirror.schedule([("r", 1)])  # n = 8: chunk 0 is behind
+    assert mirror.manager.get_block_ids("r") == [[0, 0, 3]]
+    assert mirror.manager.free_block_queue()[-2:] == [2, 1]
+
+
+def test_chunked_local_request_skips_completed_chunks_of_its_prompt():
+    """vLLM's rule: blocks before the current chunk count as hits without lookup, even with an empty cache; a
+    chunked-local-only model never reads them."""
+    mirror = Mirror(CHUNK_4_8)
+    mirror.add("r", list(range(12)))
+    out = mirror.schedule([("r", 12)])
+    assert (int(out.num_new_computed_tokens[0]), int(out.num_scheduled_tokens[0])) == (8, 4)
+    assert mirror.manager.get_block_ids("r") == [[0, 0, 1]]
+
+
+# --------------------------------------------------------------------------------------------- hit search
+
+
+def hits(*flags):
+    return jnp.asarray(flags, bool)
+
+
+def test_full_attention_hit_is_left_to_right_to_the_first_miss():
+    find = managers.find_full
+    assert int(find(hits(1, 1, 0, 1, 1), 20, block_size=4, alignment=4)) == 8
+    assert int(find(hits(1, 1, 1, 1, 1), 15, block_size=4, alignment=4)) == 12  # max_length caps
+    assert int(find(hits(1, 1, 1, 0, 0), 20, block_size=4, alignment=8)) == 8  # aligned down
+
+
+def test_sliding_window_hit_is_the_rightmost_contiguous_run():
+    """Window 9, block 4: a run of cdiv(8, 4) = 2 blocks suffices, searched right to left."""
+    find = managers.find_sliding_window
+    options = dict(block_size=4, alignment=4, window=9)
+    assert int(find(hits(1, 0, 1, 1, 0, 1), 24, **options)) == 16  # run at blocks 2-3; block 5 alone is short
+    assert int(find(hits(1, 1, 0, 0, 0, 1), 24, **options)) == 8  # no run: the prefix run at block 0
+    assert int(find(hits(1, 0, 0, 0, 0, 1), 24, **options)) == 4  # a prefix shorter than the window is valid
+    assert int(find(hits(0, 1, 1, 1, 1, 1), 24, **options)) == 24
+    assert int(find(hits(0, 1, 0, 1, 0, 1), 24, **options)) == 0
+    # alignment 8: a run may only end on an 8-token boundary, so block 4 (ending at 20) cannot end it
+    assert int(find(hits(0, 0, 1, 1, 1, 0), 24, block_size=4, alignment=8, window=9)) == 16
+    constants = managers.group_constants(make_config([window(4, 9)]))
+    assert int(managers.hit_start_block(constants, jnp.asarray(16))[0, 0]) == 2  # [null, null, blk2, blk3]
+
+
+@pytest.mark.parametrize(
+    "max_length, flags, length, first_real",
+    [(15, (0, 0, 1, 0), 12, 2), (15, (0, 0, 0, 0), 8, 2), (16, (0, 0, 0, 0), 16, 4)],
+)
+def test_chunked_local_hit_docstring_examples(max_length, flags, length, first_real):
+    """Chunk 8, block 4: max_length 15 -> [null, null, blk2] when block 2 hits, else [null, null]; 16 -> 4 nulls."""
+    assert int(managers.find_chunked_local(hits(*flags), max_length, block_size=4, chunk=8)) == length
+    constants = managers.group_constants(make_config([chunked(4, 8)]))
+    assert int(managers.hit_start_block(constants, jnp.asarray(length))[0, 0]) == first_real
+
+
+def test_chunked_local_completed_chunks_count_without_lookup():
+    mirror = Mirror(CHUNK_4_8)
+    mirror.add("a", list(range(20)))
+    mirror.schedule([("a", 16)])  # 16 tokens of completed chunks are skipped: only block 4 is computed
+    assert mirror.manager.get_block_ids("a") == [[0, 0, 0, 0, 1]]
+    mirror.free("a")  # block 1 is cached: it goes to the tail
+    mirror.add("b", list(range(17)))  # max hit 16 = two completed chunks: no lookup, no block
+    assert mirror.manager.get_computed_blocks("b") == ([[0, 0, 0, 0]], 16)
+    mirror.schedule([("b", 16)])  # a budget: 1 token is left after the hit
+    assert mirror.manager.get_block_ids("b") == [[0, 0, 0, 0, 2]]
+
+
+def test_hybrid_fixed_point_shrinks_until_every_group_agrees():
+    """Full attention hits 8 blocks, a window group (need 2) misses block 5, a chunked group (chunk 8) misses
+    block 6: 28 -> 24 (chunk) -> 20 (window, second pass) -> stable. Full attention is truncated to 5 blocks."""
+    config = make_config([full(4), window(4, 9), chunked(4, 8)])
+    mask = jnp.asarray([[1] * 8, [1, 1, 1, 1, 1, 0, 1, 1], [1, 1, 1, 1, 1, 1, 0, 1]], bool)
+    mask = jnp.pad(mask, ((0, 0), (0, config.max_blocks_per_row - 8)))
+    assert int(find_longest_cache_hit(config, mask, 30)) == 20
+
+
+def test_hybrid_hit_on_the_allocator():
+    mirror = Mirror(HYBRID)
+    prompt = list(range(30))
+    mirror.add("a", prompt)
+    mirror.schedule([("a", 30)])
+    mirror.free("a")  # blocks 0-6 of every group are cached
+    mirror.add("b", prompt)
+    blocks, length = mirror.manager.get_computed_blocks("b")
+    assert length == 28  # 29 tokens at most; 7 whole blocks
+    assert len(blocks[0]) == 7 and 0 not in blocks[0]  # full attention: every block
+    for window_blocks in blocks[1:3]:  # window 7 needs cdiv(6, 4) = 2 blocks
+        assert window_blocks[:5] == [0] * 5 and 0 not in window_blocks[5:]
+    assert blocks[3][:6] == [0] * 6 and blocks[3][6] != 0  # chunk 8: only the current chunk's block
+    out = mirror.schedule([("b", 30)])
+    assert (int(out.num_new_computed_tokens[0]), int(out.num_scheduled_tokens[0])) == (28, 2)
+
+
+def test_hit_length_is_capped_at_num_tokens_minus_one():
+    mirror = Mirror(BASIC)
+    mirror.add("a", list(range(32)))
+    mirror.schedule([("a", 32)])
+    mirror.add("b", list(range(32)))
+    assert mirror.manager.get_computed_blocks("b") == ([[1]], 16)  # the last token is always computed
+    out = mirror.schedule([("b", 32)])
+    assert (int(out.num_new_computed_tokens[0]), int(out.num_scheduled_tokens[0])) == (16, 16)
+
+
+def test_same_prompt_twice_in_one_batch_hits_the_first_rows_blocks():
+    mirror = Mirror(BASIC)
+    mirror.add("a", list(range(40)))
+    mirror.add("b", list(range(40)))
+    out = mirror.schedule([("a", 40), ("b", 40)])
+    assert int(out.num_new_computed_tokens[1]) == 32
+    assert mirror.manager.get_block_ids("b")[0][:2] == mirror.manager.get_block_ids("a")[0][:2]
+
+
+# ----------------------------------------------------------------------------------- admission, failure, reset
+
+
+def test_sliding_window_admission_cap():
+    config = make_config([window(16, 1024)], max_model_len=32768, max_num_batched_tokens=2048, num_blocks=300)
+    assert config.admission_caps == (-(-(1024 - 1 + 2048) // 16) + 1,) == (193,)
+    assert make_config(
+        [chunked(16, 8192)], max_model_len=32768, max_num_batched_tokens=2048
+    ).admission_caps == (-(-(8192 + 2048) // 16),)
+
+
+def test_full_sequence_must_fit_gate_uses_the_cap():
+    """A 30-token window request fits in its cap of cdiv(3 + 16, 2) + 1 = 11 blocks (15 free), not 15 blocks."""
+    mirror = Mirror(WINDOW_2_4)
+    mirror.add("long", list(range(30)))
+    assert bool(mirror.schedule([("long", 16)], must_fit=[True]).success[0])
+    mirror = Mirror(BASIC)  # full attention: all 13 blocks of 200 tokens count, 10 are free
+    mirror.add("long", list(range(200)))
+    assert not bool(mirror.schedule([("long", 128)], must_fit=[True]).success[0])
+    assert bool(mirror.schedule([("long", 128)]).success[0])  # without the gate, 8 blocks suffice now
+
+
+def test_failed_allocation_leaves_the_state_unchanged():
+    mirror = Mirror(WINDOW_2_4)
+    manager = mirror.manager
+    mirror.add("a", list(range(32)))
+    mirror.schedule([("a", 16)])  # 8 blocks held, 7 free
+    mirror.add("b", list(range(100, 116)))
+    mirror.schedule([("b", 14)])  # 7 blocks: the pool is full
+    before = state_leaves(manager)
+    # "a" would free its out-of-window blocks 0-5 (vLLM frees them even when the allocation fails) but needs 8
+    out = mirror.schedule([("a", 16)])
+    assert not bool(out.success[0])
+    for old, new in zip(before, state_leaves(manager)):
+        np.testing.assert_array_equal(old, new)
+
+
+def test_a_later_row_succeeds_after_an_earlier_row_fails():
+    mirror = Mirror(BASIC)
+    mirror.add("big", list(range(200)))
+    mirror.add("small", list(range(1000, 1020)))
+    out = mirror.schedule([("big", 200), ("small", 20)])  # 13 blocks: no; then 2 blocks: yes
+    assert [bool(x) for x in out.success[:2]] == [False, True]
+
+
+def test_reset_prefix_cache_only_when_nothing_is_in_use():
+    mirror = Mirror(BASIC)
+    mirror.add("a", list(range(40)))
+    mirror.schedule([("a", 40)])
+    assert not mirror.manager.reset_prefix_cache()
+    mirror.free("a")
+    mirror.reset()
+    assert not bool(jnp.any(mirror.manager.state.pool.block_hashed))
+    mirror.add("b", list(range(40)))
+    assert mirror.manager.get_computed_blocks("b") == ([[]], 0)
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+
+def test_outputs_are_block_tables_and_slot_mappings_for_the_kernels():
+    config = HYBRID
+    manager = KVCacheManager(config)
+    manager.add_request("a", list(range(10)))
+    manager.add_request("b", list(range(50, 55)))
+    out = manager.schedule([("a", 6), ("b", 5)])
+    np.testing.assert_array_equal(out.query_start_loc[:3], [0, 6, 11])
+    for g, block_size in enumerate(config.block_sizes):
+        table = np.asarray(out.block_tables[g, :, : config.blocks_per_row[g]])
+        mapping = np.asarray(out.slot_mappings[g])
+        assert out.block_tables.shape == (config.num_groups, config.max_num_seqs, config.max_blocks_per_row)
+        positions = list(range(6)) + list(range(5))
+        rows = [0] * 6 + [1] * 5
+        want = [table[r, p // block_size] * block_size + p % block_size for r, p in zip(rows, positions)]
+        np.testing.assert_array_equal(mapping[:11], want)
+        assert np.all(mapping[11:] == PAD_SLOT_ID)
+        np.testing.assert_array_equal(
+            table[0, : len(manager.get_block_ids("a")[g])], manager.get_block_ids("a")[g]
+        )
+    assert np.all(np.asarray(out.block_tables)[:, 2:] == NULL_BLOCK_ID)  # padding rows
+    np.testing.assert_array_equal(out.token_ids[:11], list(range(6)) + list(range(50, 55)))
+    np.testing.assert_array_equal(out.positions[:11], positions)
+
+
+def test_one_batch_equals_one_row_at_a_time():
+    """The vectorised path and the sequential path leave identical states (some rows fail: the pool is small)."""
+    config = HYBRID
+    one, many = KVCacheManager(config), KVCacheManager(config)
+    prompts = [list(range(r, r + 5 + 2 * r)) for r in range(4)]
+    for manager in (one, many):
+        for r, prompt in enumerate(prompts):
+            manager.add_request(r, prompt)
+    for step in range(10):
+        batch = [(r, len(prompts[r]) if step == 0 else 1) for r in range(4)]
+        if step:
+            for manager in (one, many):
+                for r in range(4):
+                    if manager.num_computed_tokens(r) == manager.num_tokens(r):
+                        manager.append_token_ids(r, [step])
+        many.schedule(batch)
+        for row in batch:
+            one.schedule([row])
+        for a, b in zip(semantic_leaves(one), semantic_leaves(many)):
+            np.testing.assert_array_equal(a, b)
+        check_invariants(one)
+        check_invariants(many)
+
+
+def test_in_window_only_allocates_no_block_a_later_step_does_not_read():
+    config = CONFIGS["in_window_cached"]  # window 5 then full, block 2
+    mirror = Mirror(config)
+    mirror.add("r", list(range(14)))
+    out = mirror.schedule([("r", 12)])  # positions 0..11: later steps read only 8.. (the window of token 12)
+    assert mirror.manager.get_block_ids("r")[0] == [0, 0, 0, 0, 1, 2]
+    mapping = np.asarray(out.slot_mappings[0][:12])
+    assert np.all(mapping[:8] == PAD_SLOT_ID) and mapping[8:].tolist() == [2, 3, 4, 5]
+    mirror.schedule([("r", 1)])
+    assert mirror.manager.get_block_ids("r")[0] == [0, 0, 0, 0, 1, 2, 9]
+    assert config.admission_caps[0] == min(-(-(4 + 32) // 2) + 1, 2 * (-(-4 // 2) + 1)) == 6
+
+
+def test_verify_hits_rejects_a_block_whose_tokens_differ():
+    manager = KVCacheManager(CONFIGS["mixed_block_sizes"])  # full 8, window 3 (block 4), verify_hits
+    manager.add_request("a", list(range(33)))
+    manager.allocate_slots("a", 32)
+    manager.add_request("b", list(range(33)))
+    blocks, length = manager.get_computed_blocks("b")
+    assert length == 32
+    pool = manager.state.pool  # simulate a hash collision: the last full block's stored tokens differ
+    pool = dataclasses.replace(pool, block_tokens=pool.block_tokens.at[blocks[0][-1], 0].set(-5))
+    manager.state = dataclasses.replace(manager.state, pool=pool)
+    assert manager.get_computed_blocks("b")[1] == 24
+
+
+def test_jitted_step_runs_without_the_python_wrapper():
+    config = WINDOW_2_4
+    from jax_hybrid_attn.allocator import add_requests, init_state
+
+    state = init_state(config)
+    tokens = jnp.zeros((2, config.max_model_len), jnp.int32).at[:, :6].set(jnp.arange(6))
+    state = add_requests(config, state, jnp.array([0, 1]), tokens, jnp.array([6, 6]))
+    state, out = allocate_slots(config, state, jnp.array([0, 1]), jnp.array([0, 0]), jnp.array([6, 6]))
+    assert out.success.tolist() == [True, True]
+    assert int(out.num_new_computed_tokens[1]) == 4  # row 1 hits row 0's blocks, cached in the same call
+    assert SLIDING_WINDOW in config.kinds
+
+
+def test_bad_arguments_raise_value_errors_naming_them():
+    manager = KVCacheManager(BASIC)
+    with pytest.raises(ValueError, match="not a known request"):
+        manager.allocate_slots("nobody", 1)
+    manager.add_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="already added"):
+        manager.add_request("a", [1])
+    with pytest.raises(ValueError, match="num_new_tokens=0"):
+        manager.allocate_slots("a", 0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        manager.allocate_slots("a", 257)
+    with pytest.raises(ValueError, match="max_model_len"):
+        manager.add_request("b", [0] * 257)
+    with pytest.raises(ValueError, match="num_lookahead_tokens"):
+        manager.allocate_slots("a", 1, num_lookahead_tokens=1)  # max_num_lookahead_tokens is 0
+    with pytest.raises(ValueError, match="distinct"):
+        manager.schedule([("a", 1), ("a", 1)])
+    with pytest.raises(ValueError, match="config"):
+        KVCacheManager("not a config")

@@ -1,0 +1,96 @@
+"""Random traces of add / allocate (prefill chunks, decode, prefix hits, lookahead, admission gate) / append /
+free / preempt / reset, run on the jitted allocator and on the plain-Python oracle of vLLM's rules: same success
+flags, block tables, reference counts, hashes and free-queue order after every step, and the invariants
+(free + used = total - 1, a block in as many tables as its count, null block never free, window requests within
+their cap, ids in range)."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from .allocator_cases import CONFIGS, Mirror
+
+VOCAB = 5  # few token ids and shared prefixes, so that prefix hits and equal hashes happen
+
+
+PROMPT_PREFIXES = ([], [1, 2, 3, 4], [1, 2, 3, 4, 0, 1, 2, 3], [1, 2, 3, 4, 0, 1, 2, 3, 4, 4, 4, 4], [4] * 12)
+
+
+def run_trace(config, seed: int, num_ops: int = 30):
+    """A random trace (mostly steps) from `seed`, run on the allocator and the oracle together."""
+    rng = random.Random(seed)
+    mirror = Mirror(config)
+    manager = mirror.manager
+    ids = iter(range(10_000))
+    live, prompts = [], []
+    for _ in range(num_ops):
+        kind = rng.choices(["add", "step", "append", "free", "preempt", "reset"], [3, 8, 3, 1, 1, 0.3])[0]
+        if len(live) < 2:
+            kind = "add"
+        if kind == "add" and len(live) < config.max_num_seqs:
+            if prompts and rng.random() < 0.3:  # the same prompt again: prefix hits on freed blocks
+                prompt = rng.choice(prompts)
+            else:
+                tail = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 24))]
+                prompt = (rng.choice(PROMPT_PREFIXES) + tail)[: config.max_model_len - 8]
+                prompts.append(prompt)
+            rid = next(ids)
+            mirror.add(rid, prompt)
+            live.append(rid)
+        elif kind == "step":
+            batch, lookahead, must_fit, budget = [], [], [], config.max_num_batched_tokens
+            for rid in rng.sample(live, rng.randint(1, len(live))):
+                left = manager.num_tokens(rid) - manager.num_computed_tokens(rid)
+                if left <= 0 or budget <= 0:
+                    continue
+                count = min(rng.choice([1, 1, 2, left, left, rng.randint(1, left)]), budget)
+                budget -= count
+                batch.append((rid, count))
+                lookahead.append(rng.randint(0, config.max_num_lookahead_tokens))
+                must_fit.append(rng.random() < 0.2)
+            if batch:
+                mirror.schedule(batch, lookahead, must_fit)
+        elif kind == "append":
+            for rid in live:
+                done = manager.num_computed_tokens(rid) == manager.num_tokens(rid)
+                if done and manager.num_tokens(rid) < config.max_model_len - 3:
+                    mirror.append(rid, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 2))])
+        elif kind == "free":
+            mirror.free(live.pop(rng.randrange(len(live))))
+        elif kind == "preempt":
+            mirror.preempt(rng.choice(live))
+        elif kind == "reset":
+            mirror.reset()
+    for rid in live:
+        mirror.free(rid)
+    assert manager.num_free_blocks == config.num_blocks - 1
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_trace_matches_oracle_and_keeps_invariants(name, seed):
+    run_trace(CONFIGS[name], seed)
+
+
+def test_long_decode_trace_with_shared_prefixes():
+    """Four requests share a prompt prefix, prefill in chunks, then decode past many block and window edges."""
+    config = CONFIGS["hybrid"]
+    mirror = Mirror(config)
+    prompts = {rid: [1, 2, 3, 4, 0, 1, 2, 3, 4, 4, 4] + [rid] * (3 + rid) for rid in range(4)}
+    for rid, prompt in prompts.items():
+        mirror.add(rid, prompt)
+    mirror.schedule([(0, 8), (1, 6)])
+    mirror.schedule([(0, 6), (1, 9), (2, 5)])  # 0 and 1 finish their prompts; 2 hits 0's blocks
+    mirror.schedule([(2, 16), (3, 16)])
+    for step in range(30):
+        batch = []
+        for rid in range(4):
+            if mirror.manager.num_computed_tokens(rid) == mirror.manager.num_tokens(rid):
+                mirror.append(rid, [(step + rid) % 5])
+            batch.append((rid, 1))
+        mirror.schedule(batch)
+    for rid in range(4):
+        mirror.free(rid)
