@@ -31,7 +31,7 @@ MIXED = ([1, 1, 3, 300, 17], [1, 2049, 513, 1000, 17])  # decodes, a verificatio
 DECODES = ([1, 1, 1, 1, 1], [3, 99, 1000, 4096, 40])
 PARITY_CASES = [  # (name, random_paged_inputs kwargs, attention options)
     ("gqa4 full bs16 d128", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16), {}),
-    ("mha d64 bs32 window 100", dict(num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=32), dict(sliding_window=100)),
+    ("mha d64 bs32 window 100 sm_scale 0.2", dict(num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=32), dict(sliding_window=100, sm_scale=0.2)),
     ("mqa d256 bs64 chunk 256", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=64), dict(attention_chunk_size=256)),
     ("gqa4 softcap+sinks w1", dict(num_q_heads=16, num_kv_heads=4, head_dim=128, block_size=16, with_sinks=True), dict(sliding_window=1, logits_soft_cap=30.0)),
     ("gqa2 HND window 1000 d256", dict(num_q_heads=16, num_kv_heads=8, head_dim=256, block_size=16, kv_layout="HND"), dict(sliding_window=1000, kv_layout="HND")),

@@ -19,6 +19,7 @@ AXES = {
     "mask": [{}, dict(sliding_window=1), dict(sliding_window=8), dict(sliding_window=40),
              dict(sliding_window=4096), dict(attention_chunk_size=64), dict(attention_chunk_size=128)],
     "logits_soft_cap": [None, 30.0],
+    "sm_scale": [None, 0.3],
     "with_sinks": [False, True],
     "causal": [True, False],
     "dtype": [jnp.bfloat16, jnp.float16],
@@ -52,7 +53,7 @@ def run_case(case, *, seed, interpret=True):
         with_sinks=case["with_sinks"], causal=case["causal"],
         null_unreachable_for=case["mask"] if case["causal"] else None,
     )  # fmt: skip
-    options = dict(case["mask"], logits_soft_cap=case["logits_soft_cap"], causal=case["causal"],
+    options = dict(case["mask"], logits_soft_cap=case["logits_soft_cap"], sm_scale=case.get("sm_scale"), causal=case["causal"],
                    kv_layout=case["kv_layout"], sinks=inputs.sinks, k_scale=inputs.k_scale, v_scale=inputs.v_scale)  # fmt: skip
     out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, interpret=interpret, **options)
     expected = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
