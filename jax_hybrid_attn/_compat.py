@@ -14,7 +14,7 @@ __all__ = [
     "register_pytree_dataclass",
     "plgpu",
     "interpret_params",
-    "check_interpret_dispatch",
+    "check_interpret_threads",
     "races_found",
     "dense_attention",
 ]
@@ -45,7 +45,7 @@ INTERPRET_CPU_THREADS = 8
 """Threads the CPU client needs for interpret mode: one per warpgroup of a CTA, each blocked in callbacks."""
 
 
-def check_interpret_dispatch() -> None:
+def check_interpret_threads() -> None:
     """Refuse interpret mode when the CPU client's thread pool is too small for warp-specialized kernels.
 
     Interpret mode runs each warpgroup of a CTA as a thread whose barrier waits block one of the CPU

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from . import reference
-from ._compat import check_interpret_dispatch, plgpu, resolve_interpret
+from ._compat import check_interpret_threads, plgpu, resolve_interpret
 from .kernels import tiles as query_tiles
 from .kernels.paged_attention import attention_partials, default_config
 from .layout import KVLayout, kv_cache_dims
@@ -77,7 +77,7 @@ def paged_attention(
     )
     check_kernel_support(q, kv_cache, kv_layout)
     if resolve_interpret(interpret) is not None:
-        check_interpret_dispatch()
+        check_interpret_threads()
     return _paged_attention_kernels(
         q,
         kv_cache,
