@@ -99,6 +99,7 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--only-persistent", action="store_true", help="time only the first variant")
     args = parser.parse_args()
     num_requests = args.requests
     rng = np.random.default_rng(0)
@@ -151,6 +152,8 @@ def main():
         )
         results[name] = median
         print(f"  {name:<58} median {median:7.0f} us/step, p10 {p10:6.0f} us, failed rows {failures}")
+        if args.only_persistent:
+            break
     device = jax.devices()[0]
     best = results["allocate_slots (persistent block tables, no copy)"]
     print(

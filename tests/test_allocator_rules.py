@@ -9,7 +9,8 @@ import pytest
 
 from jax_hybrid_attn import NULL_BLOCK_ID, PAD_SLOT_ID
 from jax_hybrid_attn.allocator import KVCacheManager, allocate_slots, managers
-from jax_hybrid_attn.allocator.columns import MAP_SLOT, SLIDING_WINDOW
+from jax_hybrid_attn.allocator.columns import HASHED, MAP_SLOT, SLIDING_WINDOW, STAMP, STAMP_COUNTER
+from jax_hybrid_attn.allocator.pool import STAMP_RENORMALIZE_AT
 from jax_hybrid_attn.allocator.coordinator import find_longest_cache_hit
 
 from .allocator_cases import CONFIGS, Mirror, check_invariants, chunked, full, make_config, window
@@ -438,3 +439,38 @@ def test_bad_arguments_raise_value_errors_naming_them():
         manager.schedule([("a", 1), ("a", 1)])
     with pytest.raises(ValueError, match="config"):
         KVCacheManager("not a config")
+
+
+def test_insertion_stamps_are_reranked_before_they_overflow():
+    """A manager whose stamps near int32 overflow re-ranks them in its next step and then behaves exactly like one
+    that started from 0: same blocks, same free order, same hits, same stamp order."""
+    plain, aged = Mirror(HYBRID), Mirror(HYBRID)
+    for mirror in (plain, aged):
+        mirror.add("a", list(range(16)))
+        mirror.add("b", list(range(8)) + [99] * 8)
+        mirror.schedule([("a", 16), ("b", 16)])
+    pool = aged.manager.state.pool
+    hashed = pool.info[:, HASHED] != 0
+    offset = STAMP_RENORMALIZE_AT - int(pool.stamp_counter)  # as if 2**30 blocks had been cached before
+    info = pool.info.at[:, STAMP].add(jnp.where(hashed, offset, 0))
+    counters = pool.counters.at[STAMP_COUNTER].add(offset)
+    aged.manager.state = dataclasses.replace(
+        aged.manager.state, pool=dataclasses.replace(pool, info=info, counters=counters)
+    )
+    for mirror in (plain, aged):
+        mirror.append("a", [7])
+        mirror.append("b", [8])
+        mirror.schedule([("a", 1), ("b", 1)])
+        mirror.add("c", list(range(16)))  # hits a's blocks, the first inserted of equal hashes
+        mirror.schedule([("c", 16)])
+    assert int(aged.manager.state.pool.stamp_counter) < STAMP_RENORMALIZE_AT
+    for request in ("a", "b", "c"):
+        assert aged.manager.get_block_ids(request) == plain.manager.get_block_ids(request)
+    assert aged.manager.free_block_queue() == plain.manager.free_block_queue()
+
+    def stamp_order(mirror):
+        info = np.asarray(mirror.manager.state.pool.info)
+        hashed_ids = np.flatnonzero(info[:, HASHED])
+        return hashed_ids[np.argsort(info[hashed_ids, STAMP], kind="stable")].tolist()
+
+    assert stamp_order(aged) == stamp_order(plain)

@@ -1,4 +1,4 @@
-"""Named columns of the packed state arrays, the sentinels stored in them, and `run_if`."""
+"""Named columns of the packed state arrays, the sentinels stored in them, and small control-flow helpers."""
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,18 @@ def run_if(pred, fn, *operands):
         return False, fn(*carry[1])
 
     return jax.lax.while_loop(lambda carry: carry[0], body, (pred, operands))[1]
+
+
+def cpu_cond(pred, general_fn, shortcut_fn):
+    """``general_fn()``, except on the CPU, where ``shortcut_fn()`` runs instead when `pred` is False.
+
+    For a check whose general branch is a few cheap array operations: on a GPU, a `lax.cond` costs a host sync of
+    its predicate, more than the general branch itself; on the CPU, the shortcut saves its (block-sized) arrays.
+    Both functions must return the same values whenever `pred` is False.
+    """
+    return jax.lax.platform_dependent(
+        cpu=lambda: jax.lax.cond(pred, general_fn, shortcut_fn), default=general_fn
+    )
 
 
 CUMSUM_TILE = 16

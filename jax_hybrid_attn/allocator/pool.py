@@ -39,12 +39,24 @@ from .columns import (
     RING_SPAN,
     STAMP,
     STAMP_COUNTER,
+    cpu_cond,
     cumsum,
     run_if,
 )
 from .state import BlockPool
 
-__all__ = ["cache_blocks", "free_blocks", "free_queue_order", "reset_prefix_cache", "take", "touch"]
+__all__ = [
+    "cache_blocks",
+    "finish_inserts",
+    "free_blocks",
+    "free_queue_order",
+    "repeated_events",
+    "renormalize_stamps",
+    "reset_prefix_cache",
+    "stamps_near_overflow",
+    "take",
+    "touch",
+]
 
 STAMP_RENORMALIZE_AT = 2**30
 """Insertion stamps are re-ranked before they could overflow int32."""
@@ -86,6 +98,7 @@ def free_blocks(
     unique: bool,
     hashed_only: bool = False,
     compact: bool = True,
+    repeats: tuple[Int[Array, "E"], Bool[Array, "E"]] | None = None,
 ) -> BlockPool:
     """Release one reference to each ``blocks[mask]``, in order; queue those that reach 0.
 
@@ -94,25 +107,23 @@ def free_blocks(
       calls: [E] nondecreasing call index (< `num_calls`) of each event.
       hashed_only: the caller guarantees that every block reaching 0 holds a hash (all go to the tail).
       compact: compact the ring first if it would overflow; False when the caller checked (`needs_compaction`).
+      repeats: `repeated_events` of (blocks, mask), when the caller has it.
     """
     num_events, num_blocks = blocks.shape[0], pool.info.shape[0]
     capacity = pool.ring.shape[0]
     mask = mask & (blocks != NULL_BLOCK_ID)
-    safe = jnp.where(mask, blocks, num_blocks)
     rows, info = jax.lax.optimization_barrier((pool.info[blocks], pool.info))
     ref_before, hashed = rows[:, REF], rows[:, HASHED] != 0
-    order = jnp.arange(num_events, dtype=jnp.int32)
-
-    def repeated(_):  # a block freed by several events: all drop their reference, the last one queues it
-        count = jnp.zeros(num_blocks, jnp.int32).at[safe].add(1, mode="drop")
-        latest = jnp.full(num_blocks, -1, jnp.int32).at[safe].max(order, mode="drop")
-        return count[blocks], mask & (latest[blocks] == order)
-
-    if unique:
+    if repeats is not None:
+        count, last = repeats
+    elif unique:
         count, last = jnp.ones_like(blocks), mask
     else:  # only blocks held more than once can appear twice
-        shared = jnp.any(mask & (ref_before > 1))
-        count, last = jax.lax.cond(shared, repeated, lambda _: (jnp.ones_like(blocks), mask), None)
+        count, last = cpu_cond(
+            jnp.any(mask & (ref_before > 1)),
+            lambda: repeated_events(blocks, mask, num_blocks),
+            lambda: (jnp.ones_like(blocks), mask),
+        )
     ref_after = ref_before - count
     queued = last & (ref_after == 0)
     to_tail = queued if hashed_only else queued & hashed
@@ -143,6 +154,16 @@ def free_blocks(
     counters = counters.at[RING_HEAD].set(new_head).at[RING_SPAN].set(span + added)
     counters = counters.at[NUM_FREE].add(added)
     return dataclasses.replace(pool, ring=ring, info=info, counters=counters)
+
+
+def repeated_events(blocks: Int[Array, "E"], mask: Bool[Array, "E"], num_blocks: int):
+    """For each event of ``blocks[mask]``: how many events name its block, and whether it is the block's last
+    event (a block freed by several events drops one reference per event; its last event queues it)."""
+    safe = jnp.where(mask, blocks, num_blocks)
+    order = jnp.arange(blocks.shape[0], dtype=jnp.int32)
+    count = jnp.zeros(num_blocks, jnp.int32).at[safe].add(1, mode="drop")
+    latest = jnp.full(num_blocks, -1, jnp.int32).at[safe].max(order, mode="drop")
+    return count[blocks], mask & (latest[blocks] == order)
 
 
 def touch(pool: BlockPool, blocks: Int[Array, "E"], mask: Bool[Array, "E"]) -> BlockPool:
@@ -210,14 +231,16 @@ def take(pool: BlockPool, count: Int[Array, ""], max_count: int, *, compact: boo
     return dataclasses.replace(pool, ring=ring, info=info, counters=counters, prefix_map=table), blocks
 
 
+def stamps_near_overflow(pool: BlockPool) -> Bool[Array, ""]:
+    """Whether the insertion stamps must be re-ranked before more blocks are cached (`renormalize_stamps`)."""
+    return pool.counters[STAMP_COUNTER] >= STAMP_RENORMALIZE_AT
+
+
 def renormalize_stamps(pool: BlockPool) -> BlockPool:
-    """Re-rank the insertion stamps if they near overflow (call once per step: a step inserts far fewer than
-    ``2**31 - STAMP_RENORMALIZE_AT`` blocks)."""
+    """Re-rank the insertion stamps if they near overflow (check at least once per step: a step inserts far fewer
+    than ``2**31 - STAMP_RENORMALIZE_AT`` blocks)."""
     info, counter = run_if(
-        pool.counters[STAMP_COUNTER] >= STAMP_RENORMALIZE_AT,
-        _renormalize_stamps,
-        pool.info,
-        pool.counters[STAMP_COUNTER],
+        stamps_near_overflow(pool), _renormalize_stamps, pool.info, pool.counters[STAMP_COUNTER]
     )
     return dataclasses.replace(pool, info=info, counters=pool.counters.at[STAMP_COUNTER].set(counter))
 
@@ -238,26 +261,48 @@ def cache_blocks(
     groups: Int[Array, "E"],
     mask: Bool[Array, "E"],
     tokens: Int[Array, "E S_max"] | None = None,
-) -> BlockPool:
-    """Give each ``blocks[mask]`` (full, not yet cached) its hash and insert it into the prefix map, in order."""
+    *,
+    finish: bool = True,
+):
+    """Give each ``blocks[mask]`` (full, not yet cached) its hash and insert it into the prefix map, in order.
+
+    Returns the pool; with ``finish=False``, (pool, `prefix_map.Inserts`) with the inserts that still wait for a
+    slot, to be completed by `finish_inserts` before the prefix map is read.
+    """
     num_blocks = pool.info.shape[0]
     mask = mask & (blocks != NULL_BLOCK_ID)
     safe = jnp.where(mask, blocks, num_blocks)
     counters = pool.counters
     stamps = counters[STAMP_COUNTER] + cumsum(mask) - 1
-    table, slot_of, dropped = prefix_map.insert(pool.prefix_map, blocks, keys, groups, mask)
+    table, inserts = prefix_map.insert(pool.prefix_map, blocks, keys, groups, mask, finish=finish)
     words = jax.lax.bitcast_convert_type(keys, jnp.int32)
-    values = jnp.stack([jnp.ones_like(blocks), groups, slot_of, stamps, words[:, 0], words[:, 1]], axis=-1)
+    values = jnp.stack(
+        [jnp.ones_like(blocks), groups, inserts.slot_of, stamps, words[:, 0], words[:, 1]], axis=-1
+    )
     info = pool.info.at[safe, HASHED:].set(
         values, mode="drop"
     )  # HASHED, GROUP, MAP_SLOT, STAMP, HASH_HI, HASH_LO
-    counters = counters.at[STAMP_COUNTER].add(jnp.sum(mask, dtype=jnp.int32)).at[DROPPED].add(dropped)
+    counters = counters.at[STAMP_COUNTER].add(jnp.sum(mask, dtype=jnp.int32)).at[DROPPED].add(inserts.dropped)
     block_tokens = pool.block_tokens
     if tokens is not None and block_tokens.shape[1]:
         block_tokens = block_tokens.at[safe].set(tokens, mode="drop")
-    return dataclasses.replace(
+    pool = dataclasses.replace(
         pool, info=info, prefix_map=table, counters=counters, block_tokens=block_tokens
     )
+    if finish:
+        return pool
+    return pool, dataclasses.replace(inserts, dropped=jnp.zeros((), jnp.int32))
+
+
+def finish_inserts(pool: BlockPool, inserts: prefix_map.Inserts) -> BlockPool:
+    """Place the inserts that `cache_blocks(finish=False)` left pending, and record their map slots."""
+    table, done = prefix_map.finish_inserts(pool.prefix_map, inserts)
+    placed = inserts.pending & (done.slot_of != NO_MAP_SLOT)
+    info = pool.info.at[jnp.where(placed, done.blocks, pool.info.shape[0]), MAP_SLOT].set(
+        done.slot_of, mode="drop"
+    )
+    counters = pool.counters.at[DROPPED].add(done.dropped)
+    return dataclasses.replace(pool, info=info, prefix_map=table, counters=counters)
 
 
 def reset_prefix_cache(pool: BlockPool):

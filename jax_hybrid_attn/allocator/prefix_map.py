@@ -12,14 +12,27 @@ counted (`BlockPool.dropped_inserts`): the block keeps its hash, so free order i
 Inserts of one call are placed in rounds; when two of them pick the same slot one wins and the other retries.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, UInt32
 
-from .columns import GROUP, HASH_HI, HASH_LO, STAMP
+from .._compat import register_pytree_dataclass
+from .columns import GROUP, HASH_HI, HASH_LO, NO_MAP_SLOT, STAMP
 from .hashing import hash_words
 
-__all__ = ["BUCKET_WIDTH", "EMPTY_SLOT", "NO_BLOCK", "bucket_pair", "delete", "insert", "lookup"]
+__all__ = [
+    "BUCKET_WIDTH",
+    "EMPTY_SLOT",
+    "NO_BLOCK",
+    "Inserts",
+    "bucket_pair",
+    "delete",
+    "finish_inserts",
+    "insert",
+    "lookup",
+]
 
 BUCKET_WIDTH = 8
 """W: slots per bucket."""
@@ -70,35 +83,76 @@ def insert(
     keys: UInt32[Array, "E 2"],
     groups: Int[Array, "E"],
     mask: Bool[Array, "E"],
-):
-    """Insert ``blocks[mask]`` under their keys.
+    *,
+    finish: bool = True,
+) -> tuple[Int[Array, "NB W+1"], "Inserts"]:
+    """Insert ``blocks[mask]`` under their keys. Returns (prefix_map, `Inserts`).
 
     The last column of a bucket has bit j set when slot j is used, so its load and first free slot come from one
-    int32. Returns (prefix_map, flat slot ``bucket * W + column`` of each block or -1, number dropped).
+    int32. With ``finish=False`` only the first round is placed: inserts that lost their slot to another insert of
+    the call stay `Inserts.pending` for `finish_inserts` (the retry loop's condition costs a host sync on a GPU,
+    so the step runs it only on its rare path).
     """
-    num_buckets, width = prefix_map.shape[0], prefix_map.shape[1] - 1
-    b1, b2 = bucket_pair(keys, groups, num_buckets)
+    slot_of = jnp.full(blocks.shape, NO_MAP_SLOT, jnp.int32)
+    started = Inserts(blocks, keys, groups, mask, slot_of, jnp.zeros((), jnp.int32))
+    placed = _place_round((prefix_map, started))
+    return finish_inserts(*placed) if finish else placed
 
-    def place(carry):
-        table, pending, slot_of, dropped = carry
-        bits1, bits2 = table[b1, width], table[b2, width]
-        load1, load2 = jax.lax.population_count(bits1), jax.lax.population_count(bits2)
-        first = load1 <= load2
-        bucket, used = jnp.where(first, b1, b2), jnp.where(first, bits1, bits2)
-        free_bits = ~used & ((1 << width) - 1)
-        column = jax.lax.population_count((free_bits & -free_bits) - 1)  # lowest free slot
-        full = free_bits == 0
-        go = pending & ~full
-        table = table.at[jnp.where(go, bucket, num_buckets), column].set(blocks, mode="drop")
-        won = go & (table[bucket, column] == blocks)
-        table = table.at[jnp.where(won, bucket, num_buckets), width].add(1 << column, mode="drop")
-        slot_of = jnp.where(won, bucket * width + column, slot_of)
-        dropped = dropped + jnp.sum(pending & full, dtype=jnp.int32)
-        return table, pending & ~won & ~full, slot_of, dropped
 
-    carry = place((prefix_map, mask, jnp.full(blocks.shape, -1, jnp.int32), jnp.zeros((), jnp.int32)))
-    table, _, slot_of, dropped = jax.lax.while_loop(lambda c: jnp.any(c[1]), place, carry)  # rare: collisions
-    return table, slot_of, dropped
+def finish_inserts(
+    prefix_map: Int[Array, "NB W+1"], inserts: "Inserts"
+) -> tuple[Int[Array, "NB W+1"], "Inserts"]:
+    """Place the pending inserts, in rounds, until none is left."""
+    return jax.lax.while_loop(lambda carry: jnp.any(carry[1].pending), _place_round, (prefix_map, inserts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Inserts:
+    """One call's inserts, [E] each: block, key, group, whether it still waits for a slot, and its flat slot
+    ``bucket * W + column`` (`NO_MAP_SLOT` until placed, and for dropped ones); `dropped` counts the inserts that
+    found both buckets full."""
+
+    blocks: Int[Array, "E"]
+    keys: UInt32[Array, "E 2"]
+    groups: Int[Array, "E"]
+    pending: Bool[Array, "E"]
+    slot_of: Int[Array, "E"]
+    dropped: Int[Array, ""]
+
+    @classmethod
+    def none(cls, size: int) -> "Inserts":
+        """`size` slots with nothing pending."""
+        zeros = jnp.zeros(size, jnp.int32)
+        return cls(zeros, jnp.zeros((size, 2), jnp.uint32), zeros, zeros != 0, zeros + NO_MAP_SLOT, zeros[0])
+
+
+register_pytree_dataclass(Inserts, data_fields=[f.name for f in dataclasses.fields(Inserts)], meta_fields=[])
+
+
+def _place_round(carry: tuple[Int[Array, "NB W+1"], Inserts]) -> tuple[Int[Array, "NB W+1"], Inserts]:
+    """Each pending insert takes the lowest free slot of the emptier of its two buckets; of two that pick the
+    same slot one wins and the other stays pending. Inserts that find both buckets full are dropped."""
+    table, inserts = carry
+    blocks, pending = inserts.blocks, inserts.pending
+    num_buckets, width = table.shape[0], table.shape[1] - 1
+    b1, b2 = bucket_pair(inserts.keys, inserts.groups, num_buckets)
+    bits1, bits2 = table[b1, width], table[b2, width]
+    load1, load2 = jax.lax.population_count(bits1), jax.lax.population_count(bits2)
+    first = load1 <= load2
+    bucket, used = jnp.where(first, b1, b2), jnp.where(first, bits1, bits2)
+    free_bits = ~used & ((1 << width) - 1)
+    column = jax.lax.population_count((free_bits & -free_bits) - 1)  # lowest free slot
+    full = free_bits == 0
+    go = pending & ~full
+    table = table.at[jnp.where(go, bucket, num_buckets), column].set(blocks, mode="drop")
+    won = go & (table[bucket, column] == blocks)
+    table = table.at[jnp.where(won, bucket, num_buckets), width].add(1 << column, mode="drop")
+    return table, dataclasses.replace(
+        inserts,
+        pending=pending & ~won & ~full,
+        slot_of=jnp.where(won, bucket * width + column, inserts.slot_of),
+        dropped=inserts.dropped + jnp.sum(pending & full, dtype=jnp.int32),
+    )
 
 
 def delete(

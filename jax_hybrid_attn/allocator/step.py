@@ -29,8 +29,10 @@ operations whatever R is):
   * The first row this path cannot serve exactly (a new request, a row that frees an unhashed block or needs
     several blocks, a row that fails) goes alone through the general one-row path; then the vectorised path
     resumes after it.
-  * Rarely needed work (ring compaction, stamp re-ranking, the one-row path) sits in 0-or-1-trip loops, which
-    update the state in place; `lax.cond` would copy the state arrays on the CPU.
+  * Rarely needed work sits in 0-or-1-trip loops, which update the state in place (`lax.cond` would copy the
+    state arrays on the CPU). On a GPU each such check is a host sync of its predicate, so an iteration has two:
+    ring compaction with stamp re-ranking before the frees and takes, then prefix-map inserts that collided
+    together with the one-row path. Cheap exact checks run unconditionally on a GPU (`columns.cpu_cond`).
 
 Deliberate differences from vLLM:
   * A failed row leaves the state unchanged; vLLM frees its out-of-window blocks (step 2) before it fails. The
@@ -68,10 +70,12 @@ from .columns import (
     STAT_HITS,
     STAT_QUERIES,
     STAT_REQUESTS,
+    cpu_cond,
     cumsum,
     run_if,
 )
 from .coordinator import compute_hits
+from .prefix_map import Inserts
 from .managers import cacheable_mask, group_constants, kind_mask, per_block, skipped_blocks
 from .state import AllocatorConfig, AllocatorState
 
@@ -171,12 +175,16 @@ def _per_row(values: Int[Array, "E"], rows: Int[Array, "E"], num_rows: int) -> I
     return jnp.zeros(num_rows, jnp.int32).at[rows].add(values.astype(jnp.int32))
 
 
-def _process(config: AllocatorConfig, state: AllocatorState, rows: _Rows, *, single: bool):
+def _process(
+    config: AllocatorConfig, state: AllocatorState, rows: _Rows, *, single: bool, maintain: bool = True
+):
     """Allocate for `rows`.
 
     ``single``: one row, any kind. Otherwise: the leading run of rows that the vectorised path serves exactly
     (running requests that free only hashed blocks, need at most one block per group, and fit); each (row, group)
-    is then one event slot. Returns (state, (success, computed, scheduled, hits)[, where the run stops]).
+    is then one event slot. Returns (state, (success, computed, scheduled, hits)[, where the run stops, prefix-map
+    inserts left pending]). With ``maintain=False`` (vectorised path only) no rare work is done: when the ring needs
+    compaction or the stamps re-ranking, no row is served.
     """
     c = group_constants(config)
     req, pool = state.requests, state.pool
@@ -297,16 +305,13 @@ def _process(config: AllocatorConfig, state: AllocatorState, rows: _Rows, *, sin
         commit = valid & (need <= free_room) & (~rows.must_fit | (gate <= num_free))
     else:
 
-        def exact_zero(_):
-            num_blocks_pool = pool.info.shape[0]
-            safe = jnp.where(ev_real, ev_block, num_blocks_pool)
-            order = jnp.arange(capacity, dtype=jnp.int32)
-            count = jnp.zeros(num_blocks_pool, jnp.int32).at[safe].add(1, mode="drop")
-            latest = jnp.full(num_blocks_pool, -1, jnp.int32).at[safe].max(order, mode="drop")
-            return ev_real & (latest[ev_block] == order) & (ref_before == count[ev_block])
+        def exact_zero():  # a block shared by several rows reaches 0 at its last event, if every holder frees it
+            count, last = pool_ops.repeated_events(ev_block, ev_real, pool.info.shape[0])
+            return last & (ref_before == count)
 
-        shared = jnp.any(ev_real & (ref_before > 1))
-        reaches_zero = jax.lax.cond(shared, exact_zero, lambda _: ev_real & (ref_before == 1), None)
+        reaches_zero = cpu_cond(
+            jnp.any(ev_real & (ref_before > 1)), exact_zero, lambda: ev_real & (ref_before == 1)
+        )
         freed = jnp.sum(reaches_zero.reshape(num_rows, num_groups), axis=1, dtype=jnp.int32)
         unhashed = jnp.any((ev_real & (ev_info[:, HASHED] == 0)).reshape(num_rows, num_groups), axis=1)
         delta = jnp.where(valid, freed - need, 0)
@@ -318,15 +323,25 @@ def _process(config: AllocatorConfig, state: AllocatorState, rows: _Rows, *, sin
         commit = valid & (jnp.arange(num_rows) < first_stop)
 
     # 4. Commit: free skipped blocks, touch hits, take new blocks, cache full blocks.
-    commit_ev = ev_real & commit[ev_row]
     take_count = jnp.where(commit[None, :], new_count, 0)
-    if not single:  # one compaction check for the frees and the takes (nothing else touches the ring here)
+    if not single:  # one rare-work check: ring compaction for the frees and the takes, stamp re-ranking
         appended = jnp.sum(reaches_zero & commit[ev_row], dtype=jnp.int32)
-        pool = run_if(
-            pool_ops.needs_compaction(pool, appended=appended, count=jnp.sum(take_count), max_count=capacity),
-            lambda pool: (pool_ops.compact(pool),),
-            pool,
-        )[0]
+        compaction = pool_ops.needs_compaction(
+            pool, appended=appended, count=jnp.sum(take_count), max_count=capacity
+        )
+        due = compaction | pool_ops.stamps_near_overflow(pool)
+        if maintain:
+
+            def do_maintain(pool):
+                pool = run_if(compaction, lambda pool: (pool_ops.compact(pool),), pool)[0]
+                return (pool_ops.renormalize_stamps(pool),)
+
+            pool = run_if(due, do_maintain, pool)[0]
+        else:  # commit nothing: the caller's loop does the rare work, then these rows
+            commit = commit & ~due
+            first_stop = jnp.where(due, 0, first_stop)
+            take_count = jnp.where(commit[None, :], new_count, 0)
+    commit_ev = ev_real & commit[ev_row]
     tables = flat_tables.at[jnp.where(commit_ev, ev_index, flat_tables.shape[0])].set(
         NULL_BLOCK_ID, mode="drop"
     )
@@ -354,11 +369,12 @@ def _process(config: AllocatorConfig, state: AllocatorState, rows: _Rows, *, sin
     tk_index = _table_index(config, tk_group, slot[tk_row], jnp.clip(tk_pos, 0, width - 1))
     tables = tables.at[jnp.where(present, tk_index, tables.shape[0])].set(taken[rank], mode="drop")
 
-    if config.enable_caching:
+    inserts = Inserts.none(capacity)
+    if config.enable_caching:  # the batch path leaves colliding prefix-map inserts for the caller's rare path
         cc_row, cc_group, index, present = events(jnp.where(commit[None, :], cache_count, 0), capacity)
-        pool = _cache(
-            config, pool, req, tables, slot[cc_row], cc_group, cache_from[cc_group, cc_row] + index, present
-        )
+        position = cache_from[cc_group, cc_row] + index
+        cached = _cache(config, pool, req, tables, slot[cc_row], cc_group, position, present, finish=single)
+        pool, inserts = (cached, inserts) if single else cached
 
     new_row = jnp.concatenate(
         [
@@ -377,11 +393,11 @@ def _process(config: AllocatorConfig, state: AllocatorState, rows: _Rows, *, sin
     result = (commit, computed, jnp.where(commit, new_tokens, 0), hit_tokens)
     if single:
         return state, result
-    return state, result, first_stop
+    return state, result, first_stop, inserts
 
 
-def _cache(config, pool, req, tables, slot, group, position, present):
-    """Offer block `position` of each event's (request slot, group) to the prefix cache."""
+def _cache(config, pool, req, tables, slot, group, position, present, *, finish: bool):
+    """Offer block `position` of each event's (request slot, group) to the prefix cache (`pool.cache_blocks`)."""
     block = tables[_table_index(config, group, slot, jnp.clip(position, 0, config.max_blocks_per_row - 1))]
     sizes = set(config.block_sizes)
     if len(sizes) == 1:  # one block size: Python constants, no per-event lookups or divisions
@@ -402,7 +418,7 @@ def _cache(config, pool, req, tables, slot, group, position, present):
         size = jnp.reshape(block_size, (-1, 1))
         token_pos = jnp.clip(position[:, None] * size + offset, 0, config.max_model_len - 1)
         tokens = jnp.where(offset < size, req.token_ids[slot[:, None], token_pos], 0)
-    return pool_ops.cache_blocks(pool, block, keys, group, mask, tokens)
+    return pool_ops.cache_blocks(pool, block, keys, group, mask, tokens, finish=finish)
 
 
 def _outputs(
@@ -426,7 +442,9 @@ def _outputs(
     mapping = jnp.where(token_ok & (block != NULL_BLOCK_ID), block * block_size + offset, PAD_SLOT_ID)
     tables = None
     if block_tables:  # one gather for all groups (a tuple of per-group tables would cost a copy each)
-        rows_or_out = jnp.where(slot_ok, slot, config.max_num_seqs)  # padding rows read past the end: null blocks
+        rows_or_out = jnp.where(
+            slot_ok, slot, config.max_num_seqs
+        )  # padding rows read past the end: null blocks
         tables = req.tables.at[:, rows_or_out].get(mode="fill", fill_value=NULL_BLOCK_ID)
     return StepOutput(
         success=success,
@@ -540,7 +558,6 @@ def allocate_slots(
     rows = _as_rows(slots, num_computed_tokens, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit)
     num_rows = rows.slot.shape[0]
     chunk = min(num_rows, CHUNK_ROWS)
-    state = dataclasses.replace(state, pool=pool_ops.renormalize_stamps(state.pool))
     idle, bad = _idle_rows(config, state, rows)
     success = idle
     computed = jnp.where(bad, 0, rows.num_computed)
@@ -548,25 +565,44 @@ def allocate_slots(
     hits = jnp.zeros(num_rows, jnp.int32)
     work = ~idle & ~bad
     packed = rows.pack()
-    position = jnp.where(
-        work, cumsum(work) - 1, num_rows + chunk
-    )  # the rows with work, in order, then padding
-    queue = (
-        jnp.full(num_rows + chunk, num_rows, jnp.int32)
-        .at[position]
-        .set(jnp.arange(num_rows, dtype=jnp.int32))
-    )
 
-    def step(carry):
-        k, state, success, computed, scheduled, hits = carry
-        members = jax.lax.dynamic_slice_in_dim(queue, k, chunk)
+    def rows_at(members):
         present = members < num_rows
         gathered = _Rows.unpack(packed[jnp.minimum(members, num_rows - 1)])  # one gather for every field
-        gathered = dataclasses.replace(gathered, active=present)
-        state, (ok, _, sched, _), stop = _process(config, state, gathered, single=False)
+        return dataclasses.replace(gathered, active=present)
+
+    def work_queue(work):
+        """The rows with work, in order, then `num_rows` (padding): [num_rows + chunk]."""
+        position = jnp.where(work, cumsum(work) - 1, num_rows + chunk)
+        return (
+            jnp.full(num_rows + chunk, num_rows, jnp.int32)
+            .at[position]
+            .set(jnp.arange(num_rows, dtype=jnp.int32))
+        )
+
+    def record(members, ok, sched, success, scheduled):
         where_ok = jnp.where(ok, members, num_rows)
-        success = success.at[where_ok].set(True, mode="drop")
-        scheduled = scheduled.at[where_ok].set(sched, mode="drop")
+        return success.at[where_ok].set(True, mode="drop"), scheduled.at[where_ok].set(sched, mode="drop")
+
+    # The first chunk of rows with work, outside any loop and without rare work: in the common step this serves
+    # every row, and the loop below does not run (on a GPU its condition is then the step's only host sync).
+    members = work_queue(work)[:chunk]
+    state, (ok, _, sched, _), _, inserts = _process(
+        config, state, rows_at(members), single=False, maintain=False
+    )
+    success, scheduled = record(members, ok, sched, success, scheduled)
+    work = work & ~success
+    queue = work_queue(work)
+
+    def step(carry):
+        k, state, inserts, success, computed, scheduled, hits = carry
+        pool = run_if(  # the inserts left by the first chunk
+            jnp.any(inserts.pending), lambda pool: (pool_ops.finish_inserts(pool, inserts),), state.pool
+        )[0]
+        state = dataclasses.replace(state, pool=pool)
+        members = jax.lax.dynamic_slice_in_dim(queue, k, chunk)
+        state, (ok, _, sched, _), stop, inserts = _process(config, state, rows_at(members), single=False)
+        success, scheduled = record(members, ok, sched, success, scheduled)
         stop_row = jnp.where(stop < chunk, members[jnp.minimum(stop, chunk - 1)], num_rows)
 
         def one_row(state, success, computed, scheduled, hits):  # the row the vectorised path stopped at
@@ -577,12 +613,21 @@ def allocate_slots(
 
             return state, put(success, ok), put(computed, comp), put(scheduled, sched), put(hits, hit)
 
-        args = run_if(stop_row < num_rows, one_row, state, success, computed, scheduled, hits)
-        return (jnp.where(stop < chunk, k + stop + 1, k + chunk),) + tuple(args)
+        def rare(state, *results):  # one host sync on a GPU for both kinds of rare work
+            state = dataclasses.replace(state, pool=pool_ops.finish_inserts(state.pool, inserts))
+            return run_if(stop_row < num_rows, one_row, state, *results)
 
-    carry = (jnp.zeros((), jnp.int32), state, success, computed, scheduled, hits)
+        state, *results = run_if(
+            (stop_row < num_rows) | jnp.any(inserts.pending), rare, state, success, computed, scheduled, hits
+        )
+        k = jnp.where(stop < chunk, k + stop + 1, k + chunk)
+        return (k, state, Inserts.none(inserts.pending.shape[0]), *results)
+
     count = jnp.sum(work, dtype=jnp.int32)
-    _, state, success, computed, scheduled, hits = jax.lax.while_loop(lambda c: c[0] < count, step, carry)
+    carry = (jnp.zeros((), jnp.int32), state, inserts, success, computed, scheduled, hits)
+    _, state, _, success, computed, scheduled, hits = jax.lax.while_loop(
+        lambda c: (c[0] < count) | jnp.any(c[2].pending), step, carry
+    )
     out = _outputs(
         config,
         state,
