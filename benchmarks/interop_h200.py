@@ -1,0 +1,245 @@
+"""The torch backend on the H200: layer call against the direct JAX call, host overhead, stream race, zero-copy.
+
+    PYTHONPATH=. python benchmarks/interop_h200.py [--trials 1000] [--small]
+
+(`jax_hybrid_attn_torch` is the `interop/` folder: install the repository (``pip install -e .``) or, on a machine
+without a registry, make it importable: ``mkdir -p /tmp/pkgs && ln -sfn $PWD/interop /tmp/pkgs/jax_hybrid_attn_torch``
+then ``PYTHONPATH=.:/tmp/pkgs``.)
+
+1. Decode shape: 64 requests with 8,192-token contexts, 32 query / 8 KV heads, head_dim 128, bf16, block 16, a
+   torch-owned cache. The backend's `run` (import q/k/v/cache, write k/v, attend, export the output) against the
+   same jitted JAX work called directly on JAX arrays. Both are timed over back-to-back calls (as layers run)
+   with one sync at the end; the host overhead is the time `run` takes to return, the GPU being busy.
+2. Stream race: torch zeroes q, sleeps on the GPU, then writes q on a side stream; `run` is called under that
+   stream; torch compares JAX's output with the expected one on the same stream. Mismatches are counted on the
+   device over all trials.
+3. Zero-copy: the data pointers of q, k, v, the cache and the output on both sides of each conversion.
+
+Prints a short table last.
+"""
+
+import argparse
+import cProfile
+import pstats
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import jax_hybrid_attn_torch.backend as backend_module
+import numpy as np
+import torch
+from jax_hybrid_attn_torch import AttentionLayer, PagedAttentionBackend, to_jax
+
+from jax_hybrid_attn import make_attention_metadata, paged_attention
+from jax_hybrid_attn.kv_cache import write_kv
+
+
+def decode_inputs(num_reqs, context, num_heads, num_kv_heads, head_dim, block_size, device):
+    blocks_per_req = context // block_size
+    num_blocks = num_reqs * blocks_per_req + 1
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    shape = PagedAttentionBackend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(shape, generator=generator).to(device=device, dtype=torch.bfloat16)
+    tables = 1 + torch.randperm(num_reqs * blocks_per_req, generator=generator).reshape(
+        num_reqs, blocks_per_req
+    )
+    seq_lens = torch.full((num_reqs,), context, dtype=torch.int32)
+    last = context - 1
+    slots = tables[:, last // block_size] * block_size + last % block_size
+    metadata = {
+        "query_start_loc": torch.arange(num_reqs + 1, dtype=torch.int32).to(device),
+        "seq_lens": seq_lens.to(device),
+        "block_tables": tables.to(torch.int32).to(device),
+        "slot_mapping": slots.to(torch.int32).to(device),
+    }
+    q = torch.randn(num_reqs, num_heads, head_dim, generator=generator).to(
+        device=device, dtype=torch.bfloat16
+    )
+    k = torch.randn(num_reqs, num_kv_heads, head_dim, generator=generator).to(
+        device=device, dtype=torch.bfloat16
+    )
+    v = torch.randn(num_reqs, num_kv_heads, head_dim, generator=generator).to(
+        device=device, dtype=torch.bfloat16
+    )
+    return cache, metadata, q, k, v
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_layer_calls(device, args, rows):
+    shape = (32, 8, 128, 16) if not args.small else (4, 2, 64, 16)
+    num_heads, num_kv_heads, head_dim, block_size = shape
+    num_reqs, context = (64, 8192) if not args.small else (4, 256)
+    cache, metadata, q, k, v = decode_inputs(
+        num_reqs, context, num_heads, num_kv_heads, head_dim, block_size, device
+    )
+    layer = AttentionLayer(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_dim)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=block_size)
+    backend.plan(**metadata, max_query_len=1, max_seq_len=context)
+
+    @partial(jax.jit, donate_argnums=3)
+    def direct(q, k, v, kv_cache, metadata):  # the same work, called on JAX arrays
+        kv_cache = write_kv(kv_cache, k, v, metadata.slot_mapping)
+        return paged_attention(q, kv_cache, metadata), kv_cache
+
+    jax_metadata = make_attention_metadata(
+        np.ones(num_reqs, np.int32),
+        metadata["seq_lens"].cpu().numpy(),
+        metadata["block_tables"].cpu().numpy(),
+        block_size=block_size,
+        max_query_len=1,
+        max_seq_len=context,
+    )
+    q_j, k_j, v_j = (jnp.asarray(np.asarray(t.float().cpu()), jnp.bfloat16) for t in (q, k, v))
+    cache_j = jnp.asarray(np.asarray(cache.float().cpu()), jnp.bfloat16)
+
+    reps = args.reps
+    out_j, cache_j = direct(q_j, k_j, v_j, cache_j, jax_metadata)  # compile
+    jax.block_until_ready(out_j)
+    out_t = backend.run("layer", q, k, v, cache)  # compile
+    sync(device)
+    error = float((out_t.float().cpu() - torch.from_numpy(np.array(out_j.astype(jnp.float32)))).abs().max())
+
+    def time_direct():
+        nonlocal cache_j
+        start = time.perf_counter()
+        for _ in range(reps):
+            out, cache_j = direct(q_j, k_j, v_j, cache_j, jax_metadata)
+        jax.block_until_ready((out, cache_j))
+        return (time.perf_counter() - start) / reps
+
+    def time_backend():
+        host = 0.0
+        start = time.perf_counter()
+        for _ in range(reps):
+            call = time.perf_counter()
+            out = backend.run("layer", q, k, v, cache)
+            host += time.perf_counter() - call
+        sync(device)
+        del out
+        return (time.perf_counter() - start) / reps, host / reps
+
+    direct_s, backend_s = [], []
+    for _ in range(args.rounds):  # interleaved, medians
+        direct_s.append(time_direct())
+        backend_s.append(time_backend())
+    direct_t = float(np.median(direct_s)) * 1e6
+    backend_t = float(np.median([b for b, _ in backend_s])) * 1e6
+    host_t = float(np.median([h for _, h in backend_s])) * 1e6
+    label = f"B={num_reqs} ctx={context} {num_heads}/{num_kv_heads} D={head_dim} bf16"
+    rows.append((f"layer call, direct JAX ({label})", f"{direct_t:.1f} us/call"))
+    rows.append(
+        ("layer call, torch backend run", f"{backend_t:.1f} us/call = {backend_t / direct_t:.3f}x direct")
+    )
+    rows.append(("host time of run (GPU busy)", f"{host_t:.1f} us/call"))
+    rows.append(("backend vs direct output", f"max |diff| {error:.3g}"))
+    return backend, cache, metadata, q, k, v
+
+
+def host_breakdown(backend, cache, q, k, v, reps, rows):
+    """Host time of each part of `run`, the GPU being busy: imports, the jitted call, the export."""
+    spec = backend.layers["layer"]
+    parts = np.zeros(3)
+    for _ in range(reps):
+        start = time.perf_counter()
+        arrays = [to_jax(t) for t in (q, k, v, cache)]
+        imported = time.perf_counter()
+        out, _ = backend_module._layer_step(
+            backend._packed, *arrays, None, None, layout=backend._layout, group=0, params=spec.params,
+            kv_layout="NHD", k_scale=None, v_scale=None, implementation=None, interpret=False,
+        )  # fmt: skip
+        called = time.perf_counter()
+        backend_module.to_torch(out)
+        parts += [imported - start, called - imported, time.perf_counter() - called]
+    sync(cache.device)
+    imports, call, export = parts / reps * 1e6
+    rows.append(("host: 4 imports / jitted call / export", f"{imports:.1f} / {call:.1f} / {export:.1f} us"))
+
+
+def zero_copy(backend, cache, q, k, v, rows):
+    """Wrap the backend's conversions and compare data pointers on both sides."""
+    seen = []
+    original_to_jax, original_to_torch = backend_module.to_jax, backend_module.to_torch
+
+    def recording_to_jax(tensor, **kwargs):
+        array = original_to_jax(tensor, **kwargs)
+        seen.append((kwargs.get("name", "?"), tensor.data_ptr() == array.unsafe_buffer_pointer()))
+        return array
+
+    def recording_to_torch(array, **kwargs):
+        tensor = original_to_torch(array, **kwargs)
+        seen.append(
+            ("exported " + kwargs.get("name", "array"), tensor.data_ptr() == array.unsafe_buffer_pointer())
+        )
+        return tensor
+
+    backend_module.to_jax, backend_module.to_torch = recording_to_jax, recording_to_torch
+    try:
+        cache_pointer = cache.data_ptr()
+        out = backend.run("layer", q, k, v, cache)
+        sync(cache.device)
+    finally:
+        backend_module.to_jax, backend_module.to_torch = original_to_jax, original_to_torch
+    shared = {name: same for name, same in seen}
+    copied_back = any(name == "exported updated kv cache" for name, _ in seen)
+    rows.append(("zero-copy q / k / v", f"{shared.get('q')} / {shared.get('k')} / {shared.get('v')}"))
+    rows.append(
+        (
+            "zero-copy kv_cache in, updated in place",
+            f"{shared.get('kv_cache')}, {not copied_back and cache.data_ptr() == cache_pointer}",
+        )
+    )
+    rows.append(("zero-copy output", f"{shared.get('exported output')} (tensor {tuple(out.shape)})"))
+
+
+def stream_race(backend, cache, q, k, v, device, trials, rows):
+    if device.type != "cuda":
+        rows.append(("stream race", "skipped: needs a CUDA device"))
+        return
+    expected = backend.run("layer", q, k, v, cache).clone()
+    side = torch.cuda.Stream(device)
+    q_buffer = torch.empty_like(q)
+    mismatches = torch.zeros((), dtype=torch.int64, device=device)
+    sync(device)
+    with torch.cuda.stream(side):
+        for _ in range(trials):
+            q_buffer.zero_()
+            torch.cuda._sleep(200_000)  # ~0.1 ms: JAX would read zeros if it did not wait for torch
+            q_buffer.copy_(q)
+            out = backend.run("layer", q_buffer, k, v, cache)
+            mismatches += (out != expected).any()  # torch reads JAX's output on the same stream
+    sync(device)
+    rows.append((f"stream race, {trials} trials", f"{int(mismatches)} mismatches"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=1000)
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument("--profile", action="store_true", help="print where run() spends its host time")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    backend, cache, _, q, k, v = time_layer_calls(device, args, rows)
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [backend.run("layer", q, k, v, cache) for _ in range(args.reps)])
+        sync(device)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    host_breakdown(backend, cache, q, k, v, args.reps, rows)
+    zero_copy(backend, cache, q, k, v, rows)
+    stream_race(backend, cache, q, k, v, device, args.trials, rows)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; torch {torch.__version__} on {device}")
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

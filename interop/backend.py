@@ -1,0 +1,572 @@
+"""A torch-facing paged-attention backend on jax_hybrid_attn, shaped after vLLM's and FlashInfer's.
+
+    backend = PagedAttentionBackend(layers, block_size=16)         # vLLM: AttentionBackend + AttentionImpl(s)
+    backend.plan(query_start_loc, seq_lens, block_tables, slot_mapping)   # once per step (FlashInfer: plan)
+    out = backend.run("layers.0.attn", q, k, v, kv_cache)          # once per layer (vLLM: forward)
+
+`run` writes the step's k/v into the layer's cache by slot mapping, then computes paged attention with the
+library's kernels (the jnp reference on a CPU), in one jitted JAX call; the result comes back as a torch tensor
+that shares JAX's memory. Nothing is copied on a GPU: q, k, v and a torch-owned cache enter JAX through DLPack
+(`dlpack.to_jax`), the cache is donated so that XLA updates it in place, and the output leaves through DLPack.
+
+Per step, `plan` packs the metadata of every KV-cache group into ONE int32 buffer on the torch side and imports it
+once (an import costs ~57 µs of host time on the H200, against 30-100 µs decode kernels); `run` slices it inside
+its jitted call. Layers with different windows, chunks, soft caps, scales or sinks are never an error: each
+`metadata_group_key` compiles its own function, all reading the same plan.
+
+Cache ownership (`cache_owner`):
+  * "torch" (vLLM's way): the caller allocates each layer's cache with `get_kv_cache_shape` and passes it to
+    every `run`. It is imported each call and donated, so XLA writes it in place: torch sees the new k/v. (XLA's
+    CPU client does not alias imported buffers; on a CPU the update is copied back, which tests check.)
+  * "jax": the backend allocates the caches as JAX arrays (`allocate_kv_caches`) and rebinds them after every
+    `run`. `kv_cache_as_torch` exports one for inspection, zero-copy; drop that tensor before the next `run` of
+    the layer (JAX refuses to donate a buffer torch still holds; `run` raises a clear error instead).
+
+Stream order: torch's current stream is the one that matters. Inputs are imported after the writes queued on it
+(JAX's stream waits on an event torch records), and the returned tensor is exported so that work queued on it
+afterwards waits for JAX. Writes queued on another torch stream must be ordered by the caller.
+
+Shape letters (DESIGN.md): T tokens · R requests · N query heads · K kv heads · H head size · B blocks · S block
+size · P blocks per request · G KV-cache groups.
+"""
+
+import dataclasses
+import functools
+import math
+import weakref
+from collections.abc import Mapping
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from jax_hybrid_attn import LayerAttentionParams, get_kv_cache_shape, metadata_group_key, paged_attention
+from jax_hybrid_attn.kv_cache import write_kv
+from jax_hybrid_attn.layout import FP8_DTYPE
+from jax_hybrid_attn.metadata import AttentionMetadata
+
+from .dlpack import ALIGNMENT, same_memory, to_jax, to_torch
+
+__all__ = ["AttentionLayer", "PagedAttentionBackend", "PlanLayout"]
+
+CACHE_OWNERS = ("torch", "jax")
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class AttentionLayer:
+    """One attention layer: vLLM's `AttentionImpl` arguments.
+
+    Attributes:
+      num_heads, num_kv_heads, head_size: N, K, H.
+      scale: logits scale (None: ``head_size ** -0.5``).
+      sliding_window: the W most recent positions, the query's own included (None: no window).
+      attention_chunk_size: chunked-local attention over chunks of C positions (None: none).
+      logits_soft_cap: ``cap * tanh(logits / cap)`` (None: none).
+      sinks: [N] learned sink logits (gpt-oss), or None.
+      causal: keys after the query are masked.
+      kv_cache_group: which of the step's block tables and slot mappings this layer's cache uses.
+      k_scale, v_scale: dequantization scales of a float8 cache.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float | None = None
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    logits_soft_cap: float | None = None
+    sinks: torch.Tensor | None = None
+    causal: bool = True
+    kv_cache_group: int = 0
+    k_scale: float | None = None
+    v_scale: float | None = None
+
+    def __post_init__(self):
+        for name in ("num_heads", "num_kv_heads", "head_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
+            raise ValueError(f"sinks.shape={tuple(self.sinks.shape)} must be (num_heads={self.num_heads},)")
+        if not isinstance(self.kv_cache_group, int) or self.kv_cache_group < 0:
+            raise ValueError(f"kv_cache_group={self.kv_cache_group!r} must be an int >= 0")
+        self.params
+
+    @functools.cached_property
+    def params(self) -> LayerAttentionParams:
+        return LayerAttentionParams(
+            sm_scale=self.scale,
+            sliding_window=self.sliding_window,
+            attention_chunk_size=self.attention_chunk_size,
+            logits_soft_cap=self.logits_soft_cap,
+            has_sinks=self.sinks is not None,
+            causal=self.causal,
+        )
+
+
+PACKED_FIELD_ALIGNMENT = 256
+"""Bytes: Mosaic GPU kernels refuse operands that are not 256-byte aligned ("Input buffer 3 is not 256-byte
+aligned", seen on the H200). The cache must be; each field of the packed metadata starts at a multiple of it,
+because XLA hands slices of a parameter to the kernels without a copy."""
+
+_ALIGN_ELEMENTS = PACKED_FIELD_ALIGNMENT // 4  # int32
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanLayout:
+    """Where each field lies in the packed int32 metadata buffer (static under jit).
+
+    The buffer holds ``query_start_loc`` (R+1), ``seq_lens`` (R), then each group's block table (R*P) and each
+    group's slot mapping (T), every field starting at a multiple of `PACKED_FIELD_ALIGNMENT` bytes.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    num_groups: int
+    blocks_per_req: int
+    max_query_len: int
+    max_seq_len: int
+    causal: bool = True
+
+    @property
+    def field_sizes(self) -> tuple[int, ...]:
+        r, t, g, p = self.num_reqs, self.num_tokens, self.num_groups, self.blocks_per_req
+        return (r + 1, r) + (r * p,) * g + (t,) * g
+
+    @property
+    def field_offsets(self) -> tuple[int, ...]:
+        offsets, start = [], 0
+        for size in self.field_sizes:
+            offsets.append(start)
+            start += _aligned(size)
+        return tuple(offsets)
+
+    def metadata(self, packed: jax.Array, group: int) -> AttentionMetadata:
+        """The `AttentionMetadata` of KV-cache group `group`, sliced from the packed buffer."""
+        offsets, sizes = self.field_offsets, self.field_sizes
+
+        def field(i):
+            return packed[offsets[i] : offsets[i] + sizes[i]]
+
+        query_start_loc = field(0)
+        return AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=field(1),
+            block_tables=field(2 + group).reshape(self.num_reqs, self.blocks_per_req),
+            slot_mapping=field(2 + self.num_groups + group),
+            num_actual_tokens=query_start_loc[-1],
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            causal=self.causal,
+        )
+
+
+def _pack(fields: list[torch.Tensor], padding: torch.Tensor) -> torch.Tensor:
+    """One int32 buffer: each field flattened and padded to the alignment, in one `torch.cat`."""
+    pieces = []
+    for field in fields:
+        flat = field.reshape(-1).to(torch.int32)
+        pieces += [flat, padding[: _aligned(flat.numel()) - flat.numel()]]
+    return torch.cat(pieces)
+
+
+def _bucket(value: int) -> int:
+    """Static upper bounds are rounded up to a power of two, so that a new step rarely recompiles."""
+    return 1 if value <= 1 else 1 << (value - 1).bit_length()
+
+
+@partial(
+    jax.jit,
+    static_argnames=(
+        "layout",
+        "group",
+        "params",
+        "kv_layout",
+        "k_scale",
+        "v_scale",
+        "implementation",
+        "interpret",
+    ),
+    donate_argnames=("kv_cache", "out_buffer"),
+)
+def _layer_step(
+    packed, q, k, v, kv_cache, sinks, out_buffer, *, layout, group, params, kv_layout, k_scale, v_scale,
+    implementation, interpret,
+):  # fmt: skip
+    """Write k/v by slot, then attend: one compiled function per (layout, layer parameters)."""
+    metadata = layout.metadata(packed, group)
+    if k is not None:
+        kv_cache = write_kv(
+            kv_cache, k, v, metadata.slot_mapping, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale
+        )
+    out = paged_attention(
+        q,
+        kv_cache,
+        metadata,
+        sm_scale=params.sm_scale,
+        sliding_window=params.sliding_window,
+        attention_chunk_size=params.attention_chunk_size,
+        logits_soft_cap=params.logits_soft_cap,
+        sinks=sinks,
+        causal=params.causal,
+        kv_layout=kv_layout,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        implementation=implementation,
+        interpret=interpret,
+    )
+    if out_buffer is not None:  # the caller's `out`, donated: XLA writes the result into its memory
+        out = out.reshape(out_buffer.shape)
+    return out, kv_cache
+
+
+class PagedAttentionBackend:
+    """Paged attention for PyTorch serving code: `plan` once per step, `run` once per layer.
+
+    Args:
+      layers: the attention layers by name.
+      block_size: S, tokens per cache block (a multiple of 16 for the kernels).
+      kv_layout: "NHD" (cache [B, 2, S, K, H], vLLM's) or "HND" ([B, 2, K, S, H]).
+      cache_owner: "torch" (the caller passes each layer's cache to `run`) or "jax" (see `allocate_kv_caches`).
+      implementation, interpret: passed to `jax_hybrid_attn.paged_attention` (default: the kernels on a GPU,
+        the jnp reference on a CPU; ``interpret=True`` runs the kernels in Mosaic GPU interpret mode).
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[str, AttentionLayer],
+        *,
+        block_size: int,
+        kv_layout: str = "NHD",
+        cache_owner: str = "torch",
+        implementation: str | None = None,
+        interpret: bool = False,
+    ):
+        if not isinstance(layers, Mapping) or not layers:
+            raise ValueError(
+                f"layers must be a non-empty mapping from name to AttentionLayer, got {layers!r}"
+            )
+        for name, layer in layers.items():
+            if not isinstance(layer, AttentionLayer):
+                raise ValueError(f"layers[{name!r}] must be an AttentionLayer, got {type(layer).__name__}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"{block_size=} must be a positive int")
+        if cache_owner not in CACHE_OWNERS:
+            raise ValueError(f"{cache_owner=} must be one of {CACHE_OWNERS}")
+        get_kv_cache_shape(1, block_size, 1, 1, kv_layout=kv_layout)  # validates kv_layout
+        self.layers = dict(layers)
+        self.block_size = block_size
+        self.kv_layout = kv_layout
+        self.cache_owner = cache_owner
+        self.implementation = implementation
+        self.interpret = interpret
+        self.num_kv_cache_groups = 1 + max(layer.kv_cache_group for layer in self.layers.values())
+        self._sinks: dict[str, jax.Array] = {}
+        self._caches: dict[str, jax.Array] = {}
+        self._exported: dict[str, weakref.ref] = {}
+        self._aliases: dict[tuple, bool] = {}
+        self._packed: jax.Array | None = None
+        self._layout: PlanLayout | None = None
+        self._plan_device: torch.device | None = None
+        self._padding: torch.Tensor | None = None
+
+    # --------------------------------------------------------------------------------- vLLM's static side
+
+    @staticmethod
+    def get_name() -> str:
+        return "JAX_HYBRID_ATTN"
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+    ) -> tuple[int, ...]:
+        """vLLM's signature: ``(num_blocks, 2, block_size, num_kv_heads, head_size)`` (NHD)."""
+        if cache_dtype_str not in KV_CACHE_DTYPES:
+            raise ValueError(f"{cache_dtype_str=} must be one of {tuple(KV_CACHE_DTYPES)}")
+        return get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, kv_layout="NHD")
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> tuple[int, ...]:
+        return (16, 32, 64)
+
+    supported_dtypes = SUPPORTED_DTYPES
+    forward_includes_kv_cache_update = True
+
+    @staticmethod
+    def supports_sink() -> bool:
+        return True
+
+    @staticmethod
+    def supports_non_causal() -> bool:
+        return True
+
+    def metadata_groups(self) -> dict[tuple, list[str]]:
+        """Layers by (KV-cache group, `metadata_group_key`): the layers that share one compiled function."""
+        groups: dict[tuple, list[str]] = {}
+        for name, layer in self.layers.items():
+            groups.setdefault((layer.kv_cache_group, metadata_group_key(layer.params)), []).append(name)
+        return groups
+
+    # ------------------------------------------------------------------------------------------- per step
+
+    def plan(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+        causal: bool = True,
+    ) -> None:
+        """Take this step's metadata (vLLM's `CommonAttentionMetadata` fields) for every following `run`.
+
+        Args:
+          query_start_loc: [R+1] cumulative query lengths.
+          seq_lens: [R] context lengths including this step's tokens.
+          block_tables: [R, P], or [G, R, P] with one table per KV-cache group.
+          slot_mapping: [T], or [G, T]; `PAD_SLOT_ID` (-1) for padding tokens.
+          max_query_len, max_seq_len: host-side upper bounds (vLLM's); if None they are read from the tensors,
+            which waits for them. Both are rounded up to a power of two to limit recompiles.
+
+        The four tensors are packed, converted to int32 (an explicit, range-checked conversion of vLLM's int64
+        slot mapping), into one buffer on their device and imported into JAX once.
+        """
+        tensors = {
+            "query_start_loc": query_start_loc,
+            "seq_lens": seq_lens,
+            "block_tables": block_tables,
+            "slot_mapping": slot_mapping,
+        }
+        device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{name}.dtype={tensor.dtype} must be torch.int32 (or int64, converted)")
+            if tensor.device != device:
+                raise ValueError(f"{name} is on {tensor.device}, query_start_loc on {device}")
+        num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+        if seq_lens.dim() != 1 or query_start_loc.shape != (num_reqs + 1,):
+            raise ValueError(
+                f"query_start_loc.shape={tuple(query_start_loc.shape)} and seq_lens.shape={tuple(seq_lens.shape)} "
+                "must be [R+1] and [R]"
+            )
+        groups = self.num_kv_cache_groups
+        if block_tables.dim() == 2:
+            block_tables = block_tables.unsqueeze(0).expand(groups, -1, -1)
+        if slot_mapping.dim() == 1:
+            slot_mapping = slot_mapping.unsqueeze(0).expand(groups, -1)
+        if block_tables.dim() != 3 or block_tables.shape[:2] != (groups, num_reqs):
+            raise ValueError(
+                f"block_tables.shape={tuple(block_tables.shape)} must be [R={num_reqs}, P] or "
+                f"[G={groups}, R={num_reqs}, P]"
+            )
+        if slot_mapping.dim() != 2 or slot_mapping.shape[0] != groups:
+            raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [T] or [G={groups}, T]")
+        if max_query_len is None:
+            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if num_reqs else 0
+        for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
+        if slot_mapping.dtype == torch.int64 and slot_mapping.numel():
+            limit = torch.iinfo(torch.int32).max
+            if (
+                int(slot_mapping.max()) > limit
+            ):  # waits for the tensor: vLLM's int64 slots are range-checked once
+                raise ValueError(f"slot_mapping holds slots above int32's {limit}")
+        if self._padding is None or self._padding.device != device:
+            self._padding = torch.zeros(_ALIGN_ELEMENTS, dtype=torch.int32, device=device)
+        packed = _pack([query_start_loc, seq_lens, *block_tables, *slot_mapping], self._padding)
+        self._layout = PlanLayout(
+            num_reqs=num_reqs,
+            num_tokens=slot_mapping.shape[1],
+            num_groups=groups,
+            blocks_per_req=block_tables.shape[2],
+            max_query_len=_bucket(max_query_len),
+            max_seq_len=_bucket(max_seq_len),
+            causal=causal,
+        )
+        self._packed = to_jax(packed, name="packed metadata")
+        self._plan_device = device
+
+    def run(
+        self,
+        layer: str,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        kv_cache: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this step's k/v into the layer's cache, then attend over it (vLLM's ``forward``).
+
+        Args:
+          layer: a name given at construction.
+          q: [T, N, H] or [T, N*H]; k, v: [T, K, H] or [T, K*H], or both None for a layer that shares another
+            layer's cache (nothing is written).
+          kv_cache: the layer's cache (`get_kv_cache_shape`) with ``cache_owner="torch"``; None with "jax".
+          out: optional [T, N, H] or [T, N*H] tensor in q's dtype to write the result into.
+
+        Returns:
+          The attention output, shaped like `q` (or `out` itself), sharing memory with JAX's result.
+        """
+        if self._layout is None:
+            raise RuntimeError("call plan(...) for this step before run(...)")
+        if layer not in self.layers:
+            raise ValueError(f"{layer=} is not one of the backend's layers {sorted(self.layers)}")
+        spec = self.layers[layer]
+        shape = (q.shape[0], spec.num_heads, spec.head_size)
+        q_jax = self._import(q, "q", shape, dtypes=SUPPORTED_DTYPES)
+        if (k is None) != (v is None):
+            raise ValueError("k and v must both be given, or both be None (a layer sharing another's cache)")
+        kv_shape = (q.shape[0], spec.num_kv_heads, spec.head_size)
+        k_jax = None if k is None else self._import(k, "k", kv_shape, dtypes=(q.dtype,))
+        v_jax = None if v is None else self._import(v, "v", kv_shape, dtypes=(q.dtype,))
+        if q.shape[0] != self._layout.num_tokens:
+            raise ValueError(f"q has {q.shape[0]} tokens, the plan's slot mapping {self._layout.num_tokens}")
+        cache_jax = self._layer_cache(layer, kv_cache, spec)
+        out_jax = None
+        if out is not None:
+            if out.dtype != q.dtype or out.numel() != math.prod(shape):
+                raise ValueError(
+                    f"out ({tuple(out.shape)}, {out.dtype}) must hold {shape} in q's dtype {q.dtype}"
+                )
+            out_jax = to_jax(out, name="out")
+        result, new_cache = _layer_step(
+            self._packed,
+            q_jax,
+            k_jax,
+            v_jax,
+            cache_jax,
+            self._layer_sinks(layer, spec),
+            out_jax,
+            layout=self._layout,
+            group=spec.kv_cache_group,
+            params=spec.params,
+            kv_layout=self.kv_layout,
+            k_scale=spec.k_scale,
+            v_scale=spec.v_scale,
+            implementation=self.implementation,
+            interpret=self.interpret,
+        )
+        if self.cache_owner == "jax":
+            self._caches[layer] = new_cache
+        elif not self._aliased(("kv_cache", layer, cache_jax.shape, cache_jax.dtype), kv_cache, new_cache):
+            kv_cache.copy_(to_torch(new_cache, name="updated kv cache"))
+        if out is None:
+            return to_torch(result, name="output").reshape(q.shape)
+        if not self._aliased(("out", layer, out_jax.shape, out_jax.dtype), out, result):
+            out.copy_(to_torch(result, name="output").reshape(out.shape))
+        return out
+
+    # ----------------------------------------------------------------------------------- JAX-owned caches
+
+    def allocate_kv_caches(self, num_blocks: int, *, dtype: torch.dtype = torch.bfloat16) -> None:
+        """With ``cache_owner="jax"``: one zeroed cache per layer, [B, 2, S, K, H] (or HND), on JAX's default
+        device. `dtype` may be ``torch.float8_e4m3fn``."""
+        if self.cache_owner != "jax":
+            raise ValueError(
+                f"allocate_kv_caches is for cache_owner='jax', this backend has {self.cache_owner!r}"
+            )
+        jax_dtype = (
+            FP8_DTYPE if dtype == torch.float8_e4m3fn else jnp.dtype(str(dtype).removeprefix("torch."))
+        )
+        for name, spec in self.layers.items():
+            shape = get_kv_cache_shape(
+                num_blocks, self.block_size, spec.num_kv_heads, spec.head_size, kv_layout=self.kv_layout
+            )
+            self._caches[name] = jnp.zeros(shape, jax_dtype)
+
+    def kv_cache_as_torch(self, layer: str) -> torch.Tensor:
+        """With ``cache_owner="jax"``: the layer's cache as a torch tensor, zero-copy, for inspection.
+
+        Drop the tensor before the layer's next `run`, which donates the cache.
+        """
+        if layer not in self._caches:
+            raise ValueError(
+                f"{layer=} has no JAX-owned cache (cache_owner='jax' and allocate_kv_caches first)"
+            )
+        tensor = to_torch(self._caches[layer], name=f"kv cache of {layer}")
+        self._exported[layer] = weakref.ref(tensor)
+        return tensor
+
+    # -------------------------------------------------------------------------------------------- helpers
+
+    def _import(self, tensor, name, shape, *, dtypes) -> jax.Array:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in dtypes:
+            raise ValueError(f"{name}.dtype={tensor.dtype} must be one of {dtypes}")
+        if tensor.device != self._plan_device:
+            raise ValueError(f"{name} is on {tensor.device}, the plan's metadata on {self._plan_device}")
+        if tensor.numel() != math.prod(shape) or tensor.shape[0] != shape[0]:
+            raise ValueError(
+                f"{name}.shape={tuple(tensor.shape)} must be {shape} or {shape[:1] + (math.prod(shape[1:]),)}"
+            )
+        if tensor.dim() == 2:
+            tensor = tensor.view(shape)
+        return to_jax(tensor, name=name)
+
+    def _aliased(self, key: tuple, tensor: torch.Tensor, array: jax.Array) -> bool:
+        """Whether XLA wrote `array` into the donated memory of `tensor`. On a GPU it does (measured on the H200);
+        XLA's CPU client does not alias imported buffers, and the caller copies back. Checked once per key: reading
+        the pointer waits for the computation."""
+        if key not in self._aliases:
+            self._aliases[key] = same_memory(tensor, array)
+        return self._aliases[key]
+
+    def _layer_cache(self, layer: str, kv_cache, spec: AttentionLayer) -> jax.Array:
+        if self.cache_owner == "jax":
+            if kv_cache is not None:
+                raise ValueError("with cache_owner='jax' the backend holds the caches: pass kv_cache=None")
+            if layer not in self._caches:
+                raise RuntimeError("call allocate_kv_caches(...) before run(...) with cache_owner='jax'")
+            exported = self._exported.pop(layer, None)
+            if exported is not None and exported() is not None:
+                self._exported[layer] = exported
+                raise RuntimeError(
+                    f"the tensor from kv_cache_as_torch({layer!r}) is still alive: drop it before the next run, "
+                    "which updates the cache in place (JAX cannot donate a buffer that torch holds)"
+                )
+            return self._caches[layer]
+        if not isinstance(kv_cache, torch.Tensor):
+            raise ValueError(
+                f"kv_cache must be the layer's torch cache tensor, got {type(kv_cache).__name__}"
+            )
+        expected = get_kv_cache_shape(
+            kv_cache.shape[0] if kv_cache.dim() else 1,
+            self.block_size,
+            spec.num_kv_heads,
+            spec.head_size,
+            kv_layout=self.kv_layout,
+        )
+        if tuple(kv_cache.shape) != expected:
+            raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be {expected} ({self.kv_layout})")
+        if kv_cache.device != self._plan_device:
+            raise ValueError(f"kv_cache is on {kv_cache.device}, the plan's metadata on {self._plan_device}")
+        alignment = PACKED_FIELD_ALIGNMENT if kv_cache.is_cuda else ALIGNMENT  # kernels run on the GPU only
+        return to_jax(kv_cache, name="kv_cache", alignment=alignment)
+
+    def _layer_sinks(self, layer: str, spec: AttentionLayer) -> jax.Array | None:
+        if spec.sinks is None:
+            return None
+        if layer not in self._sinks:  # imported once per layer (a copy: sinks are tiny and must be float32)
+            sinks = spec.sinks.detach().to(device=self._plan_device, dtype=torch.float32).clone()
+            self._sinks[layer] = to_jax(sinks, name="sinks")
+        return self._sinks[layer]

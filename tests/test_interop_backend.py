@@ -1,0 +1,263 @@
+"""The torch backend (`plan`/`run`) against the torch eager reference, on random data with NaN in unused blocks."""
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from jax_hybrid_attn_torch import AttentionLayer, PagedAttentionBackend
+from jax_hybrid_attn_torch.dlpack import same_memory
+
+from .torch_reference import paged_attention_torch, write_kv_torch
+
+TOLERANCES = {
+    torch.float32: 2e-5,
+    torch.float16: 4e-3,
+    torch.bfloat16: 2e-2,
+}  # jax_hybrid_attn.testing's table
+BLOCK_SIZE = 8
+QUERY_LENS = (1, 9, 3, 1, 0)  # a decode, a prefill across a block edge, a short extend, a decode, an idle row
+SEQ_LENS = (17, 9, 24, 8, 5)  # straddling the block (8) and chunk (8, 16) boundaries
+
+
+def make_step(*, num_groups=1, dtype=torch.float32, num_heads=4, num_kv_heads=2, head_size=16, seed=0):
+    """A mixed batch: per KV-cache group a block table over shuffled blocks (0 is the null block, NaN) and the
+    slot mapping of the step's tokens; a cache per group holding each request's context, NaN elsewhere."""
+    generator = torch.Generator().manual_seed(seed)
+    num_reqs = len(SEQ_LENS)
+    blocks_per_req = max(math.ceil(s / BLOCK_SIZE) for s in SEQ_LENS) + 1
+    num_blocks = 1 + num_reqs * blocks_per_req
+    query_lens = torch.tensor(QUERY_LENS)
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
+    query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).to(torch.int32)])
+    num_tokens = int(query_start_loc[-1]) + 2  # two padding tokens
+    tables, slots, caches = [], [], []
+    for _ in range(num_groups):
+        ids = 1 + torch.randperm(num_blocks - 1, generator=generator)
+        table = torch.zeros(num_reqs, blocks_per_req, dtype=torch.int32)
+        slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)  # vLLM's dtype: converted explicitly
+        cache = torch.full(
+            PagedAttentionBackend.get_kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_size),
+            float("nan"),
+            dtype=dtype,
+        )
+        for r, (q_len, s_len) in enumerate(zip(QUERY_LENS, SEQ_LENS, strict=True)):
+            used = math.ceil(s_len / BLOCK_SIZE)
+            table[r, :used] = ids[r * blocks_per_req : r * blocks_per_req + used].to(torch.int32)
+            positions = torch.arange(s_len)
+            row_slots = (
+                table[r, positions // BLOCK_SIZE].to(torch.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+            )
+            context = s_len - q_len
+            kv = torch.randn(2, context, num_kv_heads, head_size, generator=generator).to(dtype)
+            write_kv_torch(cache, kv[0], kv[1], row_slots[:context])
+            start = int(query_start_loc[r])
+            slot_mapping[start : start + q_len] = row_slots[context:]
+        tables.append(table)
+        slots.append(slot_mapping)
+        caches.append(cache)
+    step = {
+        "query_start_loc": query_start_loc,
+        "seq_lens": seq_lens,
+        "block_tables": torch.stack(tables) if num_groups > 1 else tables[0],
+        "slot_mapping": torch.stack(slots) if num_groups > 1 else slots[0],
+    }
+    q = torch.randn(num_tokens, num_heads, head_size, generator=generator).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_size, generator=generator).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_size, generator=generator).to(dtype)
+    return step, caches, q, k, v
+
+
+def expected(layer: AttentionLayer, step, cache, q, k, v, group=0):
+    """The torch reference: write the step's k/v into a copy of the cache, then attend."""
+    cache = cache.clone()
+    slots = step["slot_mapping"] if step["slot_mapping"].dim() == 1 else step["slot_mapping"][group]
+    tables = step["block_tables"] if step["block_tables"].dim() == 2 else step["block_tables"][group]
+    write_kv_torch(cache, k, v, slots)
+    out = paged_attention_torch(
+        q,
+        cache,
+        step["query_start_loc"],
+        step["seq_lens"],
+        tables,
+        sm_scale=layer.scale,
+        sliding_window=layer.sliding_window,
+        attention_chunk_size=layer.attention_chunk_size,
+        logits_soft_cap=layer.logits_soft_cap,
+        sinks=layer.sinks,
+        causal=layer.causal,
+    )
+    return out, cache
+
+
+def assert_close(actual, wanted):
+    tolerance = TOLERANCES[wanted.dtype]
+    valid = int(torch.tensor(QUERY_LENS).sum())
+    torch.testing.assert_close(actual[:valid].float(), wanted[:valid].float(), atol=tolerance, rtol=tolerance)
+
+
+SINKS = torch.linspace(-1.0, 2.0, 4)
+LAYERS = {
+    "full": {},
+    "window 5": {"sliding_window": 5},
+    "window 1": {"sliding_window": 1},
+    "chunk 8": {"attention_chunk_size": 8},
+    "soft cap 5, scale 0.3": {"logits_soft_cap": 5.0, "scale": 0.3},
+    "sinks, window 9": {"sinks": SINKS, "sliding_window": 9},
+    "non-causal": {"causal": False},
+    "mha": {"num_kv_heads": 4},
+    "mqa, chunk 16": {"num_kv_heads": 1, "attention_chunk_size": 16},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_run_matches_the_torch_reference_and_updates_the_torch_cache(name, dtype):
+    options = {"num_heads": 4, "num_kv_heads": 2, "head_size": 16, **LAYERS[name]}
+    layer = AttentionLayer(**options)
+    step, (cache,), q, k, v = make_step(dtype=dtype, num_kv_heads=options["num_kv_heads"])
+    wanted, wanted_cache = expected(layer, step, cache, q, k, v)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE)
+    backend.plan(**step, causal=layer.causal)
+    out = backend.run("layer", q, k, v, cache)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert_close(out, wanted)
+    torch.testing.assert_close(cache, wanted_cache, equal_nan=True, atol=0, rtol=0)  # in place, NaN kept
+
+
+def test_layers_with_different_windows_share_one_plan_over_two_kv_cache_groups():
+    """Gemma-3-like: a full layer in group 0 and window layers in group 1; one plan, no error."""
+    layers = {
+        "global": AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, kv_cache_group=0),
+        "local a": AttentionLayer(
+            num_heads=4, num_kv_heads=2, head_size=16, sliding_window=5, kv_cache_group=1
+        ),
+        "local b": AttentionLayer(
+            num_heads=4, num_kv_heads=2, head_size=16, sliding_window=12, kv_cache_group=1
+        ),
+    }
+    step, caches, q, k, v = make_step(num_groups=2)
+    backend = PagedAttentionBackend(layers, block_size=BLOCK_SIZE)
+    assert len(backend.metadata_groups()) == 3
+    backend.plan(**step)
+    for name, layer in layers.items():
+        cache = caches[layer.kv_cache_group]
+        wanted, _ = expected(layer, step, cache, q, k, v, group=layer.kv_cache_group)
+        assert_close(backend.run(name, q, k, v, cache), wanted)
+
+
+def test_jax_owned_cache_is_updated_and_exported_for_inspection_only():
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sliding_window=5)
+    step, (cache,), q, k, v = make_step()
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, cache_owner="jax")
+    backend.allocate_kv_caches(cache.shape[0], dtype=torch.float32)
+    view = backend.kv_cache_as_torch("layer")
+    view.copy_(cache)  # the test's context, written through the zero-copy view
+    with pytest.raises(RuntimeError, match=r"kv_cache_as_torch\('layer'\) is still alive"):
+        backend.plan(**step)
+        backend.run("layer", q, k, v)
+    del view
+    out = backend.run("layer", q, k, v)
+    wanted, wanted_cache = expected(layer, step, cache, q, k, v)
+    assert_close(out, wanted)
+    torch.testing.assert_close(
+        backend.kv_cache_as_torch("layer"), wanted_cache, equal_nan=True, atol=0, rtol=0
+    )
+
+
+def test_out_argument_flat_shapes_and_a_layer_sharing_another_cache():
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
+    step, (cache,), q, k, v = make_step()
+    wanted, wanted_cache = expected(layer, step, cache, q, k, v)
+    backend = PagedAttentionBackend({"writer": layer, "reader": layer}, block_size=BLOCK_SIZE)
+    backend.plan(**step)
+    out = torch.empty(q.shape[0], 4 * 16)
+    result = backend.run(
+        "writer",
+        q.reshape(q.shape[0], -1),
+        k.reshape(k.shape[0], -1),
+        v.reshape(v.shape[0], -1),
+        cache,
+        out=out,
+    )
+    assert result is out
+    assert_close(out.reshape(q.shape), wanted)
+    shared = backend.run("reader", q, None, None, cache)  # vLLM's kv_sharing: nothing written
+    assert_close(shared, wanted)
+    torch.testing.assert_close(cache, wanted_cache, equal_nan=True, atol=0, rtol=0)
+
+
+def test_the_output_shares_memory_with_jax():
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
+    step, (cache,), q, k, v = make_step()
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE)
+    backend.plan(**step)
+    import jax_hybrid_attn_torch.backend as backend_module
+
+    exported = []
+    original = backend_module.to_torch
+
+    def recording(array, **kwargs):
+        tensor = original(array, **kwargs)
+        exported.append(same_memory(tensor, array))
+        return tensor
+
+    backend_module.to_torch = recording
+    try:
+        backend.run("layer", q, k, v, cache)
+    finally:
+        backend_module.to_torch = original
+    assert exported[-1], "the output was copied"
+
+
+def test_kernels_in_interpret_mode_through_the_backend():
+    """The Mosaic GPU kernels (interpret mode) behind the torch API: bf16, window and sinks, block 16."""
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=64, sliding_window=9, sinks=SINKS)
+    global BLOCK_SIZE
+    saved, BLOCK_SIZE = BLOCK_SIZE, 16
+    try:
+        step, (cache,), q, k, v = make_step(dtype=torch.bfloat16, head_size=64)
+        wanted, _ = expected(layer, step, cache, q, k, v)
+        backend = PagedAttentionBackend({"layer": layer}, block_size=16, interpret=True)
+        backend.plan(**step)
+        assert_close(backend.run("layer", q, k, v, cache), wanted)
+    finally:
+        BLOCK_SIZE = saved
+
+
+def test_get_kv_cache_shape_is_vllms():
+    assert PagedAttentionBackend.get_kv_cache_shape(10, 16, 8, 128) == (10, 2, 16, 8, 128)
+    assert PagedAttentionBackend.get_kv_cache_shape(10, 16, 8, 128, "fp8") == (10, 2, 16, 8, 128)
+    with pytest.raises(ValueError, match="cache_dtype_str='int4'"):
+        PagedAttentionBackend.get_kv_cache_shape(10, 16, 8, 128, "int4")
+
+
+def test_bad_input_is_named():
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
+    step, (cache,), q, k, v = make_step()
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE)
+    with pytest.raises(RuntimeError, match=r"call plan\(...\)"):
+        backend.run("layer", q, k, v, cache)
+    backend.plan(**step)
+    with pytest.raises(ValueError, match="layer='other'"):
+        backend.run("other", q, k, v, cache)
+    with pytest.raises(ValueError, match=r"q with shape .* is not compact"):
+        wide = torch.randn(q.shape[0], 4, 32)
+        backend.run("layer", wide[:, :, :16], k, v, cache)
+    with pytest.raises(ValueError, match=r"k\.dtype=torch\.float16"):
+        backend.run("layer", q, k.half(), v, cache)
+    with pytest.raises(ValueError, match=r"kv_cache\.shape=.* must be"):
+        backend.run("layer", q, k, v, cache[:, :, :4].contiguous())
+    with pytest.raises(ValueError, match="both be given"):
+        backend.run("layer", q, k, None, cache)
+    with pytest.raises(ValueError, match=r"seq_lens\.dtype=torch\.float32"):
+        backend.plan(**{**step, "seq_lens": step["seq_lens"].float()})
+    with pytest.raises(ValueError, match=r"slot_mapping holds slots above int32"):
+        backend.plan(**{**step, "slot_mapping": step["slot_mapping"] + 2**40})
+    with pytest.raises(ValueError, match="num_heads=4 must be a multiple of num_kv_heads=3"):
+        AttentionLayer(num_heads=4, num_kv_heads=3, head_size=16)
+    with pytest.raises(ValueError, match="sliding_window"):
+        AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sliding_window=0)
+    with pytest.raises(ValueError, match="cache_owner='numpy'"):
+        PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, cache_owner="numpy")
