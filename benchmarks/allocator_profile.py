@@ -27,6 +27,7 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--hlo-out", default=None)
+    parser.add_argument("--top", type=int, default=25, help="events listed per line (0: all)")
     args = parser.parse_args()
     num_requests = args.requests
     config = make_config(num_requests, max_num_batched_tokens=2048)
@@ -82,7 +83,7 @@ def main():
                 f"== {plane.name} / {line.name}: {len(events) / args.steps:.0f} events per step, "
                 f"{total / args.steps:.0f} us per step"
             )
-            top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+            top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top or None]
             for name, (count, micros) in top:
                 print(f"   {count / args.steps:6.1f}x {micros / args.steps:8.1f} us  {name[:110]}")
 

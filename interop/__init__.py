@@ -5,6 +5,8 @@ package that imports torch; `jax_hybrid_attn` itself never does.
 
 * `to_jax` / `to_torch` (`dlpack`): zero-copy tensors both ways, with the checks DLPack does not make.
 * `PagedAttentionBackend` (`backend`): `plan` once per step, `run` once per layer, from torch tensors.
+* `transformers_attention.register()`: ``attn_implementation="jax_hybrid"`` for HuggingFace models (imported on
+  demand: it imports transformers).
 """
 
 from .backend import AttentionLayer, PagedAttentionBackend
