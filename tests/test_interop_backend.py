@@ -21,7 +21,10 @@ QUERY_LENS = (1, 9, 3, 1, 0)  # a decode, a prefill across a block edge, a short
 SEQ_LENS = (17, 9, 24, 8, 5)  # straddling the block (8) and chunk (8, 16) boundaries
 
 
-def make_step(*, num_groups=1, dtype=torch.float32, num_heads=4, num_kv_heads=2, head_size=16, seed=0):
+def make_step(
+    *, num_groups=1, dtype=torch.float32, num_heads=4, num_kv_heads=2, head_size=16, seed=0, kv_dtype=None,
+    kv_layout="NHD", k_scale=None, v_scale=None,
+):  # fmt: skip
     """A mixed batch: per KV-cache group a block table over shuffled blocks (0 is the null block, NaN) and the
     slot mapping of the step's tokens; a cache per group holding each request's context, NaN elsewhere."""
     generator = torch.Generator().manual_seed(seed)
@@ -37,11 +40,10 @@ def make_step(*, num_groups=1, dtype=torch.float32, num_heads=4, num_kv_heads=2,
         ids = 1 + torch.randperm(num_blocks - 1, generator=generator)
         table = torch.zeros(num_reqs, blocks_per_req, dtype=torch.int32)
         slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)  # vLLM's dtype: converted explicitly
-        cache = torch.full(
-            PagedAttentionBackend.get_kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_size),
-            float("nan"),
-            dtype=dtype,
-        )
+        shape = PagedAttentionBackend.get_kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
+        if kv_layout == "HND":
+            shape = (shape[0], 2, num_kv_heads, BLOCK_SIZE, head_size)
+        cache = torch.full(shape, float("nan"), dtype=kv_dtype or dtype)
         for r, (q_len, s_len) in enumerate(zip(QUERY_LENS, SEQ_LENS, strict=True)):
             used = math.ceil(s_len / BLOCK_SIZE)
             table[r, :used] = ids[r * blocks_per_req : r * blocks_per_req + used].to(torch.int32)
@@ -51,7 +53,15 @@ def make_step(*, num_groups=1, dtype=torch.float32, num_heads=4, num_kv_heads=2,
             )
             context = s_len - q_len
             kv = torch.randn(2, context, num_kv_heads, head_size, generator=generator).to(dtype)
-            write_kv_torch(cache, kv[0], kv[1], row_slots[:context])
+            write_kv_torch(
+                cache,
+                kv[0],
+                kv[1],
+                row_slots[:context],
+                kv_layout=kv_layout,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
             start = int(query_start_loc[r])
             slot_mapping[start : start + q_len] = row_slots[context:]
         tables.append(table)
@@ -69,12 +79,13 @@ def make_step(*, num_groups=1, dtype=torch.float32, num_heads=4, num_kv_heads=2,
     return step, caches, q, k, v
 
 
-def expected(layer: AttentionLayer, step, cache, q, k, v, group=0):
+def expected(layer: AttentionLayer, step, cache, q, k, v, group=0, kv_layout="NHD"):
     """The torch reference: write the step's k/v into a copy of the cache, then attend."""
     cache = cache.clone()
     slots = step["slot_mapping"] if step["slot_mapping"].dim() == 1 else step["slot_mapping"][group]
     tables = step["block_tables"] if step["block_tables"].dim() == 2 else step["block_tables"][group]
-    write_kv_torch(cache, k, v, slots)
+    scales = {"k_scale": layer.k_scale, "v_scale": layer.v_scale}
+    write_kv_torch(cache, k, v, slots, kv_layout=kv_layout, **scales)
     out = paged_attention_torch(
         q,
         cache,
@@ -87,6 +98,8 @@ def expected(layer: AttentionLayer, step, cache, q, k, v, group=0):
         logits_soft_cap=layer.logits_soft_cap,
         sinks=layer.sinks,
         causal=layer.causal,
+        kv_layout=kv_layout,
+        **scales,
     )
     return out, cache
 
@@ -124,6 +137,22 @@ def test_run_matches_the_torch_reference_and_updates_the_torch_cache(name, dtype
     assert out.shape == q.shape and out.dtype == dtype
     assert_close(out, wanted)
     torch.testing.assert_close(cache, wanted_cache, equal_nan=True, atol=0, rtol=0)  # in place, NaN kept
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "kv_layout"), [(torch.float8_e4m3fn, "NHD"), (torch.float8_e4m3fn, "HND"), (None, "HND")]
+)
+def test_fp8_and_hnd_caches(kv_dtype, kv_layout):
+    scales = {"k_scale": 0.5, "v_scale": 2.0} if kv_dtype else {}
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sliding_window=9, **scales)
+    step, (cache,), q, k, v = make_step(
+        dtype=torch.bfloat16, kv_dtype=kv_dtype, kv_layout=kv_layout, **scales
+    )
+    wanted, wanted_cache = expected(layer, step, cache, q, k, v, kv_layout=kv_layout)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, kv_layout=kv_layout)
+    backend.plan(**step)
+    assert_close(backend.run("layer", q, k, v, cache), wanted)
+    torch.testing.assert_close(cache.float(), wanted_cache.float(), equal_nan=True, atol=0, rtol=0)
 
 
 def test_layers_with_different_windows_share_one_plan_over_two_kv_cache_groups():
