@@ -78,9 +78,16 @@ def prefill(config: AllocatorConfig, prefill_config: AllocatorConfig, rng, num_r
     return state, jnp.asarray(lengths, jnp.int32)
 
 
-def time_steps(step, state, computed, *, steps: int, sample, warmup: int = 10):
-    """Median and 10th percentile (us) of `step` over `steps` decode steps; a token is appended before each."""
+def time_steps(step, state, computed, *, steps: int, sample, warmup: int = 10, verify: bool = False):
+    """Median and 10th percentile (us) of `step` over `steps` decode steps; a token is appended before each.
+
+    With `verify`, every step is replayed on the CPU (outside the timing) and its outputs and state must be
+    bit-identical to the timed device's.
+    """
     times, failures = [], 0
+    cpu = jax.devices("cpu")[0]
+    copy_to_cpu = partial(jax.tree.map, lambda x: jnp.array(jax.device_put(x, cpu), copy=True))
+    mirror = copy_to_cpu((state, computed)) if verify else None
     for i in range(steps + warmup):
         state = sample(state, i)
         jax.block_until_ready(state)
@@ -90,6 +97,14 @@ def time_steps(step, state, computed, *, steps: int, sample, warmup: int = 10):
         if i >= warmup:  # the first calls compile
             times.append(time.perf_counter() - start)
         failures += int(jnp.sum(~out.success))
+        if mirror is not None:
+            cpu_state, cpu_computed = mirror
+            cpu_state, cpu_out = step(sample(cpu_state, i), cpu_computed)
+            for name, a, b in (("state", state, cpu_state), ("outputs", out, cpu_out)):
+                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+                    if not np.array_equal(np.asarray(x), np.asarray(y)):
+                        raise AssertionError(f"step {i}: the {name} differs from the CPU's")
+            mirror = (cpu_state, cpu_computed + 1)
         computed = computed + 1
     return state, computed, 1e6 * float(np.median(times)), 1e6 * float(np.percentile(times, 10)), failures
 
@@ -100,6 +115,7 @@ def main():
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--only-persistent", action="store_true", help="time only the first variant")
+    parser.add_argument("--verify", action="store_true", help="replay every step on the CPU and compare")
     args = parser.parse_args()
     num_requests = args.requests
     rng = np.random.default_rng(0)
@@ -148,7 +164,7 @@ def main():
         ("append token + allocate_slots + block_tables, one call", fused, lambda state, i: state),
     ]:
         state, computed, median, p10, failures = time_steps(
-            step, state, computed, steps=args.steps, sample=sampler
+            step, state, computed, steps=args.steps, sample=sampler, verify=args.verify
         )
         results[name] = median
         print(f"  {name:<58} median {median:7.0f} us/step, p10 {p10:6.0f} us, failed rows {failures}")

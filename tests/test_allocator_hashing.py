@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybrid_attn.allocator import cache_salt_words
+from jax_hybrid_attn.allocator import cache_salt_words, prefix_map
 from jax_hybrid_attn.allocator.hashing import chain_block_hash, hash_words, root_hash
 
 # Pinned values: a change of the hash function invalidates persisted caches and must be deliberate.
@@ -69,3 +69,15 @@ def test_single_token_changes_flip_about_half_of_the_64_bits():
     flipped = np.unpackbits((hashes ^ base).view(np.uint8), axis=1).sum(axis=1)
     assert 28 < flipped.mean() < 36 and flipped.min() > 12
     assert len({tuple(h) for h in hashes.tolist()}) == 640
+
+
+def test_colliding_prefix_map_inserts_are_placed_in_event_order_on_every_device():
+    """Inserts that pick one slot: the earliest wins, the others take the next free slots in later rounds, so
+    the table does not depend on which write a device's scatter keeps."""
+    table = jnp.full((1, prefix_map.BUCKET_WIDTH + 1), prefix_map.EMPTY_SLOT, jnp.int32).at[:, -1].set(0)
+    blocks = jnp.array([7, 3, 9], jnp.int32)
+    keys = jnp.array([[1, 2], [3, 4], [5, 6]], jnp.uint32)
+    table, inserts = prefix_map.insert(table, blocks, keys, jnp.zeros(3, jnp.int32), jnp.ones(3, bool))
+    assert inserts.slot_of.tolist() == [0, 1, 2]
+    assert table[0, :3].tolist() == [7, 3, 9]
+    assert int(table[0, -1]) == 0b111

@@ -9,7 +9,8 @@ returns the first inserted (smallest stamp) of the live blocks with that key. Wi
 number of blocks and two choices, a bucket overflows with negligible probability (the most loaded of n buckets
 holds about ``2 + log2(log(n))`` keys, against W = 8 slots); an insert that finds both buckets full is dropped and
 counted (`BlockPool.dropped_inserts`): the block keeps its hash, so free order is unchanged, but it cannot be hit.
-Inserts of one call are placed in rounds; when two of them pick the same slot one wins and the other retries.
+Inserts of one call are placed in rounds; when two of them pick the same slot the earlier one wins and the other
+retries, so the table is the same on every device.
 """
 
 import dataclasses
@@ -131,7 +132,7 @@ register_pytree_dataclass(Inserts, data_fields=[f.name for f in dataclasses.fiel
 
 def _place_round(carry: tuple[Int[Array, "NB W+1"], Inserts]) -> tuple[Int[Array, "NB W+1"], Inserts]:
     """Each pending insert takes the lowest free slot of the emptier of its two buckets; of two that pick the
-    same slot one wins and the other stays pending. Inserts that find both buckets full are dropped."""
+    same slot the earlier wins and the other stays pending. Inserts that find both buckets full are dropped."""
     table, inserts = carry
     blocks, pending = inserts.blocks, inserts.pending
     num_buckets, width = table.shape[0], table.shape[1] - 1
@@ -144,9 +145,16 @@ def _place_round(carry: tuple[Int[Array, "NB W+1"], Inserts]) -> tuple[Int[Array
     column = jax.lax.population_count((free_bits & -free_bits) - 1)  # lowest free slot
     full = free_bits == 0
     go = pending & ~full
-    table = table.at[jnp.where(go, bucket, num_buckets), column].set(blocks, mode="drop")
-    won = go & (table[bucket, column] == blocks)
-    table = table.at[jnp.where(won, bucket, num_buckets), width].add(1 << column, mode="drop")
+    # Of the inserts that pick one slot, the earliest wins: a scatter with repeated indices would leave the winner
+    # to the device (CPU and GPU would then place blocks differently).
+    flat_slot = jnp.where(go, bucket * width + column, num_buckets * width)
+    order = jnp.argsort(flat_slot, stable=True)
+    sorted_slot = flat_slot[order]
+    first = jnp.concatenate([jnp.ones(1, bool), sorted_slot[1:] != sorted_slot[:-1]])
+    won = go & jnp.zeros_like(go).at[order].set(first)
+    target = jnp.where(won, bucket, num_buckets)
+    table = table.at[target, column].set(blocks, mode="drop")
+    table = table.at[target, width].add(1 << column, mode="drop")
     return table, dataclasses.replace(
         inserts,
         pending=pending & ~won & ~full,
