@@ -31,6 +31,7 @@ from jax_hybrid_attn.allocator import (
     add_requests,
     allocate_slots,
     append_token_ids,
+    free,
     init_state,
 )
 
@@ -109,6 +110,39 @@ def time_steps(step, state, computed, *, steps: int, sample, warmup: int = 10, v
     return state, computed, 1e6 * float(np.median(times)), 1e6 * float(np.percentile(times, 10)), failures
 
 
+NEW_PER_STEP, NEW_PROMPT = 4, 256
+
+
+def time_mixed_steps(config, state, computed, *, steps: int, sample, warmup: int = 10):
+    """Each step, 4 requests finish and 4 new ones with 256-token prompts take their slots (untimed: `free` and
+    `add_requests`); the timed step prefills the new prompts (several blocks per group each: the one-row path)
+    and decodes the others. Median and 10th percentile (us), failed rows."""
+    num_requests = computed.shape[0]
+    slots = jnp.arange(num_requests, dtype=jnp.int32)
+    rng = np.random.default_rng(1)
+    times, failures = [], 0
+    for i in range(steps + warmup):
+        new_slots = jnp.asarray((i * NEW_PER_STEP + np.arange(NEW_PER_STEP)) % num_requests, jnp.int32)
+        prompts = np.zeros((NEW_PER_STEP, config.max_model_len), np.int32)
+        prompts[:, :NEW_PROMPT] = rng.integers(0, 256_000, (NEW_PER_STEP, NEW_PROMPT))
+        state = free(config, state, new_slots)
+        state = add_requests(
+            config, state, new_slots, jnp.asarray(prompts), jnp.full(NEW_PER_STEP, NEW_PROMPT, jnp.int32)
+        )
+        state = sample(state, i)  # new requests too: their prompt grows by one token
+        computed = computed.at[new_slots].set(0)
+        num_new = jnp.ones(num_requests, jnp.int32).at[new_slots].set(NEW_PROMPT)
+        jax.block_until_ready((state, computed))
+        start = time.perf_counter()
+        state, out = allocate_slots(config, state, slots, computed, num_new, return_block_tables=False)
+        jax.block_until_ready((state, out))
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        failures += int(jnp.sum(~out.success))
+        computed = out.seq_lens
+    return 1e6 * float(np.median(times)), 1e6 * float(np.percentile(times, 10)), failures
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -116,6 +150,7 @@ def main():
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--only-persistent", action="store_true", help="time only the first variant")
     parser.add_argument("--verify", action="store_true", help="replay every step on the CPU and compare")
+    parser.add_argument("--mixed", action="store_true", help="also time steps that admit new prompts")
     args = parser.parse_args()
     num_requests = args.requests
     rng = np.random.default_rng(0)
@@ -170,6 +205,10 @@ def main():
         print(f"  {name:<58} median {median:7.0f} us/step, p10 {p10:6.0f} us, failed rows {failures}")
         if args.only_persistent:
             break
+    if args.mixed:
+        median, p10, failures = time_mixed_steps(config, state, computed, steps=args.steps, sample=sample)
+        name = f"allocate_slots, {num_requests - NEW_PER_STEP} decodes + {NEW_PER_STEP} new {NEW_PROMPT}-token prompts"
+        print(f"  {name:<58} median {median:7.0f} us/step, p10 {p10:6.0f} us, failed rows {failures}")
     device = jax.devices()[0]
     best = results["allocate_slots (persistent block tables, no copy)"]
     print(

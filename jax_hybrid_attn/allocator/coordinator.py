@@ -19,9 +19,9 @@ from ..constants import NULL_BLOCK_ID
 from . import prefix_map
 from .columns import NUM_TOKENS
 from .managers import FINDERS, group_constants, hit_start_block
-from .state import CHUNKED_LOCAL, SLIDING_WINDOW, AllocatorConfig, BlockPool, RequestTable
+from .state import CHUNKED_LOCAL, FULL, SLIDING_WINDOW, AllocatorConfig, BlockPool, RequestTable
 
-__all__ = ["compute_hits", "find_longest_cache_hit", "lookup_blocks"]
+__all__ = ["compute_hits", "find_longest_cache_hit", "lookup_blocks", "may_hit"]
 
 
 def lookup_blocks(config: AllocatorConfig, pool: BlockPool, requests: RequestTable, slot: Int[Array, ""]):
@@ -91,3 +91,23 @@ def compute_hits(config: AllocatorConfig, pool: BlockPool, requests: RequestTabl
     index = jnp.arange(config.max_blocks_per_row, dtype=jnp.int32)[None, :]
     real = (index >= first_real[:, None]) & (index < length // c.block_size)
     return length, jnp.where(real, blocks, NULL_BLOCK_ID), first_real
+
+
+def may_hit(
+    config: AllocatorConfig, pool: BlockPool, requests: RequestTable, slot, max_length
+) -> Bool[Array, ""]:
+    """False when `compute_hits` surely finds nothing: `max_length` is below the alignment, or a full-attention
+    group misses the request's first block (its hits run left to right and every group's hit is capped by it).
+
+    A few lookups instead of one per block position: a new prompt that shares no prefix skips the search.
+    """
+    possible = jnp.asarray(max_length) >= config.alignment
+    full = [g for g, kind in enumerate(config.kinds) if kind == FULL]
+    if not full:
+        return possible
+    c = group_constants(config)
+    groups = jnp.asarray(full, jnp.int32)
+    key_index = c.hash_scale[groups, 0] - 1  # the hash of each full group's block 0
+    keys = requests.block_hashes[slot][key_index]  # [F, 2]
+    blocks = prefix_map.lookup(pool.prefix_map, pool.info, keys, groups)
+    return possible & jnp.all(blocks != prefix_map.NO_BLOCK)

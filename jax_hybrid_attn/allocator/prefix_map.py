@@ -145,13 +145,15 @@ def _place_round(carry: tuple[Int[Array, "NB W+1"], Inserts]) -> tuple[Int[Array
     column = jax.lax.population_count((free_bits & -free_bits) - 1)  # lowest free slot
     full = free_bits == 0
     go = pending & ~full
-    # Of the inserts that pick one slot, the earliest wins: a scatter with repeated indices would leave the winner
-    # to the device (CPU and GPU would then place blocks differently).
-    flat_slot = jnp.where(go, bucket * width + column, num_buckets * width)
-    order = jnp.argsort(flat_slot, stable=True)
-    sorted_slot = flat_slot[order]
-    first = jnp.concatenate([jnp.ones(1, bool), sorted_slot[1:] != sorted_slot[:-1]])
-    won = go & jnp.zeros_like(go).at[order].set(first)
+    # Inserts into one bucket pick the same slot (its lowest free one); the earliest wins. A scatter with repeated
+    # indices would leave the winner to the device, and CPU and GPU would place blocks differently.
+    event = jnp.arange(blocks.shape[0], dtype=jnp.int32)
+    first = (
+        jnp.full(num_buckets + 1, blocks.shape[0], jnp.int32)
+        .at[jnp.where(go, bucket, num_buckets)]
+        .min(event)
+    )
+    won = go & (first[bucket] == event)
     target = jnp.where(won, bucket, num_buckets)
     table = table.at[target, column].set(blocks, mode="drop")
     table = table.at[target, width].add(1 << column, mode="drop")

@@ -74,7 +74,7 @@ from .columns import (
     cumsum,
     run_if,
 )
-from .coordinator import compute_hits
+from .coordinator import compute_hits, may_hit
 from .prefix_map import Inserts
 from .managers import cacheable_mask, group_constants, kind_mask, per_block, skipped_blocks
 from .state import AllocatorConfig, AllocatorState
@@ -204,6 +204,9 @@ def _process(
     hit_lists = None
     if single and config.enable_caching:
         search = rows.active[0] & slot_ok[0] & is_new[0] & (rows.num_computed[0] == 0) & (rows.num_new[0] > 0)
+        lookup = search & may_hit(
+            config, pool, req, slot[0], num_tokens[0] - 1
+        )  # else the search finds nothing
 
         def do_search(_):
             return compute_hits(config, pool, req, slot[0], num_tokens[0] - 1)
@@ -212,7 +215,7 @@ def _process(
             nulls = jnp.full((num_groups, width), NULL_BLOCK_ID, jnp.int32)
             return jnp.zeros((), jnp.int32), nulls, jnp.zeros(num_groups, jnp.int32)
 
-        found, lists, first_real = jax.lax.cond(search, do_search, no_search, None)
+        found, lists, first_real = jax.lax.cond(lookup, do_search, no_search, None)
         hit_tokens, hit_first, hit_lists = found[None], first_real[:, None], lists[:, None, :]
         counters = pool.counters.at[STAT_REQUESTS].add(search.astype(jnp.int32))
         counters = counters.at[STAT_QUERIES].add(jnp.where(search, num_tokens[0], 0))
