@@ -310,6 +310,31 @@ def test_failed_allocation_leaves_the_state_unchanged():
         np.testing.assert_array_equal(old, new)
 
 
+def test_a_row_jumping_past_one_steps_blocks_fails_and_changes_nothing():
+    """`max_row_step_blocks` bounds what one row frees, takes or caches in a step; a row whose computed tokens
+    jump further (no scheduler does that) fails instead of overflowing, and the state is unchanged."""
+    config = make_config([full(4)], num_blocks=40, max_model_len=64, max_num_batched_tokens=8)
+    assert config.max_row_step_blocks == 3
+    manager = KVCacheManager(config)
+    manager.add_request("a", list(range(48)))
+    slot = manager._slot("a")
+    manager.state, out = allocate_slots(
+        config, manager.state, jnp.array([slot]), jnp.array([0]), jnp.array([4])
+    )
+    assert bool(out.success[0])
+    before = state_leaves(manager)
+    manager.state, out = allocate_slots(
+        config, manager.state, jnp.array([slot]), jnp.array([40]), jnp.array([1])
+    )
+    assert not bool(out.success[0])  # 10 more blocks in one step
+    for old, new in zip(before, state_leaves(manager), strict=True):
+        np.testing.assert_array_equal(old, new)
+    manager.state, out = allocate_slots(
+        config, manager.state, jnp.array([slot]), jnp.array([4]), jnp.array([8])
+    )
+    assert bool(out.success[0])  # a real step still works
+
+
 def test_a_later_row_succeeds_after_an_earlier_row_fails():
     mirror = Mirror(BASIC)
     mirror.add("big", list(range(200)))

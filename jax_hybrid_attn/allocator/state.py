@@ -216,6 +216,19 @@ class AllocatorConfig:
         """Most blocks one request can hold, free or take in one step: ``sum_g P_g``."""
         return max(1, sum(self.blocks_per_row))
 
+    @functools.cached_property
+    def max_row_step_blocks(self) -> int:
+        """Most blocks one request frees, takes or caches in one step whose computed tokens advance by at most
+        ``max_num_batched_tokens + max_num_lookahead_tokens``: per group ``cdiv(T + La, S) + 1``, plus the blocks
+        of a whole chunk for chunked-local groups (freed together at a chunk boundary), capped at ``P``. A request
+        that would exceed it (its computed tokens jumped further) fails (see `step.allocate_slots`)."""
+        tokens = self.max_num_batched_tokens + self.max_num_lookahead_tokens
+        per_group = (
+            min(p, -(-tokens // s) + 1 + (-(-chunk // s) if chunk else 0))
+            for s, p, chunk in zip(self.block_sizes, self.blocks_per_row, self.chunk_sizes, strict=True)
+        )
+        return max(1, sum(per_group))
+
     @property
     def ring_capacity(self) -> int:
         return _next_pow2(2 * self.num_blocks)

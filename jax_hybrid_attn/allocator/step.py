@@ -35,6 +35,9 @@ operations whatever R is):
     together with the one-row path. Cheap exact checks run unconditionally on a GPU (`columns.cpu_cond`).
 
 Deliberate differences from vLLM:
+  * A row whose step would free, take or cache more than `AllocatorConfig.max_row_step_blocks` blocks fails: that
+    happens only when its ``num_computed_tokens`` jumps further than ``max_num_batched_tokens`` (plus lookahead)
+    past what it held, which no scheduler step does. The bound keeps the one-row path's arrays small.
   * A failed row leaves the state unchanged; vLLM frees its out-of-window blocks (step 2) before it fails. The
     success test is the same (those blocks count as free room).
   * Hits are searched inside the step, so the scheduler passes a token budget for a new request instead of an
@@ -292,7 +295,7 @@ def _process(
         call = jnp.arange(num_rows * num_groups, dtype=jnp.int32)
         return call // num_groups, call % num_groups, jnp.zeros_like(call), counts.T.reshape(-1) > 0
 
-    capacity = config.max_row_blocks if single else num_rows * num_groups
+    capacity = config.max_row_step_blocks if single else num_rows * num_groups
     ev_row, ev_group, index, present = events(free_count, capacity)
     ev_pos = freeable[ev_group, ev_row] - 1 - index
     flat_tables = req.tables.reshape(-1)  # flat indices: one cheap 1-D gather or scatter each
@@ -305,7 +308,12 @@ def _process(
 
     if single:
         free_room = num_free + jnp.sum(ev_real & (ref_before == 1), dtype=jnp.int32)
-        commit = valid & (need <= free_room) & (~rows.must_fit | (gate <= num_free))
+        fits = (  # every event has a slot (`AllocatorConfig.max_row_step_blocks`)
+            (jnp.sum(free_count) <= capacity)
+            & (jnp.sum(new_count) <= capacity)
+            & (jnp.sum(cache_count) <= capacity)
+        )
+        commit = valid & fits & (need <= free_room) & (~rows.must_fit | (gate <= num_free))
     else:
 
         def exact_zero():  # a block shared by several rows reaches 0 at its last event, if every holder frees it
