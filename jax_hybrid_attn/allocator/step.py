@@ -207,9 +207,8 @@ def _process(
     hit_lists = None
     if single and config.enable_caching:
         search = rows.active[0] & slot_ok[0] & is_new[0] & (rows.num_computed[0] == 0) & (rows.num_new[0] > 0)
-        lookup = search & may_hit(
-            config, pool, req, slot[0], num_tokens[0] - 1
-        )  # else the search finds nothing
+        # A prompt whose first block misses in a full-attention group has no hit: skip the search.
+        lookup = search & may_hit(config, pool, req, slot[0], num_tokens[0] - 1)
 
         def do_search(_):
             return compute_hits(config, pool, req, slot[0], num_tokens[0] - 1)
@@ -453,9 +452,8 @@ def _outputs(
     mapping = jnp.where(token_ok & (block != NULL_BLOCK_ID), block * block_size + offset, PAD_SLOT_ID)
     tables = None
     if block_tables:  # one gather for all groups (a tuple of per-group tables would cost a copy each)
-        rows_or_out = jnp.where(
-            slot_ok, slot, config.max_num_seqs
-        )  # padding rows read past the end: null blocks
+        # Padding rows read past the end: null blocks.
+        rows_or_out = jnp.where(slot_ok, slot, config.max_num_seqs)
         tables = req.tables.at[:, rows_or_out].get(mode="fill", fill_value=NULL_BLOCK_ID)
     return StepOutput(
         success=success,
