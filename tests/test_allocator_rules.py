@@ -499,3 +499,23 @@ def test_insertion_stamps_are_reranked_before_they_overflow():
         return hashed_ids[np.argsort(info[hashed_ids, STAMP], kind="stable")].tolist()
 
     assert stamp_order(aged) == stamp_order(plain)
+
+
+def test_colliding_inserts_of_the_first_chunk_are_placed_by_the_loop():
+    """One prefix-map bucket: two decodes that fill a block in the same step collide in the vectorised path;
+    the loop places the loser although no row is left, and both blocks can be hit."""
+    config = make_config([full(4)], num_blocks=3, max_num_seqs=2, max_model_len=16, max_num_batched_tokens=8)
+    assert config.num_buckets == 1
+    manager = KVCacheManager(config)
+    for name, first in (("a", 0), ("b", 100)):
+        manager.add_request(name, list(range(first, first + 3)))
+    manager.schedule([("a", 3), ("b", 3)])  # one partial block each
+    for name, token in (("a", 3), ("b", 103)):
+        manager.append_token_ids(name, [token])
+    out = manager.schedule([("a", 1), ("b", 1)])  # both blocks become full and are cached together
+    assert out.success.tolist() == [True, True]
+    pool = manager.state.pool
+    blocks = [manager.get_block_ids(name)[0][0] for name in ("a", "b")]
+    assert np.asarray(pool.prefix_map)[0, :2].tolist() == blocks  # the earlier row's block won the first slot
+    assert int(np.asarray(pool.prefix_map)[0, -1]) == 0b11
+    assert all(int(pool.info[b, MAP_SLOT]) >= 0 for b in blocks)

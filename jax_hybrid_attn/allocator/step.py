@@ -603,33 +603,44 @@ def allocate_slots(
     work = work & ~success
     queue = work_queue(work)
 
-    def step(carry):
-        k, state, inserts, success, computed, scheduled, hits = carry
-        pool = run_if(  # the inserts left by the first chunk
-            jnp.any(inserts.pending), lambda pool: (pool_ops.finish_inserts(pool, inserts),), state.pool
-        )[0]
-        state = dataclasses.replace(state, pool=pool)
+    def one_row(row, state, success, computed, scheduled, hits):  # the general path, for one row
+        state, (ok, comp, sched, hit) = _process(config, state, rows.at(row), single=True)
+
+        def put(arr, value):
+            return arr.at[row].set(value[0].astype(arr.dtype))
+
+        return state, put(success, ok), put(computed, comp), put(scheduled, sched), put(hits, hit)
+
+    def vectorised(k, state, *results):  # a chunk from `k`, then the row it stopped at
+        success, computed, scheduled, hits = results
         members = jax.lax.dynamic_slice_in_dim(queue, k, chunk)
         state, (ok, _, sched, _), stop, inserts = _process(config, state, rows_at(members), single=False)
         success, scheduled = record(members, ok, sched, success, scheduled)
         stop_row = jnp.where(stop < chunk, members[jnp.minimum(stop, chunk - 1)], num_rows)
 
-        def one_row(state, success, computed, scheduled, hits):  # the row the vectorised path stopped at
-            state, (ok, comp, sched, hit) = _process(config, state, rows.at(stop_row), single=True)
-
-            def put(arr, value):
-                return arr.at[stop_row].set(value[0].astype(arr.dtype))
-
-            return state, put(success, ok), put(computed, comp), put(scheduled, sched), put(hits, hit)
-
         def rare(state, *results):  # one host sync on a GPU for both kinds of rare work
             state = dataclasses.replace(state, pool=pool_ops.finish_inserts(state.pool, inserts))
-            return run_if(stop_row < num_rows, one_row, state, *results)
+            return run_if(stop_row < num_rows, partial(one_row, stop_row), state, *results)
 
         state, *results = run_if(
             (stop_row < num_rows) | jnp.any(inserts.pending), rare, state, success, computed, scheduled, hits
         )
-        k = jnp.where(stop < chunk, k + stop + 1, k + chunk)
+        return (jnp.where(stop < chunk, k + stop + 1, k + chunk), state, *results)
+
+    def new_request(k, state, *results):  # a row that holds no blocks goes straight to the general path
+        return (k + 1, *one_row(queue[k], state, *results))
+
+    def step(carry):
+        k, state, inserts, *results = carry
+        pool = run_if(  # the inserts left by the first chunk
+            jnp.any(inserts.pending), lambda pool: (pool_ops.finish_inserts(pool, inserts),), state.pool
+        )[0]
+        state = dataclasses.replace(state, pool=pool)
+        head = queue[k]  # the next row with work (`num_rows` once only inserts are left)
+        slot_of_head = jnp.clip(rows.slot[jnp.minimum(head, num_rows - 1)], 0, config.max_num_seqs - 1)
+        head_is_new = (head < num_rows) & (state.requests.rows[slot_of_head, RUNNING] == 0)
+        carry = run_if(~head_is_new, vectorised, k, state, *results)
+        k, state, *results = run_if(head_is_new, new_request, *carry)
         return (k, state, Inserts.none(inserts.pending.shape[0]), *results)
 
     count = jnp.sum(work, dtype=jnp.int32)
