@@ -43,10 +43,9 @@ import torch
 
 from jax_hybrid_attn import LayerAttentionParams, get_kv_cache_shape, metadata_group_key, paged_attention
 from jax_hybrid_attn.kv_cache import write_kv
-from jax_hybrid_attn.layout import FP8_DTYPE
 from jax_hybrid_attn.metadata import AttentionMetadata
 
-from .dlpack import ALIGNMENT, same_memory, to_jax, to_torch
+from .dlpack import ALIGNMENT, jax_dtype, same_memory, to_jax, to_torch
 
 __all__ = ["AttentionLayer", "PagedAttentionBackend", "PlanLayout"]
 
@@ -484,14 +483,11 @@ class PagedAttentionBackend:
             raise ValueError(
                 f"allocate_kv_caches is for cache_owner='jax', this backend has {self.cache_owner!r}"
             )
-        jax_dtype = (
-            FP8_DTYPE if dtype == torch.float8_e4m3fn else jnp.dtype(str(dtype).removeprefix("torch."))
-        )
         for name, spec in self.layers.items():
             shape = get_kv_cache_shape(
                 num_blocks, self.block_size, spec.num_kv_heads, spec.head_size, kv_layout=self.kv_layout
             )
-            self._caches[name] = jnp.zeros(shape, jax_dtype)
+            self._caches[name] = jnp.zeros(shape, jax_dtype(dtype))
 
     def kv_cache_as_torch(self, layer: str) -> torch.Tensor:
         """With ``cache_owner="jax"``: the layer's cache as a torch tensor, zero-copy, for inspection.

@@ -23,7 +23,7 @@ import torch
 from jax._src import xla_bridge  # version-sensitive (jax 0.11.2): `_import` falls back to jax.dlpack
 from jax._src.lib import _jax as _jaxlib
 
-__all__ = ["ALIGNMENT", "is_compact", "same_memory", "to_jax", "to_torch"]
+__all__ = ["ALIGNMENT", "is_compact", "jax_dtype", "same_memory", "to_jax", "to_torch"]
 
 ALIGNMENT = 16
 """Bytes: XLA requires device buffers aligned to 16 bytes ("Address of buffer must be a multiple of 0x10")."""

@@ -98,7 +98,6 @@ def free_blocks(
     unique: bool,
     hashed_only: bool = False,
     compact: bool = True,
-    repeats: tuple[Int[Array, "E"], Bool[Array, "E"]] | None = None,
 ) -> BlockPool:
     """Release one reference to each ``blocks[mask]``, in order; queue those that reach 0.
 
@@ -107,16 +106,13 @@ def free_blocks(
       calls: [E] nondecreasing call index (< `num_calls`) of each event.
       hashed_only: the caller guarantees that every block reaching 0 holds a hash (all go to the tail).
       compact: compact the ring first if it would overflow; False when the caller checked (`needs_compaction`).
-      repeats: `repeated_events` of (blocks, mask), when the caller has it.
     """
     num_events, num_blocks = blocks.shape[0], pool.info.shape[0]
     capacity = pool.ring.shape[0]
     mask = mask & (blocks != NULL_BLOCK_ID)
     rows, info = jax.lax.optimization_barrier((pool.info[blocks], pool.info))
     ref_before, hashed = rows[:, REF], rows[:, HASHED] != 0
-    if repeats is not None:
-        count, last = repeats
-    elif unique:
+    if unique:
         count, last = jnp.ones_like(blocks), mask
     else:  # only blocks held more than once can appear twice
         count, last = cpu_cond(
