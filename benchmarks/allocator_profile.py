@@ -12,6 +12,7 @@ import collections
 import glob
 import os
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ def main():
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--hlo-out", default=None)
     parser.add_argument("--top", type=int, default=25, help="events listed per line (0: all)")
+    parser.add_argument("--floor", action="store_true", help="also time what any jitted step over this state costs")
     args = parser.parse_args()
     num_requests = args.requests
     config = make_config(num_requests, max_num_batched_tokens=2048)
@@ -50,6 +52,8 @@ def main():
             config, state, slots, computed, ones, num_tokens=num_requests, return_block_tables=False
         )
 
+    if args.floor:
+        state = print_floor(state, computed, slots, ones)
     if args.hlo_out:
         os.makedirs(args.hlo_out, exist_ok=True)
         lowered = allocate_slots.lower(
@@ -86,6 +90,34 @@ def main():
             top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top or None]
             for name, (count, micros) in top:
                 print(f"   {count / args.steps:6.1f}x {micros / args.steps:8.1f} us  {name[:110]}")
+
+
+def print_floor(state, computed, slots, ones, *, repeats: int = 200):
+    """Median µs of calls that take the step's arguments and return a state of the same buffers: the dispatch
+    floor of any jitted step over this state, without and with one data-dependent loop (a host sync on a GPU).
+    Returns the state (the old one is donated)."""
+
+    def touch(state, computed):  # one tiny write per call, so that the call is not empty
+        leaves, tree = jax.tree.flatten(state)
+        leaves[0] = leaves[0].at[0].add(jnp.sum(computed[:1] * 0).astype(leaves[0].dtype))
+        return jax.tree.unflatten(tree, leaves), computed + slots * 0 + ones * 0
+
+    def with_loop(state, computed):
+        state, computed = touch(state, computed)
+        skip = jax.lax.while_loop(lambda c: c[0] < jnp.min(computed) - 1_000_000, lambda c: (c[0] + 1,), (0,))[0]
+        return state, computed + skip
+
+    for name, fn in (("jitted call, state donated", touch), ("+ one data-dependent loop", with_loop)):
+        call = jax.jit(fn, donate_argnums=0)
+        times = []
+        for i in range(repeats + 10):
+            start = time.perf_counter()
+            state, out = call(state, computed)
+            jax.block_until_ready((state, out))
+            if i >= 10:
+                times.append(time.perf_counter() - start)
+        print(f"floor: {name:<32} median {1e6 * float(np.median(times)):6.0f} us")
+    return state
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ VARIANTS = {
         "XLA_FLAGS": f"--xla_gpu_enable_command_buffer={COMMAND_BUFFER_ALL} --xla_gpu_graph_min_graph_size=1"
     },
     "gpu-no-graphs": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
+    # One temp buffer per executable, kept between calls: graph nodes that use only temps need no update.
+    "gpu-skip-temp": {"XLA_FLAGS": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"},
     "cpu-all-cores": {"JAX_PLATFORMS": "cpu"},
     "cpu-2-cores": {"JAX_PLATFORMS": "cpu", "PIN_CORES": "0,1"},
 }

@@ -199,6 +199,11 @@ class Oracle:
             self.stats[2] += hit_len
         computed = num_computed + hit_len
         new = min(num_new, num_tokens - computed) if not running else num_new
+        if self.in_window_only:  # the chunk ends where every new token is still read by a later step
+            for g in range(self.num_groups):
+                if self.kinds[g] == SLIDING_WINDOW:
+                    size = self.block_sizes[g]
+                    new = min(new, max(1, self.windows[g] - 2 + size - computed % size))
         if num_new <= 0 or new <= 0 or computed + new > self.max_model_len or num_computed < 0:
             return False, computed, 0
         end = min(computed + new + lookahead, self.max_model_len)
@@ -224,8 +229,6 @@ class Oracle:
                 need += sum(1 for b in touched if self.ref[b] == 0)
                 base = max(skipped, len(hits))
             new_start = base
-            if self.in_window_only and self.kinds[g] == SLIDING_WINDOW:
-                new_start = max(base, max(0, computed + new - self.windows[g] + 1) // size)
             count = max(cdiv(end, size) - new_start, 0)
             need += count
             plan.append((skipped, freed, touched, base, new_start, count))

@@ -62,3 +62,28 @@ def test_blocks_held_at_32k_equal_the_bound():
     full_everywhere = len(SPECS) * CONTEXT // BLOCK
     assert round(sum(bound(1)) / full_everywhere, 3) == 0.193  # decoding: 2,373 of 12,288 blocks
     assert round(sum(bound(CHUNK)) / full_everywhere, 3) == 0.245  # prefill chunks of 2,048 tokens
+
+
+def test_in_window_only_holds_at_most_two_windows_whatever_the_budget():
+    """With ``sliding_window_in_window_only`` chunks are clipped to the window, so a window group holds at most
+    ``2 * (cdiv(W - 1, S) + 1)`` = 130 blocks while prefilling with a 2,048-token budget (vLLM's bound: 193)."""
+    config = AllocatorConfig(
+        specs=SPECS,
+        num_blocks=2048 + 5 * 200 + 1,
+        max_num_seqs=1,
+        max_model_len=CONTEXT,
+        max_num_batched_tokens=CHUNK,
+        sliding_window_in_window_only=True,
+    )
+    assert config.admission_caps[1:] == (130,) * 5
+    manager = KVCacheManager(config)
+    manager.add_request("r", np.random.default_rng(1).integers(0, 256_000, CONTEXT).tolist())
+    peak, steps = np.zeros(6, int), 0
+    while manager.num_computed_tokens("r") < CONTEXT:
+        before = manager.num_computed_tokens("r")
+        assert manager.allocate_slots("r", min(CHUNK, CONTEXT - before)) is not None
+        assert manager.num_computed_tokens("r") - before <= WINDOW - 2 + BLOCK - before % BLOCK
+        peak = np.maximum(peak, held(manager, "r"))
+        steps += 1
+    assert np.all(peak[1:] <= 130) and peak[1:].min() >= 129, peak
+    assert peak[0] == CONTEXT // BLOCK and steps >= CONTEXT // (WINDOW - 1 + BLOCK)

@@ -106,10 +106,13 @@ def test_freed_block_keeps_its_hash_until_reused():
 def test_caching_off_returns_every_block_to_the_head_later_groups_in_front():
     mirror = Mirror(CONFIGS["no_cache_in_window"])  # full 4, window 6 (in-window only); no caching
     mirror.add("a", list(range(10)))
-    mirror.schedule([("a", 10)])
-    assert mirror.manager.get_block_ids("a") == [[1, 2, 3], [0, 4, 5]]
-    mirror.free("a")  # group 0 prepends [3, 2, 1], then group 1 prepends [5, 4] in front of it
-    assert mirror.manager.free_block_queue()[:6] == [5, 4, 3, 2, 1, 6]
+    mirror.schedule([("a", 8)])
+    mirror.schedule([("a", 2)])
+    mirror.schedule([("a", 1)])  # from position 10 the window starts at 5: block 3 (positions 0-3) goes to the head
+    assert mirror.manager.get_block_ids("a") == [[1, 2, 5], [0, 4, 6]]
+    assert mirror.manager.free_block_queue()[:2] == [3, 7]
+    mirror.free("a")  # group 0 prepends [5, 2, 1], then group 1 prepends [6, 4] in front of it
+    assert mirror.manager.free_block_queue()[:7] == [6, 4, 5, 2, 1, 3, 7]
 
 
 # ------------------------------------------------------------------------------------------- skipped tokens
@@ -406,17 +409,72 @@ def test_one_batch_equals_one_row_at_a_time():
         check_invariants(many)
 
 
-def test_in_window_only_allocates_no_block_a_later_step_does_not_read():
+def test_in_window_only_clips_chunks_so_no_block_is_freed_after_one_step():
     config = CONFIGS["in_window_cached"]  # window 5 then full, block 2
     mirror = Mirror(config)
     mirror.add("r", list(range(14)))
-    out = mirror.schedule([("r", 12)])  # positions 0..11: later steps read only 8.. (the window of token 12)
-    assert mirror.manager.get_block_ids("r")[0] == [0, 0, 0, 0, 1, 2]
-    mapping = np.asarray(out.slot_mappings[0][:12])
-    assert np.all(mapping[:8] == PAD_SLOT_ID) and mapping[8:].tolist() == [2, 3, 4, 5]
-    mirror.schedule([("r", 1)])
-    assert mirror.manager.get_block_ids("r")[0] == [0, 0, 0, 0, 1, 2, 9]
-    assert config.admission_caps[0] == min(-(-(4 + 32) // 2) + 1, 2 * (-(-4 // 2) + 1)) == 6
+    out = mirror.schedule([("r", 12)])  # positions 0..4: the next step, from 5, still reads 1..4
+    assert int(out.num_scheduled_tokens[0]) == 5 - 2 + 2
+    assert mirror.manager.get_block_ids("r")[0] == [1, 2, 3]
+    out = mirror.schedule([("r", 12)])  # from 5 (odd): 5 - 2 + 2 - 1 tokens, 5..8
+    assert int(out.num_scheduled_tokens[0]) == 4
+    held = mirror.manager.get_block_ids("r")[0]
+    assert len(held) == 5 and NULL_BLOCK_ID not in held  # position 5 still reads 1..5
+    out = mirror.schedule([("r", 12)])  # from 9: 9..12; position 9 reads 5.. so blocks 0 and 1 leave
+    assert int(out.num_scheduled_tokens[0]) == 4
+    assert mirror.manager.get_block_ids("r")[0][:3] == [NULL_BLOCK_ID, NULL_BLOCK_ID, held[2]]
+    assert config.admission_caps[0] == 2 * (-(-4 // 2) + 1) == 6
+    assert CONFIGS["no_cache_in_window"].admission_caps[1] == -(-(6 - 1 + 6 - 2 + 4 + 3) // 4) + 1  # lookahead 3
+
+
+@pytest.mark.parametrize("name", ["in_window_cached", "no_cache_in_window"])
+def test_in_window_only_steps_give_exact_attention_from_the_cache(name):
+    """Prefill in budget-sized chunks, then decode, writing K/V by the allocator's slot mapping into a NaN cache:
+    attention over the allocator's block tables equals dense attention over the whole sequence, at every step;
+    no block taken by a step is out of the window at the next one."""
+    from jax_hybrid_attn import reference
+    from jax_hybrid_attn.kv_cache import write_kv
+    from jax_hybrid_attn.metadata import AttentionMetadata
+    from jax_hybrid_attn.testing import TOLERANCES
+
+    from .oracle import attention_float64
+
+    config = CONFIGS[name]
+    group = config.kinds.index(SLIDING_WINDOW)
+    size, window = config.block_sizes[group], config.sliding_windows[group]
+    rng = np.random.default_rng(7)
+    length, budget, num_heads, head_dim = 27, 11, 2, 4
+    q, k, v = (rng.standard_normal((length, num_heads, head_dim), np.float32) for _ in range(3))
+    mirror = Mirror(config)
+    mirror.add("r", rng.integers(0, 50, 23).tolist())
+    cache = jnp.full((config.num_blocks, 2, size, num_heads, head_dim), jnp.nan, jnp.float32)
+    computed, taken_last_step, held_before = 0, set(), set()
+    while computed < length:
+        if computed >= mirror.manager.num_tokens("r"):
+            mirror.append("r", [int(rng.integers(0, 50))])
+        out = mirror.schedule([("r", min(budget, mirror.manager.num_tokens("r") - computed))])
+        n, t = int(out.num_computed_tokens[0]), int(out.num_scheduled_tokens[0])
+        assert n == computed and 1 <= t <= max(1, window - 2 + size - n % size)
+        held = set(mirror.manager.get_block_ids("r")[group])
+        assert taken_last_step <= held, "a block taken by the previous step left the window"
+        taken_last_step, held_before = held - held_before, held
+        slots = np.asarray(out.slot_mappings[group][:t])
+        assert np.all(slots != PAD_SLOT_ID)
+        cache = write_kv(cache, jnp.asarray(k[n : n + t]), jnp.asarray(v[n : n + t]), jnp.asarray(slots))
+        width = config.blocks_per_row[group]
+        metadata = AttentionMetadata(
+            query_start_loc=jnp.array([0, t], jnp.int32),
+            seq_lens=jnp.array([n + t], jnp.int32),
+            block_tables=jnp.asarray(mirror.manager.state.requests.tables[group, :1, :width]),
+            slot_mapping=jnp.asarray(slots),
+            num_actual_tokens=jnp.array(t, jnp.int32),
+            max_query_len=t,
+            max_seq_len=config.max_model_len,
+        )
+        got = reference.paged_attention(jnp.asarray(q[n : n + t]), cache, metadata, sliding_window=window)
+        want = attention_float64(q[n : n + t], [k[: n + t]], [v[: n + t]], [t], sliding_window=window)
+        np.testing.assert_allclose(got, want, **TOLERANCES[jnp.dtype(jnp.float32)])
+        computed = n + t
 
 
 def test_verify_hits_rejects_a_block_whose_tokens_differ():
@@ -443,6 +501,37 @@ def test_jitted_step_runs_without_the_python_wrapper():
     assert out.success.tolist() == [True, True]
     assert int(out.num_new_computed_tokens[1]) == 4  # row 1 hits row 0's blocks, cached in the same call
     assert SLIDING_WINDOW in config.kinds
+
+
+def test_reused_output_buffers_give_the_same_results_in_the_same_memory():
+    config = HYBRID
+    plain, reusing = KVCacheManager(config), KVCacheManager(config, reuse_output_buffers=True)
+    prompts = [list(range(r, r + 6 + 3 * r)) for r in range(3)]
+    previous = None
+    for manager in (plain, reusing):
+        for r, prompt in enumerate(prompts):
+            manager.add_request(r, prompt)
+    for step in range(6):
+        batch = [(r, len(prompts[r]) if step == 0 else 1) for r in range(3)]
+        if step:
+            for manager in (plain, reusing):
+                for r in range(3):
+                    manager.append_token_ids(r, [100 + step])
+        want, got = plain.schedule(batch), reusing.schedule(batch)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            np.testing.assert_array_equal(a, b)
+        pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(got)]
+        if previous is not None:
+            assert all(x.is_deleted() for x in jax.tree.leaves(previous[0]))
+            assert pointers == previous[1]
+        previous = got, pointers
+    for a, b in zip(state_leaves(plain), state_leaves(reusing)):
+        np.testing.assert_array_equal(a, b)
+
+    state, rows = reusing.state, jnp.arange(config.max_num_seqs, dtype=jnp.int32)
+    ones = jnp.ones(config.max_num_seqs, jnp.int32)
+    with pytest.raises(ValueError, match="previous_output.block_tables"):
+        allocate_slots(config, state, rows, ones, ones, previous_output=got, return_block_tables=False)
 
 
 def test_bad_arguments_raise_value_errors_naming_them():

@@ -29,7 +29,9 @@ Deliberate differences from vLLM (each explained where it is made):
   * The prefix map is a bucketed table: if both buckets of a key are full (negligible, counted) the block is not
     findable, though it keeps its hash.
   * The startup check and `max_concurrency` keep the null block out of the usable blocks.
-  * Beyond vLLM: `sliding_window_in_window_only`; one jitted call for a whole batch, on CPU or GPU.
+  * Beyond vLLM: `sliding_window_in_window_only` (chunks clipped so that no block is allocated, then freed); one
+    jitted call for a whole batch, on CPU or GPU, writing into the previous call's output buffers when given
+    them (`previous_output`: on a GPU the step's CUDA graph then keeps its addresses).
   * Not supported: Mamba, cross-attention, MLA, sinks-full specs, EAGLE, external (connector) tokens, delayed
     caching, KV-cache events, data/context parallelism, multimodal and prompt-embedding extra keys, mixed page
     sizes of one attention type through `UniformTypeKVCacheSpecs`.

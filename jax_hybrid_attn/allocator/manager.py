@@ -50,11 +50,16 @@ class KVCacheManager:
       >>> manager.free("a")
     """
 
-    def __init__(self, config: AllocatorConfig):
+    def __init__(self, config: AllocatorConfig, *, reuse_output_buffers: bool = False):
+        """``reuse_output_buffers``: each `schedule` writes its `StepOutput` into the previous one's buffers
+        (`step.allocate_slots`' ``previous_output``), which is faster on a GPU; a `StepOutput` is then valid only
+        until the next `schedule` (its arrays are deleted)."""
         if not isinstance(config, AllocatorConfig):
             raise ValueError(f"config must be an AllocatorConfig, got {type(config).__name__}")
         self.config = config
         self.state = init_state(config)
+        self.reuse_output_buffers = bool(reuse_output_buffers)
+        self._last_output: step_ops.StepOutput | None = None
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._num_computed: dict[Hashable, int] = {}
@@ -175,8 +180,11 @@ class KVCacheManager:
             jnp.asarray(np.array(counts + [0] * pad, np.int32)),
             jnp.asarray(np.array(lookahead + [0] * pad, np.int32)),
             jnp.asarray(np.array(must_fit + [False] * pad)),
+            previous_output=self._last_output,
         )
         self.state = output_state
+        if self.reuse_output_buffers:
+            self._last_output = out
         success = np.asarray(out.success)
         done = np.asarray(out.seq_lens)
         for row, request_id in enumerate(ids):

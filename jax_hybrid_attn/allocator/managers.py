@@ -80,6 +80,22 @@ def num_skipped_tokens(c: GroupConstants, num_computed: Int[Array, "... R"]) -> 
     return jnp.where(c.kind == SLIDING_WINDOW, sliding, jnp.where(c.kind == CHUNKED_LOCAL, chunked, 0))
 
 
+def in_window_chunk(config, num_computed: Int[Array, "R"], num_new: Int[Array, "R"]) -> Int[Array, "R"]:
+    """`num_new` clipped, under ``sliding_window_in_window_only``, so that every new token's K/V is still read by
+    a later step in every sliding-window group: the chunk then needs no block that is out of the window when it
+    ends (nothing is allocated, then freed), and every token has a cache slot for this step's attention.
+
+    A chunk from position n may hold ``W - 2 + S - n % S`` tokens (at least ``W - 1``), and always 1.
+    """
+    if not config.sliding_window_in_window_only:
+        return num_new
+    for kind, block_size, window in zip(config.kinds, config.block_sizes, config.sliding_windows):
+        if kind == SLIDING_WINDOW:
+            limit = jnp.maximum(1, window - 2 + block_size - num_computed % block_size)
+            num_new = jnp.minimum(num_new, limit)
+    return num_new
+
+
 def _first_false(ok: Bool[Array, "P"]) -> Int[Array, ""]:
     """Index of the first False (len(ok) if none)."""
     return jnp.where(jnp.all(ok), ok.shape[0], jnp.argmin(ok)).astype(jnp.int32)

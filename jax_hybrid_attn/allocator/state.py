@@ -80,8 +80,8 @@ class AllocatorConfig:
       max_num_lookahead_tokens: most lookahead (speculative) tokens of one request in one step.
       enable_caching: prefix caching (hashing, hit search, lazy eviction).
       verify_hits: store each cached block's token ids and compare them on every prefix hit.
-      sliding_window_in_window_only: sliding-window groups allocate only blocks that a later step still reads
-        (see `step.allocate_slots`); off by default, as in vLLM.
+      sliding_window_in_window_only: chunks are clipped so that sliding-window groups allocate only blocks that a
+        later step still reads (see the `step` module); off by default, as in vLLM.
     """
 
     specs: tuple[AttentionSpec, ...]
@@ -201,7 +201,12 @@ class AllocatorConfig:
                 max_num_batched_tokens=self.max_num_batched_tokens + self.max_num_lookahead_tokens,
             )
             if kind == SLIDING_WINDOW and self.sliding_window_in_window_only:
-                cap = min(cap, 2 * (-(-(window - 1) // spec.block_size) + 1))
+                # The window behind the chunk, the longest clipped chunk (`managers.in_window_chunk`), lookahead:
+                # 2 * (cdiv(W - 1, S) + 1) without lookahead.
+                size = spec.block_size
+                longest_chunk = max(1, window - 2 + size)
+                reach = window - 1 + longest_chunk + self.max_num_lookahead_tokens
+                cap = min(cap, -(-reach // size) + 1)
             caps.append(cap)
         return tuple(caps)
 
