@@ -31,8 +31,8 @@ operations whatever R is):
     resumes after it.
   * Rarely needed work sits in 0-or-1-trip loops, which update the state in place (`lax.cond` would copy the
     state arrays on the CPU). On a GPU each such check is a host sync of its predicate, so an iteration has two:
-    ring compaction with stamp re-ranking before the frees and takes, then prefix-map inserts that collided
-    together with the one-row path. Cheap exact checks run unconditionally on a GPU (`columns.cpu_cond`).
+    ring compaction with stamp re-ranking before the frees and takes (one check for both, in either path), then
+    prefix-map inserts that collided together with the one-row path. Cheap exact checks run unconditionally on a GPU (`columns.cpu_cond`).
 
 Deliberate differences from vLLM:
   * A row whose step would free, take or cache more than `AllocatorConfig.max_row_step_blocks` blocks fails: that
@@ -329,23 +329,28 @@ def _process(
 
     # 4. Commit: free skipped blocks, touch hits, take new blocks, cache full blocks.
     take_count = jnp.where(commit[None, :], new_count, 0)
-    if not single:  # one rare-work check: ring compaction for the frees and the takes, stamp re-ranking
-        appended = jnp.sum(reaches_zero & commit[ev_row], dtype=jnp.int32)
-        compaction = pool_ops.needs_compaction(
-            pool, appended=appended, count=jnp.sum(take_count), max_count=capacity
-        )
-        due = compaction | pool_ops.stamps_near_overflow(pool)
-        if maintain:
+    # One rare-work check (one host sync on a GPU): ring compaction for the frees and the takes, stamp re-ranking.
+    taken_from_queue = jnp.sum(take_count)
+    if single:
+        reaches_zero = ev_real & (ref_before == 1)  # a row's events name distinct blocks
+        # Free hit blocks leave the queue too (their entries go stale): count them as taken.
+        taken_from_queue = taken_from_queue + jnp.sum(jnp.where(commit, evictable, 0))
+    appended = jnp.sum(reaches_zero & commit[ev_row], dtype=jnp.int32)
+    compaction = pool_ops.needs_compaction(
+        pool, appended=appended, count=taken_from_queue, max_count=capacity
+    )
+    due = compaction | pool_ops.stamps_near_overflow(pool)
+    if maintain:
 
-            def do_maintain(pool):
-                pool = run_if(compaction, lambda pool: (pool_ops.compact(pool),), pool)[0]
-                return (pool_ops.renormalize_stamps(pool),)
+        def do_maintain(pool):
+            pool = run_if(compaction, lambda pool: (pool_ops.compact(pool),), pool)[0]
+            return (pool_ops.renormalize_stamps(pool),)
 
-            pool = run_if(due, do_maintain, pool)[0]
-        else:  # commit nothing: the caller's loop does the rare work, then these rows
-            commit = commit & ~due
-            first_stop = jnp.where(due, 0, first_stop)
-            take_count = jnp.where(commit[None, :], new_count, 0)
+        pool = run_if(due, do_maintain, pool)[0]
+    else:  # commit nothing: the caller's loop does the rare work, then these rows
+        commit = commit & ~due
+        first_stop = jnp.where(due, 0, first_stop)
+        take_count = jnp.where(commit[None, :], new_count, 0)
     commit_ev = ev_real & commit[ev_row]
     tables = flat_tables.at[jnp.where(commit_ev, ev_index, flat_tables.shape[0])].set(
         NULL_BLOCK_ID, mode="drop"
@@ -358,7 +363,7 @@ def _process(
         num_calls=num_rows * num_groups,
         unique=single,
         hashed_only=not single,
-        compact=single,
+        compact=False,
     )
     if hit_lists is not None:
         touch_now = touch_mask & commit[None, :, None]
@@ -367,7 +372,7 @@ def _process(
         hit_index = _table_index(config, group_index, slot[None, :, None], column)
         tables = tables.at[jnp.where(touch_now, hit_index, tables.shape[0])].set(hit_lists, mode="drop")
 
-    pool, taken = pool_ops.take(pool, jnp.sum(take_count), capacity, compact=single)
+    pool, taken = pool_ops.take(pool, jnp.sum(take_count), capacity, compact=False)
     tk_row, tk_group, index, present = events(take_count, capacity)
     rank = jnp.arange(capacity) if single else cumsum(present) - 1
     tk_pos = new_start[tk_group, tk_row] + index
