@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from allocator_step import make_config, prefill
-from jax_hybrid_attn.allocator import AllocatorConfig, allocate_slots, append_token_ids
+from allocator_step import running_decodes
+from jax_hybrid_attn.allocator import allocate_slots, append_token_ids
 
 
 def main():
@@ -25,18 +25,12 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--reuse-output", action="store_true", help="pass the previous output (donated)")
-    parser.add_argument("--log", type=int, default=0, help="after warm-up, run this many logged steps and stop")
+    parser.add_argument(
+        "--log", type=int, default=0, help="after warm-up, run this many logged steps and stop"
+    )
     args = parser.parse_args()
     num_requests = args.requests
-    config = make_config(num_requests, max_num_batched_tokens=2048)
-    prefill_config = AllocatorConfig(
-        specs=config.specs,
-        num_blocks=config.num_blocks,
-        max_num_seqs=num_requests,
-        max_model_len=config.max_model_len,
-        max_num_batched_tokens=8192,
-    )
-    state, computed = prefill(config, prefill_config, np.random.default_rng(0), num_requests)
+    config, state, computed = running_decodes(num_requests)
     slots = jnp.arange(num_requests, dtype=jnp.int32)
     ones = jnp.ones(num_requests, jnp.int32)
     tokens = jnp.ones((num_requests, 1), jnp.int32)
@@ -73,7 +67,9 @@ def main():
         return
     for fresh_input in (True, False, True, False):
         state, computed, median = run(state, computed, steps=args.steps, fresh_input=fresh_input, timed=True)
-        print(f"num_computed_tokens at a {'new' if fresh_input else 'fixed'} address: median {median:6.0f} us")
+        print(
+            f"num_computed_tokens at a {'new' if fresh_input else 'fixed'} address: median {median:6.0f} us"
+        )
 
 
 if __name__ == "__main__":

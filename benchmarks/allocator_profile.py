@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import ProfileData
 
-from allocator_step import make_config, prefill
-from jax_hybrid_attn.allocator import AllocatorConfig, allocate_slots, append_token_ids
+from allocator_step import running_decodes
+from jax_hybrid_attn.allocator import allocate_slots, append_token_ids
 
 
 def main():
@@ -29,18 +29,12 @@ def main():
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--hlo-out", default=None)
     parser.add_argument("--top", type=int, default=25, help="events listed per line (0: all)")
-    parser.add_argument("--floor", action="store_true", help="also time what any jitted step over this state costs")
+    parser.add_argument(
+        "--floor", action="store_true", help="also time what any jitted step over this state costs"
+    )
     args = parser.parse_args()
     num_requests = args.requests
-    config = make_config(num_requests, max_num_batched_tokens=2048)
-    prefill_config = AllocatorConfig(
-        specs=config.specs,
-        num_blocks=config.num_blocks,
-        max_num_seqs=num_requests,
-        max_model_len=config.max_model_len,
-        max_num_batched_tokens=8192,
-    )
-    state, computed = prefill(config, prefill_config, np.random.default_rng(0), num_requests)
+    config, state, computed = running_decodes(num_requests)
     slots = jnp.arange(num_requests, dtype=jnp.int32)
     ones = jnp.ones(num_requests, jnp.int32)
     tokens = jnp.ones((num_requests, 1), jnp.int32)
@@ -104,7 +98,9 @@ def print_floor(state, computed, slots, ones, *, repeats: int = 200):
 
     def with_loop(state, computed):
         state, computed = touch(state, computed)
-        skip = jax.lax.while_loop(lambda c: c[0] < jnp.min(computed) - 1_000_000, lambda c: (c[0] + 1,), (0,))[0]
+        skip = jax.lax.while_loop(
+            lambda c: c[0] < jnp.min(computed) - 1_000_000, lambda c: (c[0] + 1,), (0,)
+        )[0]
         return state, computed + skip
 
     for name, fn in (("jitted call, state donated", touch), ("+ one data-dependent loop", with_loop)):

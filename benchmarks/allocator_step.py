@@ -61,9 +61,19 @@ def make_config(
     )
 
 
-def prefill(config: AllocatorConfig, prefill_config: AllocatorConfig, rng, num_requests: int):
-    """Running requests with random 2,000-4,000-token contexts, each prefilled then decoded once (which frees
-    its out-of-window blocks). Same state shapes as `config`; a big prefill budget."""
+def running_decodes(num_requests: int, *, max_num_batched_tokens: int = 2048, seed: int = 0):
+    """The benchmark's setting: (config, state, num_computed_tokens) with `num_requests` running requests of
+    random 2,000-4,000-token contexts, each prefilled then decoded once (which frees its out-of-window blocks).
+    The prefill runs under a config of the same state shapes with a big token budget."""
+    config = make_config(num_requests, max_num_batched_tokens=max_num_batched_tokens)
+    prefill_config = AllocatorConfig(
+        specs=config.specs,
+        num_blocks=config.num_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        max_num_batched_tokens=8192,
+    )
+    rng = np.random.default_rng(seed)
     state = init_state(config)
     lengths = rng.integers(2000, 4001, num_requests)
     tokens = rng.integers(0, 256_000, (num_requests, config.max_model_len)).astype(np.int32)
@@ -76,7 +86,7 @@ def prefill(config: AllocatorConfig, prefill_config: AllocatorConfig, rng, num_r
         assert bool(jnp.all(out.success)), "prefill did not fit"
         state, out = allocate_slots(prefill_config, state, rows, prompt, jnp.ones(2, jnp.int32))
         assert bool(jnp.all(out.success)), "decode did not fit"
-    return state, jnp.asarray(lengths, jnp.int32)
+    return config, state, jnp.asarray(lengths, jnp.int32)
 
 
 def time_steps(step, state, computed, *, steps: int, sample, warmup: int = 10, verify: bool = False):
@@ -153,16 +163,7 @@ def main():
     parser.add_argument("--mixed", action="store_true", help="also time steps that admit new prompts")
     args = parser.parse_args()
     num_requests = args.requests
-    rng = np.random.default_rng(0)
-    config = make_config(num_requests, max_num_batched_tokens=args.max_num_batched_tokens)
-    prefill_config = AllocatorConfig(
-        specs=config.specs,
-        num_blocks=config.num_blocks,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=config.max_model_len,
-        max_num_batched_tokens=8192,
-    )
-    state, lengths = prefill(config, prefill_config, rng, num_requests)
+    config, state, lengths = running_decodes(num_requests, max_num_batched_tokens=args.max_num_batched_tokens)
     slots = jnp.arange(num_requests, dtype=jnp.int32)
     ones = jnp.ones(num_requests, jnp.int32)
 

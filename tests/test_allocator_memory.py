@@ -27,15 +27,19 @@ def held(manager, request_id):
     return [sum(1 for b in blocks if b) for blocks in manager.get_block_ids(request_id)]
 
 
-def test_blocks_held_at_32k_equal_the_bound():
-    config = AllocatorConfig(
+def one_request_config(**options) -> AllocatorConfig:
+    return AllocatorConfig(
         specs=SPECS,
         num_blocks=2048 + 5 * 200 + 1,
         max_num_seqs=1,
         max_model_len=CONTEXT,
         max_num_batched_tokens=CHUNK,
+        **options,
     )
-    manager = KVCacheManager(config)
+
+
+def test_blocks_held_at_32k_equal_the_bound():
+    manager = KVCacheManager(one_request_config())
     rng = np.random.default_rng(0)
     decode_steps = 40
     manager.add_request("r", rng.integers(0, 256_000, CONTEXT - decode_steps).tolist())
@@ -67,14 +71,7 @@ def test_blocks_held_at_32k_equal_the_bound():
 def test_in_window_only_holds_at_most_two_windows_whatever_the_budget():
     """With ``sliding_window_in_window_only`` chunks are clipped to the window, so a window group holds at most
     ``2 * (cdiv(W - 1, S) + 1)`` = 130 blocks while prefilling with a 2,048-token budget (vLLM's bound: 193)."""
-    config = AllocatorConfig(
-        specs=SPECS,
-        num_blocks=2048 + 5 * 200 + 1,
-        max_num_seqs=1,
-        max_model_len=CONTEXT,
-        max_num_batched_tokens=CHUNK,
-        sliding_window_in_window_only=True,
-    )
+    config = one_request_config(sliding_window_in_window_only=True)
     assert config.admission_caps[1:] == (130,) * 5
     manager = KVCacheManager(config)
     manager.add_request("r", np.random.default_rng(1).integers(0, 256_000, CONTEXT).tolist())

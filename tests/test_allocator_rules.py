@@ -108,7 +108,9 @@ def test_caching_off_returns_every_block_to_the_head_later_groups_in_front():
     mirror.add("a", list(range(10)))
     mirror.schedule([("a", 8)])
     mirror.schedule([("a", 2)])
-    mirror.schedule([("a", 1)])  # from position 10 the window starts at 5: block 3 (positions 0-3) goes to the head
+    mirror.schedule(
+        [("a", 1)]
+    )  # from position 10 the window starts at 5: block 3 (positions 0-3) goes to the head
     assert mirror.manager.get_block_ids("a") == [[1, 2, 5], [0, 4, 6]]
     assert mirror.manager.free_block_queue()[:2] == [3, 7]
     mirror.free("a")  # group 0 prepends [5, 2, 1], then group 1 prepends [6, 4] in front of it
@@ -424,7 +426,9 @@ def test_in_window_only_clips_chunks_so_no_block_is_freed_after_one_step():
     assert int(out.num_scheduled_tokens[0]) == 4
     assert mirror.manager.get_block_ids("r")[0][:3] == [NULL_BLOCK_ID, NULL_BLOCK_ID, held[2]]
     assert config.admission_caps[0] == 2 * (-(-4 // 2) + 1) == 6
-    assert CONFIGS["no_cache_in_window"].admission_caps[1] == -(-(6 - 1 + 6 - 2 + 4 + 3) // 4) + 1  # lookahead 3
+    assert (
+        CONFIGS["no_cache_in_window"].admission_caps[1] == -(-(6 - 1 + 6 - 2 + 4 + 3) // 4) + 1
+    )  # lookahead 3
 
 
 @pytest.mark.parametrize("name", ["in_window_cached", "no_cache_in_window"])
