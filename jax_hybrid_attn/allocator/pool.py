@@ -194,19 +194,14 @@ def compact(pool: BlockPool) -> BlockPool:
     return dataclasses.replace(pool, ring=ring, info=info, counters=counters)
 
 
-def take(pool: BlockPool, count: Int[Array, ""], max_count: int, *, compact: bool = True):
+def take(pool: BlockPool, count: Int[Array, ""], max_count: int):
     """Pop `count` (<= `max_count`, <= num_free) blocks from the head. Returns (pool, [max_count] ids).
 
-    Entries past `count` are `NULL_BLOCK_ID`. Taken blocks get reference count 1 and lose their hash. With
-    ``compact=False`` the caller has made sure the first `max_count` entries hold `count` live ones.
+    Entries past `count` are `NULL_BLOCK_ID`. Taken blocks get reference count 1 and lose their hash. The caller
+    has made sure (`needs_compaction`, then `compact`) that the first `max_count` entries hold `count` live ones.
     """
     num_blocks, capacity = pool.info.shape[0], pool.ring.shape[0]
     ring, info, head, span = _ring(pool)
-    if compact:
-        _, live = _ring_window(ring, info, head, span, max_count)
-        ring, info, head, span = run_if(
-            jnp.sum(live, dtype=jnp.int32) < count, _compact_ring, ring, info, head, span
-        )
     entries, live = _ring_window(ring, info, head, span, max_count)
     rank = cumsum(live) - 1
     taken = live & (rank < count)

@@ -32,7 +32,8 @@ operations whatever R is):
   * Rarely needed work sits in 0-or-1-trip loops, which update the state in place (`lax.cond` would copy the
     state arrays on the CPU). On a GPU each such check is a host sync of its predicate, so an iteration has two:
     ring compaction with stamp re-ranking before the frees and takes (one check for both, in either path), then
-    prefix-map inserts that collided together with the one-row path. Cheap exact checks run unconditionally on a GPU (`columns.cpu_cond`).
+    prefix-map inserts that collided together with the one-row path. Cheap exact checks run unconditionally on a
+    GPU (`columns.cpu_cond`).
 
 Deliberate differences from vLLM:
   * A row whose step would free, take or cache more than `AllocatorConfig.max_row_step_blocks` blocks fails: that
@@ -245,8 +246,7 @@ def _process(
     base_len = jnp.where(is_new[None, :], jnp.maximum(skipped, hit_blocks), num_blocks)
     null_after = jnp.where(is_new[None, :], jnp.maximum(skipped, hit_first), jnp.maximum(num_null, freeable))
     required = per_block(config, end, round_up=True)
-    new_start = base_len
-    new_count = jnp.where(valid[None, :], jnp.maximum(required - new_start, 0), 0)
+    new_count = jnp.where(valid[None, :], jnp.maximum(required - base_len, 0), 0)
     len_after = jnp.maximum(base_len, required)
 
     evictable = jnp.zeros(num_rows, jnp.int32)
@@ -372,10 +372,10 @@ def _process(
         hit_index = _table_index(config, group_index, slot[None, :, None], column)
         tables = tables.at[jnp.where(touch_now, hit_index, tables.shape[0])].set(hit_lists, mode="drop")
 
-    pool, taken = pool_ops.take(pool, jnp.sum(take_count), capacity, compact=False)
+    pool, taken = pool_ops.take(pool, jnp.sum(take_count), capacity)
     tk_row, tk_group, index, present = events(take_count, capacity)
     rank = jnp.arange(capacity) if single else cumsum(present) - 1
-    tk_pos = new_start[tk_group, tk_row] + index
+    tk_pos = base_len[tk_group, tk_row] + index
     tk_index = _table_index(config, tk_group, slot[tk_row], jnp.clip(tk_pos, 0, width - 1))
     tables = tables.at[jnp.where(present, tk_index, tables.shape[0])].set(taken[rank], mode="drop")
 
