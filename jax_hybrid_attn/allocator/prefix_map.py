@@ -46,6 +46,9 @@ NO_BLOCK = -1
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
+_CLAIM_BASE = jnp.iinfo(jnp.int32).min
+"""Claims of one placement round are ``_CLAIM_BASE + order``: below every block id and `EMPTY_SLOT`."""
+
 
 def bucket_pair(keys: UInt32[Array, "... 2"], groups: Int[Array, "..."], num_buckets: int):
     """The two candidate buckets of each (hash, group) key."""
@@ -146,14 +149,13 @@ def _place_round(carry: tuple[Int[Array, "NB W+1"], Inserts]) -> tuple[Int[Array
     full = free_bits == 0
     go = pending & ~full
     # Inserts into one bucket pick the same slot (its lowest free one); the earliest wins. A scatter with repeated
-    # indices would leave the winner to the device, and CPU and GPU would place blocks differently.
-    event = jnp.arange(blocks.shape[0], dtype=jnp.int32)
-    first = (
-        jnp.full(num_buckets + 1, blocks.shape[0], jnp.int32)
-        .at[jnp.where(go, bucket, num_buckets)]
-        .min(event)
-    )
-    won = go & (first[bucket] == event)
+    # indices would leave the winner to the device, and CPU and GPU would place blocks differently. So each claims
+    # the slot with a scatter-min of its order (below `EMPTY_SLOT`, which a free slot holds), and the one that reads
+    # its own claim back writes its block over it: no per-bucket scratch array.
+    claim = _CLAIM_BASE + jnp.arange(blocks.shape[0], dtype=jnp.int32)
+    claimed = jnp.where(go, bucket, num_buckets)
+    table = table.at[claimed, column].min(claim, mode="drop")
+    won = go & (table[bucket, column] == claim)
     target = jnp.where(won, bucket, num_buckets)
     table = table.at[target, column].set(blocks, mode="drop")
     table = table.at[target, width].add(1 << column, mode="drop")
