@@ -61,6 +61,14 @@ def make_config(
     )
 
 
+def decode_prompts(num_requests: int, *, max_model_len: int, seed: int = 0):
+    """The prompts of `running_decodes`: lengths [R] (2,000-4,000 tokens) and token ids [R, max_model_len] (request
+    r's prompt is ``tokens[r, :lengths[r]]``), as NumPy arrays."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(2000, 4001, num_requests)
+    return lengths, rng.integers(0, 256_000, (num_requests, max_model_len)).astype(np.int32)
+
+
 def running_decodes(num_requests: int, *, max_num_batched_tokens: int = 2048, seed: int = 0):
     """The benchmark's setting: (config, state, num_computed_tokens) with `num_requests` running requests of
     random 2,000-4,000-token contexts, each prefilled then decoded once (which frees its out-of-window blocks).
@@ -73,10 +81,8 @@ def running_decodes(num_requests: int, *, max_num_batched_tokens: int = 2048, se
         max_model_len=config.max_model_len,
         max_num_batched_tokens=8192,
     )
-    rng = np.random.default_rng(seed)
+    lengths, tokens = decode_prompts(num_requests, max_model_len=config.max_model_len, seed=seed)
     state = init_state(config)
-    lengths = rng.integers(2000, 4001, num_requests)
-    tokens = rng.integers(0, 256_000, (num_requests, config.max_model_len)).astype(np.int32)
     slots = jnp.arange(num_requests, dtype=jnp.int32)
     state = add_requests(config, state, slots, jnp.asarray(tokens), jnp.asarray(lengths, jnp.int32))
     for start in range(0, num_requests, 2):  # two prompts per step, then their first decode step

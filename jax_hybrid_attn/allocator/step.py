@@ -76,6 +76,7 @@ from .columns import (
     STAT_REQUESTS,
     cpu_cond,
     cumsum,
+    gather_column,
     run_if,
 )
 from .coordinator import compute_hits, may_hit
@@ -441,8 +442,8 @@ def _outputs(
     row, index, token_ok = _expand(scheduled, num_tokens)
     position = jnp.where(token_ok, computed[row] + index, 0)
     token_slot = slot[row]
-    known = position < req.rows[token_slot, NUM_TOKENS]
-    token_ids = jnp.where(token_ok & known, req.token_ids[token_slot, position], 0)
+    known = position < gather_column(req.rows, token_slot, NUM_TOKENS)
+    token_ids = jnp.where(token_ok & known, gather_column(req.token_ids, token_slot, position), 0)
     groups = jnp.arange(config.num_groups, dtype=jnp.int32)[:, None]
     column = per_block(config, position)  # [G, T]
     index = _table_index(config, groups, token_slot[None, :], column)

@@ -1,0 +1,193 @@
+"""Our jitted allocator step against vLLM 0.33's Python `KVCacheManager`, side by side in one process, same work.
+
+The setting of `allocator_step.py`: a Gemma-3-like model (1 full-attention + 5 sliding-window groups, window 1,024,
+block 16, prefix caching on), 256 running decode requests with the same random 2,000-4,000-token prompts on both
+sides, prefilled two at a time as there. Each timed scheduler step computes one token per request:
+  * vLLM: ``KVCacheManager.allocate_slots(request, 1)`` for the 256 requests, in order, then the new block ids of
+    each (``get_block_ids(allow_none=True)``, which the scheduler sends to the worker): the KV-cache manager's work
+    in a decode step of the scheduler (``allocate_slots`` alone is printed too);
+  * ours: one `allocate_slots` call for the 256 rows, outputs ready (`jax.block_until_ready`).
+The two take turns of `--block` steps (10 by default; the first side changes every turn), so that the machine's
+noise hits both alike: the figure to read is the ratio. Each step starts, untimed, with the token each request
+sampled (the same tokens on both sides): vLLM's block hasher and our `append_token_ids` hash a block when it fills.
+With ``--block 1`` the sides alternate every step, and each step runs after the other side's (its caches cold:
+ours then takes about 1.6x longer on a 2-core machine). At the end, every request's block ids in every group
+must be the same on both sides: the two allocators did the same work, block for block.
+
+vLLM 0.33 pins another torch than this project, so it runs in its own environment (see BUILD.md):
+
+    python3.12 -m venv .venv-vllm && .venv-vllm/bin/pip install vllm==0.33.0 -e .
+    .venv-vllm/bin/python benchmarks/allocator_vs_vllm.py [--steps 100]   # from the repository root
+
+Pin 2 cores (``taskset -c 0,1``) to compare with a 2-core machine.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from allocator_step import BLOCK, WINDOW, decode_prompts, running_decodes  # noqa: E402
+
+from jax_hybrid_attn.allocator import allocate_slots, append_token_ids  # noqa: E402
+from jax_hybrid_attn.allocator.columns import ROW_GROUP_COLUMNS  # noqa: E402
+
+
+def vllm_manager(config, lengths, tokens):
+    """vLLM's `KVCacheManager` for `config`'s groups and pool, with the requests of `running_decodes` in the same
+    state: (manager, requests)."""
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+    from vllm.v1.request import Request
+
+    layer = dict(block_size=BLOCK, num_kv_heads=8, head_size=256, dtype=torch.bfloat16)
+    groups = [KVCacheGroupSpec(["full.0"], FullAttentionSpec(**layer))] + [
+        KVCacheGroupSpec([f"window{g}.0"], SlidingWindowSpec(**layer, sliding_window=WINDOW))
+        for g in range(config.num_groups - 1)
+    ]
+    manager = KVCacheManager(
+        KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups),
+        max_model_len=config.max_model_len,
+        scheduler_block_size=BLOCK,
+        hash_block_size=BLOCK,
+        enable_caching=True,
+    )
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    requests = [
+        Request(str(r), tokens[r, :n].tolist(), SamplingParams(max_tokens=1 << 20), None, block_hasher=hasher)
+        for r, n in enumerate(lengths)
+    ]
+    for start in range(0, len(requests), 2):  # as `running_decodes`: two prompts, then their first decode
+        pair = requests[start : start + 2]
+        for request in pair:
+            hits, num_hit_tokens, _ = manager.get_computed_blocks(request, request.num_tokens - 1)
+            new = request.num_tokens - 1 - num_hit_tokens
+            if manager.allocate_slots(request, new, num_hit_tokens, hits) is None:
+                raise RuntimeError("vLLM: a prefill did not fit")
+        for request in pair:
+            request.num_computed_tokens = request.num_tokens - 1
+        for request in pair:
+            if manager.allocate_slots(request, 1) is None:
+                raise RuntimeError("vLLM: a decode did not fit")
+            request.num_computed_tokens += 1
+    return manager, requests
+
+
+def check_same_blocks(config, state, manager, requests):
+    """Every request's block ids, group by group, are the same in both allocators. Returns the blocks compared."""
+    tables = np.asarray(state.requests.tables)
+    rows = np.asarray(state.requests.rows)
+    compared = 0
+    for r, request in enumerate(requests):
+        for g, theirs in enumerate(manager.get_block_ids(request.request_id)):
+            ours = tables[g, r, : rows[r, ROW_GROUP_COLUMNS + g]].tolist()
+            if ours != list(theirs):
+                raise AssertionError(
+                    f"request {r}, group {g}: ours {ours[-4:]}..., vLLM {list(theirs)[-4:]}..."
+                )
+            compared += len(ours)
+    return compared
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=10,
+        help="steps each side runs before the other's turn (1: alternate every step)",
+    )
+    args = parser.parse_args()
+    num_requests, warmup = args.requests, 5
+    config, state, computed = running_decodes(num_requests)
+    lengths, tokens = decode_prompts(num_requests, max_model_len=config.max_model_len)
+    manager, requests = vllm_manager(config, lengths, tokens)
+    slots = jnp.arange(num_requests, dtype=jnp.int32)
+    ones = jnp.ones(num_requests, jnp.int32)
+    append = jax.jit(
+        lambda state, sampled: append_token_ids(config, state, slots, sampled, ones), donate_argnums=0
+    )
+
+    def ours(sampled):
+        nonlocal state, computed
+        state = append(state, jnp.asarray(sampled[:, None], jnp.int32))
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        state, out = allocate_slots(
+            config, state, slots, computed, ones, num_tokens=num_requests, return_block_tables=False
+        )
+        jax.block_until_ready((state, out))
+        elapsed = time.perf_counter() - start
+        if not bool(jnp.all(out.success)):
+            raise RuntimeError("ours: a decode did not fit")
+        computed = computed + 1
+        return elapsed
+
+    def theirs(sampled):
+        for request, token in zip(requests, sampled.tolist()):
+            request.append_output_token_ids(token)
+        start = time.perf_counter()
+        new_blocks = [manager.allocate_slots(request, 1) for request in requests]
+        allocated = time.perf_counter()
+        if any(blocks is None for blocks in new_blocks):
+            raise RuntimeError("vLLM: a decode did not fit")
+        [
+            blocks.get_block_ids(allow_none=True) for blocks in new_blocks
+        ]  # what the scheduler sends the worker
+        elapsed = time.perf_counter() - start
+        for request in requests:
+            request.num_computed_tokens += 1
+        return elapsed, allocated - start
+
+    # The tokens each request samples at each step, the same on both sides.
+    sampled = np.random.default_rng(1).integers(0, 256_000, (warmup + args.steps, num_requests))
+    times = {"ours": [], "vLLM": [], "vLLM allocate_slots only": []}
+    sides = (("ours", ours), ("vLLM", theirs))
+    for first in range(0, warmup + args.steps, args.block):
+        steps = range(first, min(first + args.block, warmup + args.steps))
+        for name, run in sides if first // args.block % 2 == 0 else sides[::-1]:
+            for step in steps:
+                elapsed = run(sampled[step])
+                if step < warmup:
+                    continue
+                if name == "vLLM":
+                    elapsed, allocate_only = elapsed
+                    times["vLLM allocate_slots only"].append(allocate_only)
+                times[name].append(elapsed)
+    compared = check_same_blocks(config, state, manager, requests)
+
+    median = {name: 1e6 * float(np.median(t)) for name, t in times.items()}
+    device = jax.devices()[0]
+    print(
+        f"| allocator step, {num_requests} decode requests | median us | p10 us | p90 us |\n|---|---|---|---|"
+    )
+    for name, t in times.items():
+        p10, p90 = (1e6 * float(np.percentile(t, q)) for q in (10, 90))
+        print(f"| {name} | {median[name]:.0f} | {p10:.0f} | {p90:.0f} |")
+    print(
+        f"ours on {device.platform} ({device.device_kind}), vLLM on the host, {os.cpu_count()} CPUs visible, affinity "
+        f"{len(os.sched_getaffinity(0))}, {args.steps} steps each, in turns of {args.block}: ours "
+        f"{median['vLLM'] / median['ours']:.1f}x faster (ratio of medians); "
+        f"block ids identical for all {num_requests} requests x {config.num_groups} groups ({compared} blocks)"
+    )
+
+
+if __name__ == "__main__":
+    main()
