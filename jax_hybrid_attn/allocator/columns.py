@@ -35,6 +35,17 @@ def gather_column(array, rows, column):
     return array.reshape(-1)[rows * array.shape[1] + column]
 
 
+def updated(vector, values: dict):
+    """`vector` (1-D, e.g. `BlockPool.counters`) with ``vector[i] = values[i]`` for each i, as elementwise selects.
+
+    XLA fuses a chain of these into its consumers; a chain of ``.at[i].set`` is a dynamic-update-slice each, with
+    copies in between (an operation each on the CPU runtime)."""
+    index = jnp.arange(vector.shape[0])
+    for i, value in values.items():
+        vector = jnp.where(index == i, value, vector)
+    return vector
+
+
 def run_if(pred, fn, *operands):
     """``fn(*operands)`` if `pred` else `operands`, as a 0-or-1-trip `lax.while_loop`.
 

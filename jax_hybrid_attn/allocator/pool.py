@@ -43,6 +43,7 @@ from .columns import (
     cumsum,
     gather_column,
     run_if,
+    updated,
 )
 from .state import BlockPool
 
@@ -148,8 +149,9 @@ def free_blocks(
     # One scatter writes REF and FREE_POS of each block (by its last event; the count already holds every event).
     values = jnp.stack([ref_after, jnp.where(queued, index, rows[:, FREE_POS])], axis=-1)
     info = info.at[jnp.where(last, blocks, num_blocks), REF : FREE_POS + 1].set(values, mode="drop")
-    counters = counters.at[RING_HEAD].set(new_head).at[RING_SPAN].set(span + added)
-    counters = counters.at[NUM_FREE].add(added)
+    counters = updated(
+        counters, {RING_HEAD: new_head, RING_SPAN: span + added, NUM_FREE: counters[NUM_FREE] + added}
+    )
     return dataclasses.replace(pool, ring=ring, info=info, counters=counters)
 
 
@@ -172,7 +174,9 @@ def touch(pool: BlockPool, blocks: Int[Array, "E"], mask: Bool[Array, "E"]) -> B
     was_free = mask & (rows[:, REF] == 0)
     values = jnp.stack([rows[:, REF] + 1, jnp.full_like(blocks, NOT_FREE)], axis=-1)
     info = info.at[jnp.where(mask, blocks, num_blocks), REF : FREE_POS + 1].set(values, mode="drop")
-    counters = pool.counters.at[NUM_FREE].add(-jnp.sum(was_free, dtype=jnp.int32))
+    counters = updated(
+        pool.counters, {NUM_FREE: pool.counters[NUM_FREE] - jnp.sum(was_free, dtype=jnp.int32)}
+    )
     return dataclasses.replace(pool, info=info, counters=counters)
 
 
@@ -191,7 +195,7 @@ def needs_compaction(pool: BlockPool, *, appended: Int[Array, ""], count: Int[Ar
 def compact(pool: BlockPool) -> BlockPool:
     """Move the live free-queue entries, in order, to the start of the ring."""
     ring, info, head, span = _compact_ring(*_ring(pool))
-    counters = pool.counters.at[RING_HEAD].set(head).at[RING_SPAN].set(span)
+    counters = updated(pool.counters, {RING_HEAD: head, RING_SPAN: span})
     return dataclasses.replace(pool, ring=ring, info=info, counters=counters)
 
 
@@ -217,8 +221,14 @@ def take(pool: BlockPool, count: Int[Array, ""], max_count: int):
     fresh = jnp.asarray([1, NOT_FREE, 0, NO_GROUP, NO_MAP_SLOT], jnp.int32)  # REF .. MAP_SLOT
     info = info.at[jnp.where(got, blocks, num_blocks), REF : MAP_SLOT + 1].set(fresh, mode="drop")
     evict = got & (rows[:, HASHED] != 0)
-    counters = pool.counters.at[RING_HEAD].set((head + advance) & (capacity - 1))
-    counters = counters.at[RING_SPAN].set(span - advance).at[NUM_FREE].add(-count)
+    counters = updated(
+        pool.counters,
+        {
+            RING_HEAD: (head + advance) & (capacity - 1),
+            RING_SPAN: span - advance,
+            NUM_FREE: pool.counters[NUM_FREE] - count,
+        },
+    )
     table = prefix_map.delete(pool.prefix_map, blocks, rows[:, MAP_SLOT], evict)
     return dataclasses.replace(pool, ring=ring, info=info, counters=counters, prefix_map=table), blocks
 
@@ -234,7 +244,7 @@ def renormalize_stamps(pool: BlockPool) -> BlockPool:
     info, counter = run_if(
         stamps_near_overflow(pool), _renormalize_stamps, pool.info, pool.counters[STAMP_COUNTER]
     )
-    return dataclasses.replace(pool, info=info, counters=pool.counters.at[STAMP_COUNTER].set(counter))
+    return dataclasses.replace(pool, info=info, counters=updated(pool.counters, {STAMP_COUNTER: counter}))
 
 
 def _renormalize_stamps(info, counter):
@@ -274,7 +284,13 @@ def cache_blocks(
     info = pool.info.at[safe, HASHED:].set(
         values, mode="drop"
     )  # HASHED, GROUP, MAP_SLOT, STAMP, HASH_HI, HASH_LO
-    counters = counters.at[STAMP_COUNTER].add(jnp.sum(mask, dtype=jnp.int32)).at[DROPPED].add(inserts.dropped)
+    counters = updated(
+        counters,
+        {
+            STAMP_COUNTER: counters[STAMP_COUNTER] + jnp.sum(mask, dtype=jnp.int32),
+            DROPPED: counters[DROPPED] + inserts.dropped,
+        },
+    )
     block_tokens = pool.block_tokens
     if tokens is not None and block_tokens.shape[1]:
         block_tokens = block_tokens.at[safe].set(tokens, mode="drop")
@@ -293,7 +309,7 @@ def finish_inserts(pool: BlockPool, inserts: prefix_map.Inserts) -> BlockPool:
     info = pool.info.at[jnp.where(placed, done.blocks, pool.info.shape[0]), MAP_SLOT].set(
         done.slot_of, mode="drop"
     )
-    counters = pool.counters.at[DROPPED].add(done.dropped)
+    counters = updated(pool.counters, {DROPPED: pool.counters[DROPPED] + done.dropped})
     return dataclasses.replace(pool, info=info, prefix_map=table, counters=counters)
 
 

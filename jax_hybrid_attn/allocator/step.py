@@ -78,6 +78,7 @@ from .columns import (
     cumsum,
     gather_column,
     run_if,
+    updated,
 )
 from .coordinator import compute_hits, may_hit
 from .prefix_map import Inserts
@@ -162,12 +163,13 @@ def _group_counters(row: Int[Array, "R 5+3G"], num_groups: int):
     return tuple(row[:, start + k * num_groups : start + (k + 1) * num_groups].T for k in range(3))
 
 
-def _expand(counts: Int[Array, "N"], capacity: int):
-    """Enumerate ``counts[i]`` events for each i, in order, into `capacity` slots.
+def _expand(counts: Int[Array, "N"], capacity: int, ends: Int[Array, "N"] | None = None):
+    """Enumerate ``counts[i]`` events for each i, in order, into `capacity` slots (`ends`: ``cumsum(counts)``, if the
+    caller has it).
 
     Returns (segment i of each event, its index inside the segment, whether the slot holds an event).
     """
-    ends = cumsum(counts)
+    ends = cumsum(counts) if ends is None else ends
     starts = ends - counts
     marks = jnp.zeros(capacity, jnp.int32).at[starts].add(1, mode="drop")
     segment = jnp.clip(cumsum(marks) - 1, 0, counts.shape[0] - 1)
@@ -220,9 +222,16 @@ def _process(
 
         found, lists, first_real = jax.lax.cond(lookup, do_search, no_search, None)
         hit_tokens, hit_first, hit_lists = found[None], first_real[:, None], lists[:, None, :]
-        counters = pool.counters.at[STAT_REQUESTS].add(search.astype(jnp.int32))
-        counters = counters.at[STAT_QUERIES].add(jnp.where(search, num_tokens[0], 0))
-        pool = dataclasses.replace(pool, counters=counters.at[STAT_HITS].add(jnp.where(search, found, 0)))
+        counters = pool.counters
+        counters = updated(
+            counters,
+            {
+                STAT_REQUESTS: counters[STAT_REQUESTS] + search.astype(jnp.int32),
+                STAT_QUERIES: counters[STAT_QUERIES] + jnp.where(search, num_tokens[0], 0),
+                STAT_HITS: counters[STAT_HITS] + jnp.where(search, found, 0),
+            },
+        )
+        pool = dataclasses.replace(pool, counters=counters)
 
     computed = rows.num_computed + hit_tokens
     new_tokens = jnp.where(is_new, jnp.minimum(rows.num_new, num_tokens - computed), rows.num_new)
@@ -439,7 +448,7 @@ def _outputs(
     slot_ok = (rows.slot >= 0) & (rows.slot < config.max_num_seqs)
     slot = jnp.clip(rows.slot, 0, config.max_num_seqs - 1)
     ends = cumsum(scheduled)
-    row, index, token_ok = _expand(scheduled, num_tokens)
+    row, index, token_ok = _expand(scheduled, num_tokens, ends)
     position = jnp.where(token_ok, computed[row] + index, 0)
     token_slot = slot[row]
     known = position < gather_column(req.rows, token_slot, NUM_TOKENS)
@@ -624,8 +633,7 @@ def allocate_slots(
         config, state, rows_at(members), single=False, maintain=False
     )
     success, scheduled = record(members, ok, sched, success, scheduled)
-    work = work & ~success
-    queue = work_queue(work)
+    work = work & ~success  # rows left for the loop, which rebuilds their queue when it runs (rarely)
 
     def one_row(row, state, success, computed, scheduled, hits):  # the general path, for one row
         state, (ok, comp, sched, hit) = _process(config, state, rows.at(row), single=True)
@@ -635,7 +643,7 @@ def allocate_slots(
 
         return state, put(success, ok), put(computed, comp), put(scheduled, sched), put(hits, hit)
 
-    def vectorised(k, state, *results):  # a chunk from `k`, then the row it stopped at
+    def vectorised(queue, k, state, *results):  # a chunk from `k`, then the row it stopped at
         success, computed, scheduled, hits = results
         members = jax.lax.dynamic_slice_in_dim(queue, k, chunk)
         state, (ok, _, sched, _), stop, inserts = _process(config, state, rows_at(members), single=False)
@@ -651,7 +659,9 @@ def allocate_slots(
         )
         return (jnp.where(stop < chunk, k + stop + 1, k + chunk), state, *results)
 
-    def new_request(k, state, *results):  # a row that holds no blocks goes straight to the general path
+    def new_request(
+        queue, k, state, *results
+    ):  # a row that holds no blocks goes straight to the general path
         return (k + 1, *one_row(queue[k], state, *results))
 
     def step(carry):
@@ -660,11 +670,12 @@ def allocate_slots(
             jnp.any(inserts.pending), lambda pool: (pool_ops.finish_inserts(pool, inserts),), state.pool
         )[0]
         state = dataclasses.replace(state, pool=pool)
+        queue = work_queue(work)
         head = queue[k]  # the next row with work (`num_rows` once only inserts are left)
         slot_of_head = jnp.clip(rows.slot[jnp.minimum(head, num_rows - 1)], 0, config.max_num_seqs - 1)
         head_is_new = (head < num_rows) & (state.requests.rows[slot_of_head, RUNNING] == 0)
-        carry = run_if(~head_is_new, vectorised, k, state, *results)
-        k, state, *results = run_if(head_is_new, new_request, *carry)
+        carry = run_if(~head_is_new, partial(vectorised, queue), k, state, *results)
+        k, state, *results = run_if(head_is_new, partial(new_request, queue), *carry)
         return (k, state, Inserts.none(inserts.pending.shape[0]), *results)
 
     count = jnp.sum(work, dtype=jnp.int32)
