@@ -11,7 +11,7 @@ The two take turns of `--block` steps (10 by default; the first side changes eve
 noise hits both alike: the figure to read is the ratio. Each step starts, untimed, with the token each request
 sampled (the same tokens on both sides): vLLM's block hasher and our `append_token_ids` hash a block when it fills.
 With ``--block 1`` the sides alternate every step, and each step runs after the other side's (its caches cold:
-ours then takes about 1.6x longer on a 2-core machine). At the end, every request's block ids in every group
+ours then takes about 1.5x longer on a 2-core machine). At the end, every request's block ids in every group
 must be the same on both sides: the two allocators did the same work, block for block.
 
 vLLM 0.33 pins another torch than this project, so it runs in its own environment (see BUILD.md):
@@ -26,6 +26,11 @@ import argparse
 import os
 import sys
 import time
+
+# One torch thread, as vLLM's engine runs for serving (`vllm.utils.torch_utils.set_torch_threads_for_runtime`): set
+# before torch is imported, or its idle OpenMP threads spin and take cycles from both sides (vLLM's median nearly
+# doubles on a 2-core machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax
 import jax.numpy as jnp
