@@ -29,12 +29,6 @@ FULL, SLIDING_WINDOW, CHUNKED_LOCAL = 0, 1, 2
 """Manager kinds of a KV-cache group, in `AllocatorConfig.kinds`."""
 
 
-def gather_column(array, rows, column):
-    """``array[rows, column]`` of a 2-D array, as one gather from the flattened array (XLA's CPU runtime runs a
-    1-D gather much faster than a 2-D one)."""
-    return array.reshape(-1)[rows * array.shape[1] + column]
-
-
 def updated(vector, values: dict):
     """`vector` (1-D, e.g. `BlockPool.counters`) with ``vector[i] = values[i]`` for each i, as elementwise selects.
 

@@ -41,7 +41,6 @@ from .columns import (
     STAMP_COUNTER,
     cpu_cond,
     cumsum,
-    gather_column,
     run_if,
     updated,
 )
@@ -69,7 +68,7 @@ def _ring_window(ring, info, head, span, size: int):
     offset = jnp.arange(size, dtype=jnp.int32)
     index = (head + offset) & (ring.shape[0] - 1)
     entries = ring[index]
-    return entries, (offset < span) & (gather_column(info, entries, FREE_POS) == index)
+    return entries, (offset < span) & (info[entries, FREE_POS] == index)
 
 
 def _compact_ring(ring, info, head, span):

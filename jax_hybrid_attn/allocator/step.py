@@ -76,7 +76,6 @@ from .columns import (
     STAT_REQUESTS,
     cpu_cond,
     cumsum,
-    gather_column,
     run_if,
     updated,
 )
@@ -451,8 +450,8 @@ def _outputs(
     row, index, token_ok = _expand(scheduled, num_tokens, ends)
     position = jnp.where(token_ok, computed[row] + index, 0)
     token_slot = slot[row]
-    known = position < gather_column(req.rows, token_slot, NUM_TOKENS)
-    token_ids = jnp.where(token_ok & known, gather_column(req.token_ids, token_slot, position), 0)
+    known = position < req.rows[token_slot, NUM_TOKENS]
+    token_ids = jnp.where(token_ok & known, req.token_ids[token_slot, position], 0)
     groups = jnp.arange(config.num_groups, dtype=jnp.int32)[:, None]
     column = per_block(config, position)  # [G, T]
     index = _table_index(config, groups, token_slot[None, :], column)
@@ -659,9 +658,8 @@ def allocate_slots(
         )
         return (jnp.where(stop < chunk, k + stop + 1, k + chunk), state, *results)
 
-    def new_request(
-        queue, k, state, *results
-    ):  # a row that holds no blocks goes straight to the general path
+    # A row that holds no blocks goes straight to the general path.
+    def new_request(queue, k, state, *results):
         return (k + 1, *one_row(queue[k], state, *results))
 
     def step(carry):
