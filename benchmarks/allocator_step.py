@@ -5,7 +5,8 @@ Each timed step is one `allocate_slots` call for the 256 requests (one new token
 out-of-window blocks, caching of blocks that became full, slot mappings), after an untimed call that appends the
 token each request sampled. Three variants: the block tables read from the state (persistent, rows = slots, as
 vLLM's model runner keeps them; the work vLLM's KVCacheManager does), the block tables gathered per row into the
-output, and append + allocate in one call. Compile time is excluded; figures are medians over the steps, with
+output, and append + allocate in one call. The first three run the step as `compile_allocate_slots` compiles it
+(one task per operation on a CPU), the fused one as plain `jax.jit`. Compile time is excluded; figures are medians over the steps, with
 `jax.block_until_ready`. Runs unchanged on CPU and GPU (pin 2 cores with `taskset -c 0,1` to compare with a
 2-core machine):
 
@@ -31,6 +32,7 @@ from jax_hybrid_attn.allocator import (
     add_requests,
     allocate_slots,
     append_token_ids,
+    compile_allocate_slots,
     free,
     init_state,
 )
@@ -136,7 +138,7 @@ def time_mixed_steps(config, state, computed, *, steps: int, sample, warmup: int
     num_requests = computed.shape[0]
     slots = jnp.arange(num_requests, dtype=jnp.int32)
     rng = np.random.default_rng(1)
-    times, failures = [], 0
+    times, failures, step = [], 0, None
     for i in range(steps + warmup):
         new_slots = jnp.asarray((i * NEW_PER_STEP + np.arange(NEW_PER_STEP)) % num_requests, jnp.int32)
         prompts = np.zeros((NEW_PER_STEP, config.max_model_len), np.int32)
@@ -149,8 +151,10 @@ def time_mixed_steps(config, state, computed, *, steps: int, sample, warmup: int
         computed = computed.at[new_slots].set(0)
         num_new = jnp.ones(num_requests, jnp.int32).at[new_slots].set(NEW_PROMPT)
         jax.block_until_ready((state, computed))
+        if step is None:
+            step = compile_allocate_slots(config, state, slots, computed, num_new, return_block_tables=False)
         start = time.perf_counter()
-        state, out = allocate_slots(config, state, slots, computed, num_new, return_block_tables=False)
+        state, out = step(state, slots, computed, num_new)
         jax.block_until_ready((state, out))
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -179,22 +183,31 @@ def main():
         return append_token_ids(config, state, slots, tokens, ones)
 
     def allocate(return_block_tables, *, reuse_output=False):
+        """The step as users run it: compiled ahead of time (`compile_allocate_slots`, one task per operation on a
+        CPU), once per device and per reuse of the last output."""
         # The last output of each state (the timed one and `--verify`'s CPU replay), whose buffers are reused; a
         # state is known by its first buffer, which keeps its address (donated, updated in place).
-        previous = {}
+        previous, compiled, constants = {}, {}, {}
 
         def step(state, computed):
-            lane = jax.tree.leaves(state)[0].unsafe_buffer_pointer()
-            state, out = allocate_slots(
-                config,
-                state,
-                slots,
-                computed,
-                ones,
-                num_tokens=num_requests,
-                return_block_tables=return_block_tables,
-                previous_output=previous.pop(lane, None) if reuse_output else None,
-            )
+            first = jax.tree.leaves(state)[0]
+            lane, sharding = first.unsafe_buffer_pointer(), first.sharding
+            reused = {"previous_output": previous.pop(lane)} if lane in previous else {}
+            if sharding not in constants:
+                constants[sharding] = jax.device_put((slots, ones), sharding)
+            rows, new = constants[sharding]
+            if (sharding, bool(reused)) not in compiled:
+                compiled[sharding, bool(reused)] = compile_allocate_slots(
+                    config,
+                    state,
+                    rows,
+                    computed,
+                    new,
+                    num_tokens=num_requests,
+                    return_block_tables=return_block_tables,
+                    **reused,
+                )
+            state, out = compiled[sharding, bool(reused)](state, rows, computed, new, **reused)
             if reuse_output:  # the caller reads `out` before the next step, which donates it
                 previous[lane] = out
             return state, out

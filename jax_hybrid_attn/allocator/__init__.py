@@ -16,6 +16,7 @@ Modules, one job each:
   coordinator  prefix hits over all groups (hybrid fixed point)
   requests     request slots: token ids and block hashes
   step         `allocate_slots`, `free`, `get_computed_blocks`, `reset_prefix_cache`
+  compiled     `allocate_slots` compiled ahead of time, with one task per operation on a CPU
   manager      `KVCacheManager`, a thin Python object around the jitted functions
 
 Deliberate differences from vLLM (each explained where it is made):
@@ -37,6 +38,7 @@ Deliberate differences from vLLM (each explained where it is made):
     sizes of one attention type through `UniformTypeKVCacheSpecs`.
 """
 
+from .compiled import compile_allocate_slots, compile_single_task
 from .config import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -72,6 +74,8 @@ __all__ = [
     "blocks_per_request",
     "cache_salt_words",
     "check_enough_kv_cache_memory",
+    "compile_allocate_slots",
+    "compile_single_task",
     "estimate_max_model_len",
     "free",
     "free_queue_order",

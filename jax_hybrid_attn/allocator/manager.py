@@ -2,7 +2,8 @@
 
 It maps request ids to slots, keeps each request's computed-token count, pads every batch to ``max_num_seqs``
 rows (one compiled shape), checks arguments, and returns Python lists where vLLM does. All the work happens in
-the jitted functions of `step` and `requests`; the state stays on the device.
+the jitted functions of `step` and `requests` (the step compiled with `compiled.compile_allocate_slots`, one task
+per operation on a CPU); the state stays on the device.
 
 Differences from vLLM's `KVCacheManager` beyond those of `step`: `allocate_slots` returns every block id of the
 request per group (vLLM returns the newly allocated blocks); a request must be added (`add_request`) before it
@@ -12,12 +13,14 @@ is allocated; prefix hits are found by `allocate_slots` itself, `get_computed_bl
 import dataclasses
 from collections.abc import Hashable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import pool as pool_ops
 from . import requests as request_ops
 from . import step as step_ops
+from .compiled import compile_allocate_slots
 from .columns import NUM_TOKENS, STAT_HITS, STAT_QUERIES, STAT_REQUESTS
 from .hashing import NO_ADAPTER, cache_salt_words
 from .state import AllocatorConfig, init_state
@@ -60,6 +63,7 @@ class KVCacheManager:
         self.state = init_state(config)
         self.reuse_output_buffers = bool(reuse_output_buffers)
         self._last_output: step_ops.StepOutput | None = None
+        self._compiled_steps: dict[bool, jax.stages.Compiled] = {}  # by whether a previous output is reused
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._num_computed: dict[Hashable, int] = {}
@@ -172,16 +176,17 @@ class KVCacheManager:
         pad = config.max_num_seqs - len(ids)
         slots = np.array([self._slot_of[i] for i in ids] + [-1] * pad, np.int32)
         computed = np.array([self._num_computed[i] for i in ids] + [0] * pad, np.int32)
-        output_state, out = step_ops.allocate_slots(
-            config,
-            self.state,
+        args = (
             jnp.asarray(slots),
             jnp.asarray(computed),
             jnp.asarray(np.array(counts + [0] * pad, np.int32)),
             jnp.asarray(np.array(lookahead + [0] * pad, np.int32)),
             jnp.asarray(np.array(must_fit + [False] * pad)),
-            previous_output=self._last_output,
         )
+        reused = {} if self._last_output is None else {"previous_output": self._last_output}
+        if bool(reused) not in self._compiled_steps:
+            self._compiled_steps[bool(reused)] = compile_allocate_slots(config, self.state, *args, **reused)
+        output_state, out = self._compiled_steps[bool(reused)](self.state, *args, **reused)
         self.state = output_state
         if self.reuse_output_buffers:
             self._last_output = out

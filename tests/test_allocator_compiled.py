@@ -1,0 +1,79 @@
+"""Ahead-of-time compiled allocator steps: one task per operation on a CPU, the same results as `allocate_slots`."""
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_hybrid_attn.allocator import (
+    allocate_slots,
+    append_token_ids,
+    compile_allocate_slots,
+    compile_single_task,
+    init_state,
+)
+
+from .allocator_cases import CONFIGS
+
+
+def split_operations(compiled: jax.stages.Compiled) -> int:
+    """Operations that XLA's CPU compiler split into several parallel tasks."""
+    partitions = re.findall(r'"outer_dimension_partitions":\[([^\]]*)\]', compiled.as_text())
+    return sum(1 for p in partitions if np.prod([int(n.strip('"')) for n in p.split(",") if n]) > 1)
+
+
+def test_single_task_compile_splits_no_gather_and_keeps_the_callers_affinity():
+    table = jnp.asarray(np.random.default_rng(0).integers(0, 1 << 20, (200_000, 8)), jnp.int32)  # 6.4 MB
+    rows = jnp.asarray(np.random.default_rng(1).integers(0, 200_000, 384), jnp.int32)
+    affinity = os.sched_getaffinity(0)
+
+    def lower():  # a new function each time: JAX caches a lowering's executable
+        return jax.jit(lambda table, rows: table[rows] + 1).lower(table, rows)
+
+    one_task = compile_single_task(lower(), platform="cpu")
+
+    assert os.sched_getaffinity(0) == affinity
+    assert split_operations(one_task) == 0
+    np.testing.assert_array_equal(one_task(table, rows), np.asarray(table)[np.asarray(rows)] + 1)
+    if len(affinity) >= 2:  # the plain compile splits this gather: the pinned thread is what removes it
+        assert split_operations(lower().compile()) > 0
+
+
+def test_compiled_step_equals_the_jitted_step():
+    """Decode steps of a hybrid config through both, including a reused output: frees, takes, caching, and rows
+    that no longer fit once the pool runs out."""
+    config = CONFIGS["hybrid"]
+    slots = jnp.arange(config.max_num_seqs, dtype=jnp.int32)
+    ones = jnp.ones_like(slots)
+    prompts = jnp.asarray(np.random.default_rng(2).integers(1, 1000, (config.max_num_seqs, 6)), jnp.int32)
+    counts = jnp.array([6, 5, 3, 6], jnp.int32)
+
+    def prefilled():
+        state = append_token_ids(config, init_state(config), slots, prompts, counts)
+        return allocate_slots(config, state, slots, jnp.zeros_like(slots), counts)
+
+    (state, out), (state_c, out_c) = prefilled(), prefilled()
+    step = compile_allocate_slots(config, state_c, slots, out_c.seq_lens, ones)
+    reusing = compile_allocate_slots(config, state_c, slots, out_c.seq_lens, ones, previous_output=out_c)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(1, 1000, (12, config.max_num_seqs, 1)), jnp.int32)
+    served = []
+    for i in range(12):  # every request crosses block edges, window and chunk boundaries
+        state = append_token_ids(config, state, slots, tokens[i], ones)
+        state_c = append_token_ids(config, state_c, slots, tokens[i], ones)
+        state, out = allocate_slots(config, state, slots, out.seq_lens, ones)
+        if i % 2:  # out_c is donated: its seq_lens must not be an argument too
+            computed = jnp.array(out_c.seq_lens, copy=True)
+            state_c, out_c = reusing(state_c, slots, computed, ones, previous_output=out_c)
+        else:
+            state_c, out_c = step(state_c, slots, out_c.seq_lens, ones)
+        served.append(np.asarray(out.success))
+        for got, want in zip(jax.tree.leaves((state_c, out_c)), jax.tree.leaves((state, out))):
+            np.testing.assert_array_equal(got, want)
+
+    served = np.sum(served, axis=1)
+    assert (
+        served[0] == config.max_num_seqs and served[-1] < config.max_num_seqs
+    )  # the pool ran out on the way
+    assert compile_allocate_slots(config, state_c, slots, out_c.seq_lens, ones).as_text() == step.as_text()
