@@ -128,6 +128,11 @@ def time_steps(step, state, computed, *, steps: int, sample, warmup: int = 10, v
     return state, computed, 1e6 * float(np.median(times)), 1e6 * float(np.percentile(times, 10)), failures
 
 
+def plain_compile(config, state, *args, **kwargs):
+    """`allocate_slots` compiled as a call of the jitted function compiles it (`compile_allocate_slots`' signature)."""
+    return allocate_slots.lower(config, state, *args, **kwargs).compile()
+
+
 NEW_PER_STEP, NEW_PROMPT = 4, 256
 
 
@@ -171,6 +176,11 @@ def main():
     parser.add_argument("--only-persistent", action="store_true", help="time only the allocate-only variants")
     parser.add_argument("--verify", action="store_true", help="replay every step on the CPU and compare")
     parser.add_argument("--mixed", action="store_true", help="also time steps that admit new prompts")
+    parser.add_argument(
+        "--plain-jit",
+        action="store_true",
+        help="compile the step as jax.jit does (XLA's default task split on a CPU)",
+    )
     args = parser.parse_args()
     num_requests = args.requests
     config, state, lengths = running_decodes(num_requests, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -188,6 +198,7 @@ def main():
         # The last output of each state (the timed one and `--verify`'s CPU replay), whose buffers are reused; a
         # state is known by its first buffer, which keeps its address (donated, updated in place).
         previous, compiled, constants = {}, {}, {}
+        compile_step = plain_compile if args.plain_jit else compile_allocate_slots
 
         def step(state, computed):
             first = jax.tree.leaves(state)[0]
@@ -197,7 +208,7 @@ def main():
                 constants[sharding] = jax.device_put((slots, ones), sharding)
             rows, new = constants[sharding]
             if (sharding, bool(reused)) not in compiled:
-                compiled[sharding, bool(reused)] = compile_allocate_slots(
+                compiled[sharding, bool(reused)] = compile_step(
                     config,
                     state,
                     rows,

@@ -6,7 +6,8 @@ The step is a few hundred small operations with data-dependent loops, so on a GP
 and by the host syncs of loop conditions. XLA's command buffers (CUDA graphs; with WHILE and CONDITIONAL, loops
 and conditionals become conditional graph nodes, with no host sync) may remove both. ``--verify`` replays every
 timed step on the CPU and requires bit-identical outputs and state (an earlier version of the step gave wrong
-results under WHILE/CONDITIONAL command buffers). Also timed: the same step on this machine's CPU.
+results under WHILE/CONDITIONAL command buffers). Also timed: the same step on this machine's CPU, compiled by
+`compile_allocate_slots` (one task per operation) and as plain `jax.jit` compiles it.
 """
 
 import argparse
@@ -26,6 +27,8 @@ VARIANTS = {
     "gpu-skip-temp": {"XLA_FLAGS": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"},
     "cpu-all-cores": {"JAX_PLATFORMS": "cpu"},
     "cpu-2-cores": {"JAX_PLATFORMS": "cpu", "PIN_CORES": "0,1"},
+    # compiled as plain `jax.jit` does: XLA splits the big gathers and scatters over 2 tasks
+    "cpu-2-cores-plain-jit": {"JAX_PLATFORMS": "cpu", "PIN_CORES": "0,1", "ARGS": "--plain-jit"},
 }
 
 
@@ -39,7 +42,14 @@ def main():
     rows = []
     for name in args.variants:
         env = dict(VARIANTS[name])
-        command = [sys.executable, script, "--steps", str(args.steps), "--only-persistent"]
+        command = [
+            sys.executable,
+            script,
+            "--steps",
+            str(args.steps),
+            "--only-persistent",
+            *env.pop("ARGS", "").split(),
+        ]
         if args.verify and not env.get("JAX_PLATFORMS"):
             command.append("--verify")
         if "PIN_CORES" in env:
