@@ -527,15 +527,21 @@ def _idle_rows(config: AllocatorConfig, state: AllocatorState, rows: _Rows):
     num_blocks, num_null, num_cached = _group_counters(row, config.num_groups)
     skipped = skipped_blocks(config, computed)
     end = jnp.minimum(computed + new_tokens + rows.num_lookahead, config.max_model_len)
-    busy = (jnp.minimum(skipped, num_blocks) > num_null) | (
-        per_block(config, end, round_up=True) > num_blocks
+    # Each test materialized on its own: one fusion reading every column would be split over 2 tasks (XLA's CPU
+    # cost model counts its bytes 10 times as compute once the fusion has more operations than bytes).
+    busy = _materialize(
+        jnp.any(
+            (jnp.minimum(skipped, num_blocks) > num_null)
+            | (per_block(config, end, round_up=True) > num_blocks),
+            axis=0,
+        )
     )
     if config.enable_caching:
         cache_until = jnp.minimum(computed + new_tokens, row[:, NUM_TOKENS])
         if config.num_groups > 1:
             cache_until = cache_until // config.alignment * config.alignment
-        busy = busy | (per_block(config, cache_until) > num_cached)
-    idle = running & valid & ~rows.must_fit & ~jnp.any(busy, axis=0)
+        busy = busy | _materialize(jnp.any(per_block(config, cache_until) > num_cached, axis=0))
+    idle = running & valid & ~rows.must_fit & ~busy
     return idle, ~slot_ok | (running & ~valid)
 
 
