@@ -11,6 +11,8 @@ sides, prefilled two at a time as there. Each timed scheduler step computes one 
 The two take turns of `--block` steps (10 by default; the first side changes every turn), so that the machine's
 noise hits both alike: the figure to read is the ratio. Each step starts, untimed, with the token each request
 sampled (the same tokens on both sides): vLLM's block hasher and our `append_token_ids` hash a block when it fills.
+``--sync-dispatch`` runs our calls inline on the calling thread (JAX's `jax_cpu_enable_async_dispatch` off: a
+scheduler waits for each step's result anyway; on 2 cores the hand-off to a worker thread shows in the figures).
 With ``--block 1`` the sides alternate every step, and each step runs after the other side's (its caches cold:
 ours then takes about 1.5x longer on a 2-core machine). At the end, every request's block ids in every group
 must be the same on both sides: the two allocators did the same work, block for block.
@@ -120,7 +122,14 @@ def main():
         default=10,
         help="steps each side runs before the other's turn (1: alternate every step)",
     )
+    parser.add_argument(
+        "--sync-dispatch",
+        action="store_true",
+        help="run each jitted call inline on the calling thread (jax_cpu_enable_async_dispatch=False)",
+    )
     args = parser.parse_args()
+    if args.sync_dispatch:  # read when the CPU client is created: before any array exists
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
     num_requests, warmup = args.requests, 5
     config, state, computed = running_decodes(num_requests)
     lengths, tokens = decode_prompts(num_requests, max_model_len=config.max_model_len)
@@ -198,7 +207,8 @@ def main():
         print(f"| {name} | {median[name]:.0f} | {p10:.0f} | {p90:.0f} |")
     print(
         f"ours on {device.platform} ({device.device_kind}), vLLM on the host, {os.cpu_count()} CPUs visible, affinity "
-        f"{len(os.sched_getaffinity(0))}, {args.steps} steps each, in turns of {args.block}: ours "
+        f"{len(os.sched_getaffinity(0))}, {args.steps} steps each, in turns of {args.block}"
+        f"{', sync dispatch' if args.sync_dispatch else ''}: ours "
         f"{median['vLLM'] / median['ours']:.1f}x faster (ratio of medians; median of the {len(turn_ratios)} turn pairs' "
         f"ratios {np.median(turn_ratios):.1f}x, 10th-90th percentile {np.percentile(turn_ratios, 10):.1f}-"
         f"{np.percentile(turn_ratios, 90):.1f}x); "
