@@ -34,6 +34,9 @@ operations whatever R is):
     ring compaction with stamp re-ranking before the frees and takes (one check for both, in either path), then
     prefix-map inserts that collided together with the one-row path. Cheap exact checks run unconditionally on a
     GPU (`columns.cpu_cond`).
+  * On a CPU, `compiled.compile_allocate_slots` compiles the step so that XLA runs each of its gathers and scatters
+    over the large state arrays as one task (jax.jit's compile splits them over 2 threads, which costs more than
+    it saves at these sizes).
 
 Deliberate differences from vLLM:
   * A row whose step would free, take or cache more than `AllocatorConfig.max_row_step_blocks` blocks fails: that
