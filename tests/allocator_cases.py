@@ -48,6 +48,9 @@ CONFIGS = {
     "in_window_cached": make_config(
         [window(2, 5), full(2)], num_blocks=48, sliding_window_in_window_only=True
     ),
+    # a one-block token budget and a small pool: a new request's prefix hits (often at the head of the free queue)
+    # outnumber the blocks one step may take, so the stale entries they leave fill the take window
+    "small_budget": make_config([full(4), window(4, 8)], num_blocks=16, max_num_batched_tokens=4),
 }
 
 
@@ -159,6 +162,9 @@ def check_invariants(manager: KVCacheManager):
             assert np.all(row[lengths[g, slot] :] == 0)
             if not running[slot]:
                 assert lengths[g, slot] == 0
+            # `take` never hands out the null block: past the leading nulls every entry is a real block.
+            num_null = np.asarray(state.requests.num_null)[g, slot]
+            assert np.all(row[num_null : lengths[g, slot]] != 0), f"null block inside a table: {row}"
             real = row[row != 0]
             assert len(set(real.tolist())) == len(real), f"block twice in one table: {row}"
             np.add.at(occurrences, real, 1)

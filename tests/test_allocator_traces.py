@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .allocator_cases import CONFIGS, Mirror
+from .allocator_cases import CONFIGS, Mirror, full, make_config
 
 VOCAB = 5  # few token ids and shared prefixes, so that prefix hits and equal hashes happen
 
@@ -94,3 +94,62 @@ def test_long_decode_trace_with_shared_prefixes():
         mirror.schedule(batch)
     for rid in range(4):
         mirror.free(rid)
+
+
+def run_prefix_churn(config, seed: int, num_requests: int = 14):
+    """Requests that mostly repeat earlier prompts arrive, prefill in budget-sized chunks beside each other, and
+    leave: their cached blocks go back to the free queue and the next request hits them there."""
+    rng = random.Random(seed)
+    mirror = Mirror(config)
+    manager = mirror.manager
+    prompts, live = [], []
+    for rid in range(num_requests):
+        if prompts and rng.random() < 0.7:
+            prompt = rng.choice(prompts)
+        else:
+            prompt = PROMPT_PREFIXES[-2] + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 10))]
+            prompts.append(prompt)
+        if len(live) == config.max_num_seqs:
+            mirror.free(live.pop(rng.randrange(len(live))))
+        mirror.add(rid, prompt)
+        live.append(rid)
+        for _ in range(rng.randint(1, 3)):
+            batch, budget = [], config.max_num_batched_tokens
+            for request in live:
+                left = manager.num_tokens(request) - manager.num_computed_tokens(request)
+                if left > 0 and budget > 0:
+                    batch.append((request, min(left, budget)))
+                    budget -= batch[-1][1]
+            if batch:
+                mirror.schedule(batch)
+        if rng.random() < 0.5:
+            mirror.free(live.pop(rng.randrange(len(live))))
+    for rid in live:
+        mirror.free(rid)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 29])  # 29 handed out the null block before the touch-first fix
+def test_prefix_hits_from_the_head_of_the_free_queue(seed):
+    """Prefix hits on blocks at the head of the free queue, with a take window smaller than the hits: the stale
+    entries the hits leave never reach a request's table as the null block."""
+    run_prefix_churn(CONFIGS["small_budget"], seed)
+
+
+def test_hits_that_fill_the_take_window_do_not_hand_out_the_null_block():
+    """The reduced case: four hit blocks at the head of the free queue, one new block to take (vLLM: block 6)."""
+    config = make_config([full(16)], num_blocks=7, max_model_len=128, max_num_batched_tokens=16)
+    mirror = Mirror(config)
+    prompt = list(range(1, 65))
+    mirror.add("C", [1000 + i for i in range(5)])
+    mirror.schedule([("C", 5)])
+    mirror.add("A", prompt)
+    for _ in range(4):
+        mirror.schedule([("A", 16)])
+    mirror.add("D", [2000 + i for i in range(16)])
+    mirror.schedule([("D", 16)])
+    mirror.free("A")
+    mirror.free("D")
+    mirror.add("B", prompt + [3000 + i for i in range(10)])
+    mirror.schedule([("B", 16)])
+    assert mirror.manager.get_block_ids("B") == [[2, 3, 4, 5, 6]]
+    assert mirror.manager.num_free_blocks == 0 == len(mirror.manager.free_block_queue())

@@ -202,7 +202,9 @@ def take(pool: BlockPool, count: Int[Array, ""], max_count: int):
     """Pop `count` (<= `max_count`, <= num_free) blocks from the head. Returns (pool, [max_count] ids).
 
     Entries past `count` are `NULL_BLOCK_ID`. Taken blocks get reference count 1 and lose their hash. The caller
-    has made sure (`needs_compaction`, then `compact`) that the first `max_count` entries hold `count` live ones.
+    has made sure (`needs_compaction` on this very pool, after every touch, then `compact`) that the first
+    `max_count` entries hold `count` live ones. The free count drops by the blocks actually taken, so it always
+    equals the live entries of the queue.
     """
     num_blocks, capacity = pool.info.shape[0], pool.ring.shape[0]
     ring, info, head, span = _ring(pool)
@@ -225,7 +227,7 @@ def take(pool: BlockPool, count: Int[Array, ""], max_count: int):
         {
             RING_HEAD: (head + advance) & (capacity - 1),
             RING_SPAN: span - advance,
-            NUM_FREE: pool.counters[NUM_FREE] - count,
+            NUM_FREE: pool.counters[NUM_FREE] - jnp.sum(taken, dtype=jnp.int32),
         },
     )
     table = prefix_map.delete(pool.prefix_map, blocks, rows[:, MAP_SLOT], evict)

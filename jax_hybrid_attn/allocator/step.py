@@ -341,15 +341,18 @@ def _process(
 
     # 4. Commit: free skipped blocks, touch hits, take new blocks, cache full blocks.
     take_count = jnp.where(commit[None, :], new_count, 0)
-    # One rare-work check (one host sync on a GPU): ring compaction for the frees and the takes, stamp re-ranking.
-    taken_from_queue = jnp.sum(take_count)
+    if hit_lists is not None:
+        # Touch before the compaction check: free hit blocks leave the queue, and the stale entries they leave
+        # (anywhere in the ring, the take window included) must be seen by the check. A row that touches is a new
+        # request, which frees nothing, so touches and frees never meet in one row.
+        touch_now = touch_mask & commit[None, :, None]
+        pool = pool_ops.touch(pool, hit_lists.reshape(-1), touch_now.reshape(-1))
     if single:
         reaches_zero = ev_real & (ref_before == 1)  # a row's events name distinct blocks
-        # Free hit blocks leave the queue too (their entries go stale): count them as taken.
-        taken_from_queue = taken_from_queue + jnp.sum(jnp.where(commit, evictable, 0))
     appended = jnp.sum(reaches_zero & commit[ev_row], dtype=jnp.int32)
+    # One rare-work check (one host sync on a GPU): ring compaction for the frees and the takes, stamp re-ranking.
     compaction = pool_ops.needs_compaction(
-        pool, appended=appended, count=taken_from_queue, max_count=capacity
+        pool, appended=appended, count=jnp.sum(take_count), max_count=capacity
     )
     due = compaction | pool_ops.stamps_near_overflow(pool)
     if maintain:
@@ -378,8 +381,6 @@ def _process(
         compact=False,
     )
     if hit_lists is not None:
-        touch_now = touch_mask & commit[None, :, None]
-        pool = pool_ops.touch(pool, hit_lists.reshape(-1), touch_now.reshape(-1))
         group_index = jnp.broadcast_to(jnp.arange(num_groups)[:, None, None], hit_lists.shape)
         hit_index = _table_index(config, group_index, slot[None, :, None], column)
         tables = tables.at[jnp.where(touch_now, hit_index, tables.shape[0])].set(hit_lists, mode="drop")
