@@ -10,8 +10,8 @@ that shares JAX's memory. Nothing is copied on a GPU: q, k, v and a torch-owned 
 (`dlpack.to_jax`), the cache is donated so that XLA updates it in place, and the output leaves through DLPack.
 
 Per step, `plan` packs the metadata of every KV-cache group into ONE int32 buffer on the torch side and imports it
-once (an import costs ~57 µs of host time on the H200, against 30-100 µs decode kernels); `run` slices it inside
-its jitted call. Layers with different windows, chunks, soft caps, scales or sinks are never an error: each
+once (each DLPack import costs host time comparable to a decode kernel; benchmarks/RESULTS.md); `run` slices it
+inside its jitted call, where `layer_attention` writes the layer's k/v and attends. Layers with different windows, chunks, soft caps, scales or sinks are never an error: each
 `metadata_group_key` compiles its own function, all reading the same plan.
 
 Cache ownership (`cache_owner`):
@@ -26,7 +26,7 @@ Stream order: torch's current stream is the one that matters. Inputs are importe
 (JAX's stream waits on an event torch records), and the returned tensor is exported so that work queued on it
 afterwards waits for JAX. Writes queued on another torch stream must be ordered by the caller.
 
-Shape letters (DESIGN.md): T tokens · R requests · N query heads · K kv heads · H head size · B blocks · S block
+Shape letters: T tokens · R requests · N query heads · K kv heads · H head size · B blocks · S block
 size · P blocks per request · G KV-cache groups.
 """
 
@@ -41,8 +41,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jax_hybrid_attn import LayerAttentionParams, get_kv_cache_shape, metadata_group_key, paged_attention
-from jax_hybrid_attn.kv_cache import write_kv
+from jax_hybrid_attn import LayerAttentionParams, get_kv_cache_shape, layer_attention, metadata_group_key
 from jax_hybrid_attn.metadata import AttentionMetadata
 
 from .dlpack import ALIGNMENT, jax_dtype, same_memory, to_jax, to_torch
@@ -105,7 +104,6 @@ class AttentionLayer:
             sliding_window=self.sliding_window,
             attention_chunk_size=self.attention_chunk_size,
             logits_soft_cap=self.logits_soft_cap,
-            has_sinks=self.sinks is not None,
             causal=self.causal,
         )
 
@@ -187,44 +185,18 @@ def _bucket(value: int) -> int:
 
 @partial(
     jax.jit,
-    static_argnames=(
-        "layout",
-        "group",
-        "params",
-        "kv_layout",
-        "k_scale",
-        "v_scale",
-        "implementation",
-        "interpret",
-    ),
+    static_argnames=("layout", "group", "params", "kv_layout", "implementation", "interpret"),
     donate_argnames=("kv_cache", "out_buffer"),
 )
 def _layer_step(
-    packed, q, k, v, kv_cache, sinks, out_buffer, *, layout, group, params, kv_layout, k_scale, v_scale,
+    packed, q, k, v, kv_cache, sinks, out_buffer, k_scale, v_scale, *, layout, group, params, kv_layout,
     implementation, interpret,
 ):  # fmt: skip
-    """Write k/v by slot, then attend: one compiled function per (layout, layer parameters)."""
-    metadata = layout.metadata(packed, group)
-    if k is not None:
-        kv_cache = write_kv(
-            kv_cache, k, v, metadata.slot_mapping, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale
-        )
-    out = paged_attention(
-        q,
-        kv_cache,
-        metadata,
-        sm_scale=params.sm_scale,
-        sliding_window=params.sliding_window,
-        attention_chunk_size=params.attention_chunk_size,
-        logits_soft_cap=params.logits_soft_cap,
-        sinks=sinks,
-        causal=params.causal,
-        kv_layout=kv_layout,
-        k_scale=k_scale,
-        v_scale=v_scale,
-        implementation=implementation,
-        interpret=interpret,
-    )
+    """The plan's metadata of `group`, then `layer_attention`: one compiled function per (layout, layer)."""
+    out, kv_cache = layer_attention(
+        q, k, v, kv_cache, layout.metadata(packed, group), params=params, sinks=sinks, kv_layout=kv_layout,
+        k_scale=k_scale, v_scale=v_scale, implementation=implementation, interpret=interpret,
+    )  # fmt: skip
     if out_buffer is not None:  # the caller's `out`, donated: XLA writes the result into its memory
         out = out.reshape(out_buffer.shape)
     return out, kv_cache
@@ -448,22 +420,10 @@ class PagedAttentionBackend:
                 )
             out_jax = to_jax(out, name="out")
         result, new_cache = _layer_step(
-            self._packed,
-            q_jax,
-            k_jax,
-            v_jax,
-            cache_jax,
-            self._layer_sinks(layer, spec),
-            out_jax,
-            layout=self._layout,
-            group=spec.kv_cache_group,
-            params=spec.params,
-            kv_layout=self.kv_layout,
-            k_scale=spec.k_scale,
-            v_scale=spec.v_scale,
-            implementation=self.implementation,
-            interpret=self.interpret,
-        )
+            self._packed, q_jax, k_jax, v_jax, cache_jax, self._layer_sinks(layer, spec), out_jax, spec.k_scale,
+            spec.v_scale, layout=self._layout, group=spec.kv_cache_group, params=spec.params,
+            kv_layout=self.kv_layout, implementation=self.implementation, interpret=self.interpret,
+        )  # fmt: skip
         if self.cache_owner == "jax":
             self._caches[layer] = new_cache
         elif not self._aliased(("kv_cache", layer, cache_jax.shape, cache_jax.dtype), kv_cache, new_cache):

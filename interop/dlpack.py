@@ -1,6 +1,6 @@
 """Zero-copy tensors between torch and JAX through DLPack, with the checks DLPack itself does not make.
 
-Facts this module relies on (jax 0.11.2, torch 2.11; `shared/reference/jax-pallas-gpu.md` §3):
+Facts this module relies on (jax 0.11.2, torch 2.11, measured on the CPU and the H200):
 
 * A compact tensor (contiguous, or a permutation of contiguous such as ``t.T``) is shared, not copied, both ways,
   on the CPU and on a GPU. A sliced tensor (non-compact strides) is refused by JAX even with ``copy=True``.
@@ -81,10 +81,9 @@ def to_jax(
 
 
 def _import(tensor: torch.Tensor) -> jax.Array:
-    """`jax.dlpack.from_dlpack` without its per-call Python overhead (~90 µs on a CPU, ~45 µs of its 57 µs on the
-    H200 host): the device and JAX's stream are looked up once per torch device, and the dtype needs no
-    canonicalizing (`to_jax` refused the dtypes that would). Falls back to the public function if jaxlib's
-    entry point moves."""
+    """`jax.dlpack.from_dlpack` without most of its per-call Python overhead (benchmarks/RESULTS.md): the device
+    and JAX's stream are looked up once per torch device, and the dtype needs no canonicalizing (`to_jax` refused
+    the dtypes that would). Falls back to the public function if jaxlib's entry point moves."""
     dl_device = tensor.__dlpack_device__()
     target = _DLPACK_TARGETS.get(dl_device)
     if target is None:

@@ -50,7 +50,7 @@ Recompilation. JAX compiles per input shape, and HF hands over exactly-S-long ke
 generated token. So the keys and values are copied (on torch's side, one strided copy each) into a buffer whose
 length is a power-of-two number of `BLOCK_SIZE` blocks, and queries are padded to a power-of-two length when
 causal (padded queries sit after the real ones, which causal masking keeps from influencing them); the jitted
-call then copies the keys and values once more, into the paged layout. One function is compiled per (batch,
+call then writes the keys and values into a paged cache by slot. One function is compiled per (batch,
 query bucket, key bucket, dtype, layer parameters). Tensors that need no padding (decode queries, L = 1; keys
 that exactly fill their bucket) enter JAX zero-copy; the output leaves through DLPack, sharing JAX's memory.
 
@@ -78,10 +78,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
-from jax_hybrid_attn import LayerAttentionParams, paged_attention
+from jax_hybrid_attn import LayerAttentionParams, metadata_from_lengths, paged_attention, write_kv
 from jax_hybrid_attn.constants import NULL_BLOCK_ID
 from jax_hybrid_attn.masks import attention_mask as allowed_keys
-from jax_hybrid_attn.metadata import AttentionMetadata
 
 from .dlpack import ALIGNMENT, is_compact, to_jax, to_torch
 
@@ -172,7 +171,6 @@ def layer_params(module: torch.nn.Module, scaling: float | None = None, **kwargs
         sliding_window=_optional_int("sliding_window", sliding_window),
         attention_chunk_size=_optional_int("attention_chunk_size", chunk),
         logits_soft_cap=None if softcap is None else float(softcap),
-        has_sinks=_sinks(module, kwargs) is not None,
         causal=bool(causal),
     )
 
@@ -274,10 +272,7 @@ def _key_offset(mask, params: LayerAttentionParams, q_len: int, kv_len: int) -> 
     device = mask.device
     q_pos = torch.arange(q_len, device=device) + (offset + kv_len - q_len)
     k_pos = torch.arange(kv_len, device=device) + offset
-    expected = allowed_keys(
-        q_pos[:, None], k_pos[None, :], offset + kv_len,
-        causal=params.causal, sliding_window=params.sliding_window, attention_chunk_size=chunk,
-    )  # fmt: skip
+    expected = allowed_keys(q_pos[:, None], k_pos[None, :], offset + kv_len, params=params)
     mismatch = allowed != expected
     if bool(mismatch.any()):
         batch, _, row, column = (int(i) for i in mismatch.nonzero()[0])
@@ -362,51 +357,39 @@ def attention_forward(
         _share(_padded(value, offset, capacity), "value"),
         None if sinks is None else _share(sinks.detach().to(torch.float32), "sinks"),
         np.int32(seq_len),
-        sm_scale=params.sm_scale,
-        sliding_window=params.sliding_window,
-        attention_chunk_size=params.attention_chunk_size,
-        logits_soft_cap=params.logits_soft_cap,
-        causal=params.causal,
+        params=params,
         implementation=implementation,
     )
     return to_torch(out, name="attn_output")[:, :q_len], None
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "attention_chunk_size", "logits_soft_cap", "causal",
-                     "implementation"),
-)  # fmt: skip
-def _dense_paged_attention(q, k, v, sinks, seq_len, **options):
+@functools.partial(jax.jit, static_argnames=("params", "implementation"))
+def _dense_paged_attention(q, k, v, sinks, seq_len, *, params, implementation):
     """q [B, N, L, H], k/v [B, K, P*S, H] holding each row's positions 0..seq_len-1 -> [B, L, N, H].
 
-    Row b is request b; its blocks are ``1 + b*P ... 1 + b*P + P - 1`` of the paged cache, block 0 being the null
-    block. Its L queries are its last L positions.
+    Row b is request b; its blocks are ``1 + b*P ... 1 + b*P + P - 1`` of a paged cache whose block 0 is the null
+    block. Every key is written into the cache by slot (`write_kv`), then its L queries, its last L positions,
+    attend (`paged_attention`), with metadata built as for any step (`metadata_from_lengths`).
     """
     batch, num_heads, q_len, head_dim = q.shape
     _, num_kv_heads, capacity, _ = k.shape
     blocks = capacity // BLOCK_SIZE
+    kv_cache = jnp.zeros((1 + batch * blocks, 2, BLOCK_SIZE, num_kv_heads, head_dim), k.dtype)
+    key_slots = BLOCK_SIZE + jnp.arange(batch * capacity, dtype=jnp.int32)  # block 1 + b*P + p//S, offset p%S
 
-    def rows(x):  # [B, K, P*S, H] -> [B, P, S, K, H]
-        return jnp.swapaxes(x, 1, 2).reshape(batch, blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    def tokens(x):  # [B, X, L, H] -> [B*L, X, H]
+        return jnp.swapaxes(x, 1, 2).reshape(-1, x.shape[1], head_dim)
 
-    kv_cache = jnp.stack([rows(k), rows(v)], axis=2).reshape(
-        batch * blocks, 2, BLOCK_SIZE, num_kv_heads, head_dim
-    )
-    kv_cache = jnp.concatenate([jnp.zeros_like(kv_cache[:1]), kv_cache])
-    block_tables = (1 + jnp.arange(batch * blocks, dtype=jnp.int32)).reshape(batch, blocks)
-    positions = seq_len - q_len + jnp.arange(q_len, dtype=jnp.int32)
-    slot_mapping = block_tables[:, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-    metadata = AttentionMetadata(
-        query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32) * q_len,
-        seq_lens=jnp.full((batch,), seq_len, jnp.int32),
-        block_tables=block_tables,
-        slot_mapping=slot_mapping.reshape(-1),
-        num_actual_tokens=jnp.asarray(batch * q_len, jnp.int32),
+    kv_cache = write_kv(kv_cache, tokens(k), tokens(v), key_slots)
+    metadata = metadata_from_lengths(
+        jnp.full((batch,), q_len, jnp.int32),
+        jnp.full((batch,), seq_len, jnp.int32),
+        (1 + jnp.arange(batch * blocks, dtype=jnp.int32)).reshape(batch, blocks),
+        block_size=BLOCK_SIZE,
+        num_tokens=batch * q_len,
         max_query_len=q_len,
         max_seq_len=capacity,
-        causal=options["causal"],
+        causal=params.causal,
     )
-    tokens = jnp.swapaxes(q, 1, 2).reshape(batch * q_len, num_heads, head_dim)
-    out = paged_attention(tokens, kv_cache, metadata, sinks=sinks, **options)
+    out = paged_attention(tokens(q), kv_cache, metadata, params=params, sinks=sinks, implementation=implementation)
     return out.reshape(batch, q_len, num_heads, head_dim)

@@ -5,7 +5,7 @@ pool · S block_size · P max blocks per request. Window convention: see `jax_hy
 """
 
 from . import allocator, masks, reference
-from .attention import paged_attention
+from .attention import layer_attention, paged_attention
 from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from .kv_cache import write_kv
 from .layout import KV_LAYOUTS, get_kv_cache_shape
@@ -14,14 +14,17 @@ from .metadata import (
     expand_block_tables,
     make_attention_metadata,
     make_local_attention_virtual_batches,
+    metadata_from_lengths,
+    metadata_from_step,
     reorder_decodes_first,
     split_decodes_and_prefills,
 )
-from .params import LayerAttentionParams, local_window_size, metadata_group_key, window_left
+from .params import CAUSAL, LayerAttentionParams, local_window_size, metadata_group_key, window_left
 from .spec import AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from .validation import check_metadata_values
 
 __all__ = [
+    "CAUSAL",
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
     "KV_LAYOUTS",
@@ -36,9 +39,12 @@ __all__ = [
     "expand_block_tables",
     "get_kv_cache_shape",
     "local_window_size",
+    "layer_attention",
     "make_attention_metadata",
     "make_local_attention_virtual_batches",
     "masks",
+    "metadata_from_lengths",
+    "metadata_from_step",
     "metadata_group_key",
     "paged_attention",
     "reference",

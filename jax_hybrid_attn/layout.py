@@ -11,6 +11,8 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from .integers import check_int
+
 __all__ = ["KVLayout", "KV_LAYOUTS", "FP8_DTYPE", "get_kv_cache_shape", "kv_as_nhd"]
 
 KVLayout = Literal["NHD", "HND"]
@@ -32,8 +34,7 @@ def get_kv_cache_shape(
     for name, value in dict(
         num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size
     ).items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive int")
+        check_int(name, value)
     check_kv_layout(kv_layout)
     if kv_layout == "NHD":
         return (num_blocks, 2, block_size, num_kv_heads, head_size)

@@ -13,7 +13,7 @@ whole blocks.
 
 import jax.numpy as jnp
 
-from .params import check_attention_options
+from .params import CAUSAL, LayerAttentionParams, check_params
 
 __all__ = ["causal_mask", "sliding_window_mask", "chunked_local_mask", "attention_mask", "allowed_key_range"]
 
@@ -33,59 +33,35 @@ def chunked_local_mask(q_pos, k_pos, attention_chunk_size: int):
     return k_pos // attention_chunk_size == q_pos // attention_chunk_size
 
 
-def attention_mask(
-    q_pos,
-    k_pos,
-    seq_len,
-    *,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    attention_chunk_size: int | None = None,
-):
-    """True where query `q_pos` attends to key `k_pos` of a request holding `seq_len` keys."""
-    check_attention_options(
-        sm_scale=None,
-        sliding_window=sliding_window,
-        attention_chunk_size=attention_chunk_size,
-        logits_soft_cap=None,
-        causal=causal,
-    )
+def attention_mask(q_pos, k_pos, seq_len, *, params: LayerAttentionParams = CAUSAL):
+    """True where query `q_pos` attends to key `k_pos` of a request holding `seq_len` keys, for a layer of
+    `params` (its causality, window and chunk)."""
+    check_params(params)
     allowed = (0 <= k_pos) & (k_pos < seq_len) & (q_pos < seq_len)
-    if causal:
+    if params.causal:
         allowed = allowed & causal_mask(q_pos, k_pos)
-    if sliding_window is not None:
-        allowed = allowed & sliding_window_mask(q_pos, k_pos, sliding_window)
-    if attention_chunk_size is not None:
-        allowed = allowed & chunked_local_mask(q_pos, k_pos, attention_chunk_size)
+    if params.sliding_window is not None:
+        allowed = allowed & sliding_window_mask(q_pos, k_pos, params.sliding_window)
+    if params.attention_chunk_size is not None:
+        allowed = allowed & chunked_local_mask(q_pos, k_pos, params.attention_chunk_size)
     return allowed
 
 
-def allowed_key_range(
-    q_pos,
-    seq_len,
-    *,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    attention_chunk_size: int | None = None,
-):
+def allowed_key_range(q_pos, seq_len, *, params: LayerAttentionParams = CAUSAL):
     """First and last key position (both inclusive) that query `q_pos` attends to.
 
     For ``0 <= q_pos < seq_len`` the range is never empty: the query's own position is always allowed.
-    Works elementwise on arrays and returns jax arrays; ``attention_mask(q, k, ...) == (first <= k) & (k <= last)``.
+    Works elementwise on arrays and returns jax arrays;
+    ``attention_mask(q, k, n, params=p) == (first <= k) & (k <= last)``.
     """
-    check_attention_options(
-        sm_scale=None,
-        sliding_window=sliding_window,
-        attention_chunk_size=attention_chunk_size,
-        logits_soft_cap=None,
-        causal=causal,
-    )
+    check_params(params)
     first = jnp.zeros_like(q_pos)
-    last = q_pos if causal else jnp.broadcast_to(seq_len - 1, jnp.shape(q_pos))
-    if sliding_window is not None:
-        first = jnp.maximum(first, q_pos - sliding_window + 1)
-    if attention_chunk_size is not None:
-        chunk_start = (q_pos // attention_chunk_size) * attention_chunk_size
+    last = q_pos if params.causal else jnp.broadcast_to(seq_len - 1, jnp.shape(q_pos))
+    if params.sliding_window is not None:
+        first = jnp.maximum(first, q_pos - params.sliding_window + 1)
+    if params.attention_chunk_size is not None:
+        chunk = params.attention_chunk_size
+        chunk_start = (q_pos // chunk) * chunk
         first = jnp.maximum(first, chunk_start)
-        last = jnp.minimum(last, chunk_start + attention_chunk_size - 1)
+        last = jnp.minimum(last, chunk_start + chunk - 1)
     return first, last

@@ -5,7 +5,9 @@ Request r owns query tokens ``query_start_loc[r] : query_start_loc[r + 1]``; the
 ``query_len`` of its ``seq_lens[r]`` positions, so its query at offset i sits at absolute position
 ``seq_lens[r] - query_len + i``. Its key position p lives in block ``block_tables[r, p // S]``.
 
-The helpers working on host values (`make_attention_metadata`, `split_decodes_and_prefills`,
+`metadata_from_step` turns the allocator's `StepOutput` into one KV-cache group's metadata and
+`metadata_from_lengths` builds it from lengths and block tables; both are traceable. The helpers working on host
+values (`make_attention_metadata`, `split_decodes_and_prefills`,
 `reorder_decodes_first`, `make_local_attention_virtual_batches`) take concrete arrays, as vLLM builds
 them from its CPU copies; `expand_block_tables` is traceable.
 """
@@ -18,11 +20,15 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from ._compat import register_pytree_dataclass
+from .allocator import AllocatorConfig, StepOutput
 from .constants import PAD_SLOT_ID
+from .integers import cdiv, check_int
 
 __all__ = [
     "AttentionMetadata",
     "make_attention_metadata",
+    "metadata_from_lengths",
+    "metadata_from_step",
     "split_decodes_and_prefills",
     "reorder_decodes_first",
     "make_local_attention_virtual_batches",
@@ -115,8 +121,7 @@ def make_attention_metadata(
       num_tokens: T; tokens past ``sum(query_lens)`` are padding (`PAD_SLOT_ID`). Default: no padding.
       max_query_len, max_seq_len: static upper bounds (e.g. bucketed to limit recompiles); default exact.
     """
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    check_int("block_size", block_size)
     query_lens = _host_int32("query_lens", query_lens)
     seq_lens = _host_int32("seq_lens", seq_lens)
     block_tables = _host_int32("block_tables", block_tables)
@@ -131,33 +136,100 @@ def make_attention_metadata(
             f"seq_lens={seq_lens.tolist()} exceed the block tables' capacity "
             f"{block_tables.shape[1]} blocks * {block_size=}"
         )
-    query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
-    num_actual_tokens = int(query_start_loc[-1])
+    num_actual_tokens = int(query_lens.sum())
     num_tokens = num_actual_tokens if num_tokens is None else num_tokens
     if num_tokens < num_actual_tokens:
         raise ValueError(f"{num_tokens=} is smaller than the {num_actual_tokens} query tokens")
-
-    request = np.repeat(np.arange(len(query_lens)), query_lens)
-    offset = np.arange(num_actual_tokens) - query_start_loc[request]
-    position = seq_lens[request] - query_lens[request] + offset
-    slots = block_tables[request, position // block_size] * block_size + position % block_size
-    slot_mapping = np.full(num_tokens, PAD_SLOT_ID, np.int32)
-    slot_mapping[:num_actual_tokens] = slots
-
     exact_max_query_len = int(query_lens.max(initial=0))
     exact_max_seq_len = int(seq_lens.max(initial=0))
     if max_query_len is not None and max_query_len < exact_max_query_len:
         raise ValueError(f"{max_query_len=} is below the longest query, {exact_max_query_len}")
     if max_seq_len is not None and max_seq_len < exact_max_seq_len:
         raise ValueError(f"{max_seq_len=} is below the longest sequence, {exact_max_seq_len}")
-    return AttentionMetadata(
-        query_start_loc=jnp.asarray(query_start_loc),
-        seq_lens=jnp.asarray(seq_lens),
-        block_tables=jnp.asarray(block_tables),
-        slot_mapping=jnp.asarray(slot_mapping),
-        num_actual_tokens=jnp.asarray(num_actual_tokens, jnp.int32),
+    return metadata_from_lengths(
+        jnp.asarray(query_lens),
+        jnp.asarray(seq_lens),
+        jnp.asarray(block_tables),
+        block_size=block_size,
+        num_tokens=num_tokens,
         max_query_len=exact_max_query_len if max_query_len is None else max_query_len,
         max_seq_len=exact_max_seq_len if max_seq_len is None else max_seq_len,
+        causal=causal,
+    )
+
+
+def metadata_from_lengths(
+    query_lens: Int[Array, "R"],
+    seq_lens: Int[Array, "R"],
+    block_tables: Int[Array, "R P"],
+    *,
+    block_size: int,
+    num_tokens: int,
+    max_query_len: int,
+    max_seq_len: int,
+    causal: bool = True,
+) -> AttentionMetadata:
+    """Traceable: metadata from int32 lengths and block tables, with vLLM's slot mapping (no value checks; see
+    `make_attention_metadata` for the checked host version). Tokens past ``sum(query_lens)`` are padding."""
+    query_start_loc = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(query_lens, dtype=jnp.int32)])
+    token = jnp.arange(num_tokens, dtype=jnp.int32)
+    if min(block_tables.shape) == 0:  # no request, or no block: every token is padding
+        slot_mapping = jnp.full(num_tokens, PAD_SLOT_ID, jnp.int32)
+    else:
+        request = jnp.clip(jnp.searchsorted(query_start_loc, token, side="right") - 1, 0, seq_lens.shape[0] - 1)
+        position = seq_lens[request] - query_lens[request] + token - query_start_loc[request]
+        block = block_tables[request, jnp.clip(position // block_size, 0, block_tables.shape[1] - 1)]
+        is_query = token < query_start_loc[-1]
+        slot_mapping = jnp.where(is_query, block * block_size + position % block_size, PAD_SLOT_ID)
+    return AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        slot_mapping=slot_mapping.astype(jnp.int32),
+        num_actual_tokens=query_start_loc[-1],
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        causal=causal,
+    )
+
+
+def metadata_from_step(
+    config: AllocatorConfig,
+    out: StepOutput,
+    group: int,
+    *,
+    max_query_len: int | None = None,
+    causal: bool = True,
+) -> AttentionMetadata:
+    """The metadata of KV-cache group `group` for the step the allocator just scheduled (traceable: call it
+    inside the model step's jit, no host round trip).
+
+    Row r of `out` is request r of the metadata: a row that got no tokens (failed or padding) has query length
+    0 and is skipped by the kernels. Its block table is group `group`'s table of the row (`NULL_BLOCK_ID` outside
+    the window or chunk) and its slots the group's slot mapping.
+
+    Args:
+      config: the allocator's configuration (static: gives P of the group and the length bounds).
+      out: the `StepOutput` of `allocate_slots` (with ``return_block_tables=True``).
+      group: the KV-cache group (static int).
+      max_query_len: static bound of the query lengths; default ``config.max_num_batched_tokens`` (a
+        decode-only step may pass 1, which skips the kernels' prefill launch).
+      causal: whether the group's layers are causal.
+    """
+    if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < config.num_groups:
+        raise ValueError(f"{group=} must be an int in [0, {config.num_groups})")
+    if out.block_tables is None:
+        raise ValueError("out.block_tables is None: call allocate_slots with return_block_tables=True")
+    max_query_len = config.max_num_batched_tokens if max_query_len is None else max_query_len
+    check_int("max_query_len", max_query_len, minimum=0)
+    return AttentionMetadata(
+        query_start_loc=out.query_start_loc,
+        seq_lens=out.seq_lens,
+        block_tables=out.block_tables[group, :, : config.blocks_per_row[group]],
+        slot_mapping=out.slot_mappings[group],
+        num_actual_tokens=out.query_start_loc[-1],
+        max_query_len=max_query_len,
+        max_seq_len=config.max_model_len,
         causal=causal,
     )
 
@@ -172,8 +244,7 @@ def split_decodes_and_prefills(
     the first longer request on is a prefill. With `require_uniform`, decodes must also all have the
     query length of request 0. The batch must already be decode-first (`reorder_decodes_first`).
     """
-    if not isinstance(decode_threshold, int) or decode_threshold < 1:
-        raise ValueError(f"decode_threshold={decode_threshold!r} must be an int >= 1")
+    check_int("decode_threshold", decode_threshold)
     query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
     query_lens = np.diff(query_start_loc)
     num_reqs, num_tokens = len(query_lens), int(query_start_loc[-1])
@@ -204,8 +275,7 @@ def reorder_decodes_first(
     Returns the reordered metadata and ``token_order`` [T]: the reordered batch's token i is the
     original token ``token_order[i]`` (``q_reordered = q[token_order]``). Padding tokens stay last.
     """
-    if not isinstance(decode_threshold, int) or decode_threshold < 1:
-        raise ValueError(f"decode_threshold={decode_threshold!r} must be an int >= 1")
+    check_int("decode_threshold", decode_threshold)
     query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
     seq_lens = _host_int32("seq_lens", metadata.seq_lens)
     query_lens = np.diff(query_start_loc)
@@ -243,10 +313,8 @@ def make_local_attention_virtual_batches(
     column (so short rows repeat their last block id, as vLLM's do).
     """
     chunk = attention_chunk_size
-    if not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"attention_chunk_size={chunk!r} must be an int >= 1")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r} must be an int >= 1")
+    check_int("attention_chunk_size", chunk)
+    check_int("block_size", block_size)
     if chunk % block_size:
         raise ValueError(f"attention_chunk_size={chunk} must be a multiple of {block_size=}")
     query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
@@ -257,7 +325,7 @@ def make_local_attention_virtual_batches(
     # Queries in the chunk holding each request's first new token, and keys in its last chunk.
     first_chunk_queries = np.minimum(chunk - (seq_lens - query_lens) % chunk, query_lens)
     last_chunk_keys = seq_lens - chunk * ((seq_lens - 1) // chunk)
-    num_virtual = 1 + -(-(query_lens - first_chunk_queries) // chunk)
+    num_virtual = 1 + cdiv(query_lens - first_chunk_queries, chunk)
 
     # Within each request: index of the virtual request from the front (arange) and from the back.
     starts = np.repeat(np.cumsum(num_virtual) - num_virtual, num_virtual)

@@ -14,7 +14,14 @@ layers silently drops context (a vLLM bug). Layers whose parameters differ get d
 import dataclasses
 import math
 
-__all__ = ["LayerAttentionParams", "metadata_group_key", "window_left", "local_window_size", "resolve_sm_scale"]
+__all__ = [
+    "CAUSAL",
+    "LayerAttentionParams",
+    "metadata_group_key",
+    "window_left",
+    "local_window_size",
+    "resolve_sm_scale",
+]
 
 NO_WINDOW_LEFT = -1
 """FlashInfer's `window_left` for "no sliding window"."""
@@ -68,15 +75,17 @@ class LayerAttentionParams:
       sliding_window: the W most recent positions, the query's own included; None for no window.
       attention_chunk_size: attend within the query's chunk of C positions; None for no chunking.
       logits_soft_cap: ``cap * tanh(logits / cap)`` before masking; None for no cap.
-      has_sinks: the layer has one learned sink logit per query head (gpt-oss).
       causal: keys after the query are masked.
+
+    The one static description of a layer's attention: `paged_attention`, its reference and kernels, the masks,
+    `layer_attention`, the torch backend and the transformers function all take it as ``params=``. A layer's
+    learned sinks and a float8 cache's k/v scales are arrays and stay separate arguments.
     """
 
     sm_scale: float | None = None
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
     logits_soft_cap: float | None = None
-    has_sinks: bool = False
     causal: bool = True
 
     def __post_init__(self):
@@ -87,16 +96,23 @@ class LayerAttentionParams:
             logits_soft_cap=self.logits_soft_cap,
             causal=self.causal,
         )
-        if not isinstance(self.has_sinks, bool):
-            raise ValueError(f"has_sinks={self.has_sinks!r} must be a bool")
+
+
+CAUSAL = LayerAttentionParams()
+"""Plain causal attention: no window, chunk or soft cap, scale ``head_dim ** -0.5`` (the default ``params``)."""
+
+
+def check_params(params) -> "LayerAttentionParams":
+    """`params` itself, or `ValueError` naming it when it is not a `LayerAttentionParams`."""
+    if not isinstance(params, LayerAttentionParams):
+        raise ValueError(f"params={params!r} must be a LayerAttentionParams")
+    return params
 
 
 def metadata_group_key(params: LayerAttentionParams) -> tuple:
     """A hashable key: layers with equal keys may share one metadata object (one `plan`), layers with
     different keys never do. Differing windows, soft caps or scales are never an error, only another group."""
-    if not isinstance(params, LayerAttentionParams):
-        raise ValueError(f"params={params!r} must be a LayerAttentionParams")
-    return dataclasses.astuple(params)
+    return dataclasses.astuple(check_params(params))
 
 
 def resolve_sm_scale(sm_scale: float | None, head_dim: int) -> float:

@@ -15,6 +15,7 @@ from jaxtyping import Array, Float
 from .layout import KVLayout, kv_as_nhd
 from .masks import attention_mask
 from .metadata import AttentionMetadata
+from .params import CAUSAL, LayerAttentionParams
 from .validation import check_paged_attention_args
 
 __all__ = ["paged_attention"]
@@ -27,12 +28,8 @@ def paged_attention(
     kv_cache: Float[Array, "B 2 S K H"],
     metadata: AttentionMetadata,
     *,
-    sm_scale: float | None = None,
-    sliding_window: int | None = None,
-    attention_chunk_size: int | None = None,
-    logits_soft_cap: float | None = None,
+    params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
-    causal: bool = True,
     kv_layout: KVLayout = "NHD",
     k_scale: float | None = None,
     v_scale: float | None = None,
@@ -45,12 +42,9 @@ def paged_attention(
         ``query_start_loc[r] <= t < query_start_loc[r+1]``. Padding tokens get zeros.
       kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), same dtype as `q` or float8_e4m3fn.
       metadata: where each request's queries and blocks are.
-      sm_scale: logits scale; None means ``H ** -0.5``.
-      sliding_window: attend to the W most recent positions, the query's own included.
-      attention_chunk_size: attend only within the query's chunk of C positions.
-      logits_soft_cap: ``cap * tanh(logits / cap)``, applied before masking.
+      params: the layer's scale, window, chunk, soft cap and causality (`LayerAttentionParams`);
+        ``params.causal`` must equal ``metadata.causal``.
       sinks: [N] one learned logit per query head, unscaled, in the softmax denominator only.
-      causal: mask keys after the query; must equal ``metadata.causal``.
       kv_layout: "NHD" or "HND".
       k_scale, v_scale: per-tensor dequantization scales of a float8_e4m3fn cache.
       checked: also validate the metadata's values (block ids, lengths); needs concrete arrays.
@@ -58,27 +52,15 @@ def paged_attention(
     Returns:
       [T, N, H] in ``q.dtype``. Query head n reads KV head ``n // (N // K)``.
     """
-    sm_scale, k_scale, v_scale = check_paged_attention_args(
-        q, kv_cache, metadata,
-        sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk_size=attention_chunk_size,
-        logits_soft_cap=logits_soft_cap, sinks=sinks, causal=causal, kv_layout=kv_layout,
-        k_scale=k_scale, v_scale=v_scale, checked=checked,
+    params, k_scale, v_scale = check_paged_attention_args(
+        q, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
+        checked=checked,
     )  # fmt: skip
-    return _paged_attention(
-        q, kv_cache, metadata, sinks, k_scale, v_scale,
-        sm_scale=sm_scale, sliding_window=sliding_window, attention_chunk_size=attention_chunk_size,
-        logits_soft_cap=logits_soft_cap, causal=causal, kv_layout=kv_layout,
-    )  # fmt: skip
+    return _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, params=params, kv_layout=kv_layout)
 
 
-@partial(
-    jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "attention_chunk_size", "logits_soft_cap", "causal", "kv_layout"),
-)
-def _paged_attention(
-    q, kv_cache, metadata, sinks, k_scale, v_scale,
-    *, sm_scale, sliding_window, attention_chunk_size, logits_soft_cap, causal, kv_layout,
-):  # fmt: skip
+@partial(jax.jit, static_argnames=("params", "kv_layout"))
+def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, kv_layout):
     num_tokens, num_q_heads, head_dim = q.shape
     kv_cache = kv_as_nhd(kv_cache, kv_layout)
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
@@ -95,16 +77,13 @@ def _paged_attention(
         request = jnp.clip(jnp.searchsorted(metadata.query_start_loc, token, side="right") - 1, 0, num_reqs - 1)
         seq_len = metadata.seq_lens[request]
         q_pos = seq_len - query_lens[request] + token - metadata.query_start_loc[request]
-        allowed = attention_mask(
-            q_pos, key_positions, seq_len,
-            causal=causal, sliding_window=sliding_window, attention_chunk_size=attention_chunk_size,
-        )  # fmt: skip  # [P*S]
+        allowed = attention_mask(q_pos, key_positions, seq_len, params=params)  # [P*S]
         k = keys[request].astype(jnp.float32) * k_scale  # [P*S, K, H]
         v = jnp.where(allowed[:, None, None], values[request].astype(jnp.float32) * v_scale, 0.0)
         q_t = q[token].astype(jnp.float32).reshape(num_kv_heads, group_size, head_dim)
-        logits = jnp.einsum("kgh,pkh->kgp", q_t, k) * sm_scale
-        if logits_soft_cap is not None:
-            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        logits = jnp.einsum("kgh,pkh->kgp", q_t, k) * params.sm_scale
+        if params.logits_soft_cap is not None:
+            logits = params.logits_soft_cap * jnp.tanh(logits / params.logits_soft_cap)
         logits = jnp.where(allowed, logits, -jnp.inf)
         row_max = logits.max(axis=-1)
         if sinks is not None:

@@ -15,6 +15,7 @@ from .constants import NULL_BLOCK_ID
 from .layout import FP8_DTYPE, KVLayout, get_kv_cache_shape
 from .masks import allowed_key_range
 from .metadata import AttentionMetadata, make_attention_metadata
+from .params import LayerAttentionParams
 
 __all__ = ["PagedInputs", "TOLERANCES", "random_paged_inputs", "pack_paged_inputs"]
 
@@ -38,11 +39,6 @@ class PagedInputs:
     v_scale: float | None
     keys: list[np.ndarray]  # per request [seq_len, K, H]
     values: list[np.ndarray]  # per request [seq_len, K, H]
-
-    @property
-    def kwargs(self) -> dict:
-        """Keyword arguments of `paged_attention` that these inputs fix."""
-        return dict(sinks=self.sinks, k_scale=self.k_scale, v_scale=self.v_scale, causal=self.metadata.causal)
 
 
 def random_paged_inputs(
@@ -135,9 +131,8 @@ def pack_paged_inputs(
         stored_values.append(dequantized[1])
 
     if null_unreachable_for:
-        first_key, _ = allowed_key_range(
-            jnp.asarray(seq_lens - query_lens), jnp.asarray(seq_lens), causal=causal, **null_unreachable_for
-        )
+        params = LayerAttentionParams(causal=causal, **null_unreachable_for)
+        first_key, _ = allowed_key_range(jnp.asarray(seq_lens - query_lens), jnp.asarray(seq_lens), params=params)
         unreachable = np.arange(max_blocks)[None, :] < (np.asarray(first_key) // block_size)[:, None]
         block_tables[unreachable & (query_lens > 0)[:, None]] = NULL_BLOCK_ID
 

@@ -5,6 +5,8 @@ its value. The checked mode (``checked=True``) also reads the metadata's values,
 call it outside `jax.jit`. Unsupported combinations raise `NotImplementedError` where they are detected.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ import numpy as np
 from .constants import PAD_SLOT_ID
 from .layout import FP8_DTYPE, KV_CACHE_DTYPES, check_kv_layout, kv_cache_dims
 from .metadata import AttentionMetadata
-from .params import check_attention_options, resolve_sm_scale
+from .params import LayerAttentionParams, check_params, resolve_sm_scale
 
 QUERY_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 METADATA_INDEX_DTYPE = jnp.dtype(jnp.int32)
@@ -156,29 +158,11 @@ def check_write_kv_args(kv_cache, k, v, slot_mapping, *, kv_layout, k_scale, v_s
 
 
 def check_paged_attention_args(
-    q,
-    kv_cache,
-    metadata,
-    *,
-    sm_scale,
-    sliding_window,
-    attention_chunk_size,
-    logits_soft_cap,
-    sinks,
-    causal,
-    kv_layout,
-    k_scale,
-    v_scale,
-    checked,
-):
-    """All checks of `paged_attention`; returns ``(sm_scale, k_scale, v_scale)`` resolved to values."""
-    check_attention_options(
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        attention_chunk_size=attention_chunk_size,
-        logits_soft_cap=logits_soft_cap,
-        causal=causal,
-    )
+    q, kv_cache, metadata, *, params, sinks, kv_layout, k_scale, v_scale, checked
+) -> tuple[LayerAttentionParams, jax.Array, jax.Array]:
+    """All checks of `paged_attention`; returns ``(params, k_scale, v_scale)`` with ``params.sm_scale`` and the
+    scales resolved to values."""
+    check_params(params)
     _check_array("q", q, ndim=3)
     if jnp.dtype(q.dtype) not in QUERY_DTYPES:
         raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in QUERY_DTYPES]}")
@@ -194,8 +178,8 @@ def check_paged_attention_args(
     check_metadata(metadata)
     if metadata.num_tokens != num_tokens:
         raise ValueError(f"metadata.slot_mapping.shape={tuple(metadata.slot_mapping.shape)} must be [T={num_tokens}]")
-    if metadata.causal != causal:
-        raise ValueError(f"causal={causal} disagrees with metadata.causal={metadata.causal}")
+    if metadata.causal != params.causal:
+        raise ValueError(f"params.causal={params.causal} disagrees with metadata.causal={metadata.causal}")
     if sinks is not None:
         _check_array("sinks", sinks, ndim=1)
         if sinks.shape != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
@@ -203,4 +187,5 @@ def check_paged_attention_args(
     if checked:
         check_metadata_values(metadata, num_blocks=num_blocks, block_size=block_size)
     k_scale, v_scale = resolve_kv_scales(kv_cache.dtype, k_scale, v_scale)
-    return resolve_sm_scale(sm_scale, head_dim), k_scale, v_scale
+    params = dataclasses.replace(params, sm_scale=resolve_sm_scale(params.sm_scale, head_dim))
+    return params, k_scale, v_scale

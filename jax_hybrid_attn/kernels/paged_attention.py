@@ -101,8 +101,7 @@ def take_turn(schedule) -> None:
 def _paged_attention_kernel(
     tile_request_ref, tile_query_start_ref, tile_query_len_ref, seq_lens_ref, query_lens_ref, block_tables_ref,
     logit_scale_ref, q_ref, kv_ref, o_ref, lse_ref,
-    *, block_size, group_size, sliding_window, attention_chunk_size, logits_soft_cap, causal, kv_layout,
-    config, p_in_registers,
+    *, block_size, group_size, params, kv_layout, config, p_in_registers,
 ):  # fmt: skip
     tile, kv_head, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
     request = tile_request_ref[tile]
@@ -112,16 +111,14 @@ def _paged_attention_kernel(
     block_kv, num_stages, num_consumers = config.block_kv, config.num_stages, config.num_consumers
     blocks_per_step = block_kv // block_size
     tokens_per_consumer = ROWS // group_size
-    mask_options = dict(
-        causal=causal, sliding_window=sliding_window, attention_chunk_size=attention_chunk_size
-    )
+    logits_soft_cap = params.logits_soft_cap
 
     seq_len = seq_lens_ref[request]
     tile_len = tile_query_len_ref[tile]
     first_q_pos = seq_len - query_lens_ref[request] + tile_query_start_ref[tile]
     # Keys some query of the tile sees: [key_lo, key_hi]. The CTA streams the steps holding them.
-    key_lo, _ = allowed_key_range(first_q_pos, seq_len, **mask_options)
-    _, key_hi = allowed_key_range(first_q_pos + tile_len - 1, seq_len, **mask_options)
+    key_lo, _ = allowed_key_range(first_q_pos, seq_len, params=params)
+    _, key_hi = allowed_key_range(first_q_pos + tile_len - 1, seq_len, params=params)
     block_lo, block_hi = key_lo // block_size, key_hi // block_size
     step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
     steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
@@ -178,8 +175,8 @@ def _paged_attention_kernel(
         my_first_q_pos = first_q_pos + wg * tokens_per_consumer
         my_len = jnp.clip(tile_len - wg * tokens_per_consumer, 0, tokens_per_consumer)
         # Steps whose keys every query of this consumer sees need no mask.
-        all_lo, _ = allowed_key_range(my_first_q_pos + my_len - 1, seq_len, **mask_options)
-        _, all_hi = allowed_key_range(my_first_q_pos, seq_len, **mask_options)
+        all_lo, _ = allowed_key_range(my_first_q_pos + my_len - 1, seq_len, params=params)
+        _, all_hi = allowed_key_range(my_first_q_pos, seq_len, params=params)
         inner_lo = jnp.where(my_len > 0, jnp.clip(pl.cdiv(all_lo, block_kv), my_lo, my_hi), my_hi)
         inner_hi = jnp.clip((jnp.minimum(all_hi, seq_len - 1) + 1) // block_kv, inner_lo, my_hi)
         # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
@@ -254,7 +251,7 @@ def _paged_attention_kernel(
             if masked:
                 k_pos = step * block_kv + cols
                 logits = jnp.where(
-                    attention_mask(q_pos, k_pos, seq_len, **mask_options), logits, MASKED_LOGIT
+                    attention_mask(q_pos, k_pos, seq_len, params=params), logits, MASKED_LOGIT
                 )
             m_new = jnp.maximum(m_i, logits.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
@@ -368,10 +365,9 @@ def _paged_attention_kernel(
 
 def attention_partials(
     q_tiles, kv_cache, tiles, seq_lens, query_lens, block_tables, logit_scale,
-    *, block_size, group_size, sliding_window, attention_chunk_size, logits_soft_cap, causal, kv_layout,
-    config, interpret,
+    *, block_size, group_size, params, kv_layout, config, interpret,
 ):  # fmt: skip
-    """Run the kernel over query tiles.
+    """Run the kernel over query tiles for a layer of `params` (its scale is already in `logit_scale`).
 
     Args:
       q_tiles: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`), rows = ``config.rows``.
@@ -384,9 +380,8 @@ def attention_partials(
     num_tiles, num_kv_heads, _, head_dim = q_tiles.shape
     interpret = resolve_interpret(interpret)
     kernel = partial(
-        _paged_attention_kernel, block_size=block_size, group_size=group_size, sliding_window=sliding_window,
-        attention_chunk_size=attention_chunk_size, logits_soft_cap=logits_soft_cap, causal=causal,
-        kv_layout=kv_layout, config=config, p_in_registers=interpret is None,
+        _paged_attention_kernel, block_size=block_size, group_size=group_size, params=params, kv_layout=kv_layout,
+        config=config, p_in_registers=interpret is None,
     )  # fmt: skip
     splits, rows = config.num_splits, config.rows
     return plgpu.kernel(

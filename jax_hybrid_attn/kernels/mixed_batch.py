@@ -1,0 +1,124 @@
+"""A mixed batch on the kernels: decode tiles and prefill tiles, each request computed by exactly one launch.
+
+Requests whose whole query fits one 64-row query tile (``64 // G`` tokens: decodes and short
+speculative-verification queries) run as decode tiles, one per request with its keys split across CTAs
+(flash-decoding) and one consumer warpgroup; longer queries run as prefill tiles of ``128 // G`` tokens with two
+consumer warpgroups. The split is computed on the device, with no host round trip. A float8_e4m3fn cache's k
+scale multiplies the logits in the kernel and its v scale the merged output.
+"""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._compat import check_interpret_threads, plgpu, resolve_interpret
+from ..layout import KVLayout, kv_cache_dims
+from ..metadata import AttentionMetadata
+from ..params import CAUSAL, LayerAttentionParams
+from ..validation import check_paged_attention_args
+from . import tiles as query_tiles
+from .paged_attention import attention_partials, default_config
+
+__all__ = ["KERNEL_DTYPES", "check_kernel_support", "kernel_configs", "paged_attention_kernels"]
+
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+TARGET_DECODE_CTAS = 2 * 132  # two waves of the H200's 132 SMs
+MAX_DECODE_SPLITS = 16
+
+
+def paged_attention_kernels(
+    q: Float[Array, "T N H"],
+    kv_cache: Float[Array, "B 2 S K H"],
+    metadata: AttentionMetadata,
+    *,
+    params: LayerAttentionParams = CAUSAL,
+    sinks: Float[Array, "N"] | None = None,
+    kv_layout: KVLayout = "NHD",
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    checked: bool = False,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> Float[Array, "T N H"]:
+    """`reference.paged_attention` on the Mosaic GPU kernels (same arguments); `interpret` runs them in Mosaic GPU
+    interpret mode on a CPU (True, or `plgpu.InterpretGPUParams`).
+
+    Raises:
+      NotImplementedError: the kernels do not support this combination (named in the message).
+    """
+    params, k_scale, v_scale = check_paged_attention_args(
+        q, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
+        checked=checked,
+    )  # fmt: skip
+    check_kernel_support(q, kv_cache, kv_layout)
+    if resolve_interpret(interpret) is not None:
+        check_interpret_threads()
+    return _paged_attention_kernels(
+        q, kv_cache, metadata, sinks, k_scale, v_scale, params=params, kv_layout=kv_layout, interpret=interpret
+    )
+
+
+def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_splits: int = 1):
+    """The decode (one consumer, split keys) and prefill (two consumers, or one where two do not fit in
+    shared memory: head_dim 256 with a float8 cache) kernel configurations."""
+    itemsizes = (jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize)
+    decode = default_config(head_dim, *itemsizes, num_splits=decode_splits, num_consumers=1)
+    try:
+        prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=2)
+    except NotImplementedError:
+        prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=1)
+    return decode, prefill
+
+
+def check_kernel_support(q, kv_cache, kv_layout) -> None:
+    """Raise NotImplementedError naming what the kernels cannot do yet."""
+    _, block_size, num_kv_heads, head_dim = kv_cache_dims(kv_cache, kv_layout)
+    if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
+        raise NotImplementedError(f"kernel with q.dtype={q.dtype}: supported are bfloat16 and float16")
+    if head_dim % 64:
+        raise NotImplementedError(f"kernel with {head_dim=}: must be a multiple of 64")
+    for config in kernel_configs(head_dim, q.dtype, kv_cache.dtype):
+        if config.block_kv % block_size:
+            raise NotImplementedError(f"kernel with {block_size=}: must divide {config.block_kv}")
+    if q.shape[1] // num_kv_heads > query_tiles.ROWS:
+        raise NotImplementedError(
+            f"kernel with {q.shape[1] // num_kv_heads} query heads per KV head: at most {query_tiles.ROWS}"
+        )
+
+
+@partial(jax.jit, static_argnames=("params", "kv_layout", "interpret"))
+def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, kv_layout, interpret):
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = kv_cache_dims(kv_cache, kv_layout)
+    group_size = num_q_heads // num_kv_heads
+    query_lens = metadata.query_lens
+    logit_scale = jnp.reshape(params.sm_scale * k_scale, (1,)).astype(jnp.float32)
+    out = jnp.zeros_like(q)
+
+    def run(tiles, config):
+        tokens, heads = query_tiles.tile_rows(
+            tiles, metadata.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads,
+            num_tokens=num_tokens, rows=config.rows,
+        )  # fmt: skip
+        partial_out, lse = attention_partials(
+            query_tiles.pack_query_rows(q, tokens, heads), kv_cache, tiles, metadata.seq_lens, query_lens,
+            metadata.block_tables, logit_scale, block_size=block_size, group_size=group_size, params=params,
+            kv_layout=kv_layout, config=config, interpret=interpret,
+        )  # fmt: skip
+        sinks_rows = None if sinks is None else sinks.astype(jnp.float32)[heads]
+        return tokens, heads, query_tiles.merge_splits(partial_out, lse, sinks_rows) * v_scale
+
+    ctas_per_split = max(1, metadata.num_reqs * num_kv_heads)
+    decode_splits = max(1, min(MAX_DECODE_SPLITS, math.ceil(TARGET_DECODE_CTAS / ctas_per_split)))
+    decode_config, prefill_config = kernel_configs(
+        head_dim, q.dtype, kv_cache.dtype, decode_splits=decode_splits
+    )
+    tokens, heads, rows = run(query_tiles.decode_tiles(query_lens, group_size), decode_config)
+    out = query_tiles.scatter_rows(out, rows, tokens, heads)
+    if metadata.max_query_len > query_tiles.tokens_per_tile(group_size):
+        tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
+        tokens, heads, rows = run(tiles, prefill_config)
+        out = query_tiles.scatter_rows(out, rows, tokens, heads)
+    return out
