@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import torch
 
 from jax_hybrid_attn import LayerAttentionParams, get_kv_cache_shape, layer_attention, metadata_group_key
-from jax_hybrid_attn.metadata import AttentionMetadata
 
 from .dlpack import ALIGNMENT, jax_dtype, same_memory, to_jax, to_torch
+from .plan import PACKED_FIELD_ALIGNMENT, pack_plan
 
-__all__ = ["AttentionLayer", "PagedAttentionBackend", "PlanLayout"]
+__all__ = ["AttentionLayer", "PagedAttentionBackend"]
 
 CACHE_OWNERS = ("torch", "jax")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -106,81 +106,6 @@ class AttentionLayer:
             logits_soft_cap=self.logits_soft_cap,
             causal=self.causal,
         )
-
-
-PACKED_FIELD_ALIGNMENT = 256
-"""Bytes: Mosaic GPU kernels refuse operands that are not 256-byte aligned ("Input buffer 3 is not 256-byte
-aligned", seen on the H200). The cache must be; each field of the packed metadata starts at a multiple of it,
-because XLA hands slices of a parameter to the kernels without a copy."""
-
-_ALIGN_ELEMENTS = PACKED_FIELD_ALIGNMENT // 4  # int32
-
-
-def _aligned(size: int) -> int:
-    return -(-size // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanLayout:
-    """Where each field lies in the packed int32 metadata buffer (static under jit).
-
-    The buffer holds ``query_start_loc`` (R+1), ``seq_lens`` (R), then each group's block table (R*P) and each
-    group's slot mapping (T), every field starting at a multiple of `PACKED_FIELD_ALIGNMENT` bytes.
-    """
-
-    num_reqs: int
-    num_tokens: int
-    num_groups: int
-    blocks_per_req: int
-    max_query_len: int
-    max_seq_len: int
-    causal: bool = True
-
-    @property
-    def field_sizes(self) -> tuple[int, ...]:
-        r, t, g, p = self.num_reqs, self.num_tokens, self.num_groups, self.blocks_per_req
-        return (r + 1, r) + (r * p,) * g + (t,) * g
-
-    @property
-    def field_offsets(self) -> tuple[int, ...]:
-        offsets, start = [], 0
-        for size in self.field_sizes:
-            offsets.append(start)
-            start += _aligned(size)
-        return tuple(offsets)
-
-    def metadata(self, packed: jax.Array, group: int) -> AttentionMetadata:
-        """The `AttentionMetadata` of KV-cache group `group`, sliced from the packed buffer."""
-        offsets, sizes = self.field_offsets, self.field_sizes
-
-        def field(i):
-            return packed[offsets[i] : offsets[i] + sizes[i]]
-
-        query_start_loc = field(0)
-        return AttentionMetadata(
-            query_start_loc=query_start_loc,
-            seq_lens=field(1),
-            block_tables=field(2 + group).reshape(self.num_reqs, self.blocks_per_req),
-            slot_mapping=field(2 + self.num_groups + group),
-            num_actual_tokens=query_start_loc[-1],
-            max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len,
-            causal=self.causal,
-        )
-
-
-def _pack(fields: list[torch.Tensor], padding: torch.Tensor) -> torch.Tensor:
-    """One int32 buffer: each field flattened and padded to the alignment, in one `torch.cat`."""
-    pieces = []
-    for field in fields:
-        flat = field.reshape(-1).to(torch.int32)
-        pieces += [flat, padding[: _aligned(flat.numel()) - flat.numel()]]
-    return torch.cat(pieces)
-
-
-def _bucket(value: int) -> int:
-    """Static upper bounds are rounded up to a power of two, so that a new step rarely recompiles."""
-    return 1 if value <= 1 else 1 << (value - 1).bit_length()
 
 
 @partial(
@@ -255,10 +180,6 @@ class PagedAttentionBackend:
     # --------------------------------------------------------------------------------- vLLM's static side
 
     @staticmethod
-    def get_name() -> str:
-        return "JAX_HYBRID_ATTN"
-
-    @staticmethod
     def get_kv_cache_shape(
         num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
     ) -> tuple[int, ...]:
@@ -266,21 +187,6 @@ class PagedAttentionBackend:
         if cache_dtype_str not in KV_CACHE_DTYPES:
             raise ValueError(f"{cache_dtype_str=} must be one of {tuple(KV_CACHE_DTYPES)}")
         return get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, kv_layout="NHD")
-
-    @staticmethod
-    def get_supported_kernel_block_sizes() -> tuple[int, ...]:
-        return (16, 32, 64)
-
-    supported_dtypes = SUPPORTED_DTYPES
-    forward_includes_kv_cache_update = True
-
-    @staticmethod
-    def supports_sink() -> bool:
-        return True
-
-    @staticmethod
-    def supports_non_causal() -> bool:
-        return True
 
     def metadata_groups(self) -> dict[tuple, list[str]]:
         """Layers by (KV-cache group, `metadata_group_key`): the layers that share one compiled function."""
@@ -315,63 +221,13 @@ class PagedAttentionBackend:
         The four tensors are packed, converted to int32 (an explicit, range-checked conversion of vLLM's int64
         slot mapping), into one buffer on their device and imported into JAX once.
         """
-        tensors = {
-            "query_start_loc": query_start_loc,
-            "seq_lens": seq_lens,
-            "block_tables": block_tables,
-            "slot_mapping": slot_mapping,
-        }
         device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
-        for name, tensor in tensors.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{name}.dtype={tensor.dtype} must be torch.int32 (or int64, converted)")
-            if tensor.device != device:
-                raise ValueError(f"{name} is on {tensor.device}, query_start_loc on {device}")
-        num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-        if seq_lens.dim() != 1 or query_start_loc.shape != (num_reqs + 1,):
-            raise ValueError(
-                f"query_start_loc.shape={tuple(query_start_loc.shape)} and seq_lens.shape={tuple(seq_lens.shape)} "
-                "must be [R+1] and [R]"
-            )
-        groups = self.num_kv_cache_groups
-        if block_tables.dim() == 2:
-            block_tables = block_tables.unsqueeze(0).expand(groups, -1, -1)
-        if slot_mapping.dim() == 1:
-            slot_mapping = slot_mapping.unsqueeze(0).expand(groups, -1)
-        if block_tables.dim() != 3 or block_tables.shape[:2] != (groups, num_reqs):
-            raise ValueError(
-                f"block_tables.shape={tuple(block_tables.shape)} must be [R={num_reqs}, P] or "
-                f"[G={groups}, R={num_reqs}, P]"
-            )
-        if slot_mapping.dim() != 2 or slot_mapping.shape[0] != groups:
-            raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [T] or [G={groups}, T]")
-        if max_query_len is None:
-            max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
-        if max_seq_len is None:
-            max_seq_len = int(seq_lens.max()) if num_reqs else 0
-        for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}={value!r} must be an int >= 0")
-        if slot_mapping.dtype == torch.int64 and slot_mapping.numel():
-            limit = torch.iinfo(torch.int32).max
-            if (
-                int(slot_mapping.max()) > limit
-            ):  # waits for the tensor: vLLM's int64 slots are range-checked once
-                raise ValueError(f"slot_mapping holds slots above int32's {limit}")
         if self._padding is None or self._padding.device != device:
-            self._padding = torch.zeros(_ALIGN_ELEMENTS, dtype=torch.int32, device=device)
-        packed = _pack([query_start_loc, seq_lens, *block_tables, *slot_mapping], self._padding)
-        self._layout = PlanLayout(
-            num_reqs=num_reqs,
-            num_tokens=slot_mapping.shape[1],
-            num_groups=groups,
-            blocks_per_req=block_tables.shape[2],
-            max_query_len=_bucket(max_query_len),
-            max_seq_len=_bucket(max_seq_len),
-            causal=causal,
-        )
+            self._padding = torch.zeros(PACKED_FIELD_ALIGNMENT // 4, dtype=torch.int32, device=device)
+        packed, self._layout = pack_plan(
+            query_start_loc, seq_lens, block_tables, slot_mapping, num_groups=self.num_kv_cache_groups,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, causal=causal, padding=self._padding,
+        )  # fmt: skip
         self._packed = to_jax(packed, name="packed metadata")
         self._plan_device = device
 

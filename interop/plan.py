@@ -1,0 +1,170 @@
+"""One step's metadata packed into one int32 buffer on the torch side, for `PagedAttentionBackend.plan`.
+
+Per step, the metadata of every KV-cache group (vLLM's `CommonAttentionMetadata` fields) goes into ONE buffer,
+imported into JAX once: each DLPack import costs host time comparable to a decode kernel. `PlanLayout` says where
+each field lies; inside the jitted layer call, `PlanLayout.metadata` slices one group's `AttentionMetadata` out of
+it, with no copy.
+
+Shape letters: T tokens · R requests · P blocks per request · G KV-cache groups.
+"""
+
+import dataclasses
+
+import jax
+import torch
+
+from jax_hybrid_attn.metadata import AttentionMetadata
+
+__all__ = ["PACKED_FIELD_ALIGNMENT", "PlanLayout", "pack_plan"]
+
+PACKED_FIELD_ALIGNMENT = 256
+"""Bytes: Mosaic GPU kernels refuse operands that are not 256-byte aligned ("Input buffer 3 is not 256-byte
+aligned", seen on the H200). The cache must be; each field of the packed metadata starts at a multiple of it,
+because XLA hands slices of a parameter to the kernels without a copy."""
+
+_ALIGN_ELEMENTS = PACKED_FIELD_ALIGNMENT // 4  # int32
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanLayout:
+    """Where each field lies in the packed int32 metadata buffer (static under jit).
+
+    The buffer holds ``query_start_loc`` (R+1), ``seq_lens`` (R), then each group's block table (R*P) and each
+    group's slot mapping (T), every field starting at a multiple of `PACKED_FIELD_ALIGNMENT` bytes.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    num_groups: int
+    blocks_per_req: int
+    max_query_len: int
+    max_seq_len: int
+    causal: bool = True
+
+    @property
+    def field_sizes(self) -> tuple[int, ...]:
+        r, t, g, p = self.num_reqs, self.num_tokens, self.num_groups, self.blocks_per_req
+        return (r + 1, r) + (r * p,) * g + (t,) * g
+
+    @property
+    def field_offsets(self) -> tuple[int, ...]:
+        offsets, start = [], 0
+        for size in self.field_sizes:
+            offsets.append(start)
+            start += _aligned(size)
+        return tuple(offsets)
+
+    def metadata(self, packed: jax.Array, group: int) -> AttentionMetadata:
+        """The `AttentionMetadata` of KV-cache group `group`, sliced from the packed buffer."""
+        offsets, sizes = self.field_offsets, self.field_sizes
+
+        def field(i):
+            return packed[offsets[i] : offsets[i] + sizes[i]]
+
+        query_start_loc = field(0)
+        return AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=field(1),
+            block_tables=field(2 + group).reshape(self.num_reqs, self.blocks_per_req),
+            slot_mapping=field(2 + self.num_groups + group),
+            num_actual_tokens=query_start_loc[-1],
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+            causal=self.causal,
+        )
+
+
+def _pack(fields: list[torch.Tensor], padding: torch.Tensor) -> torch.Tensor:
+    """One int32 buffer: each field flattened and padded to the alignment, in one `torch.cat`."""
+    pieces = []
+    for field in fields:
+        flat = field.reshape(-1).to(torch.int32)
+        pieces += [flat, padding[: _aligned(flat.numel()) - flat.numel()]]
+    return torch.cat(pieces)
+
+
+def _bucket(value: int) -> int:
+    """Static upper bounds are rounded up to a power of two, so that a new step rarely recompiles."""
+    return 1 if value <= 1 else 1 << (value - 1).bit_length()
+
+
+def _check_tensors(**tensors: torch.Tensor) -> torch.device:
+    """Every tensor is an int32/int64 torch tensor on one device; returns that device."""
+    device = None
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}.dtype={tensor.dtype} must be torch.int32 (or int64, converted)")
+        device = tensor.device if device is None else device
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, query_start_loc on {device}")
+    return device
+
+
+def _per_group(block_tables, slot_mapping, *, num_groups: int, num_reqs: int):
+    """[R, P] / [T] (shared by every group) or [G, R, P] / [G, T], as [G, R, P] and [G, T] views."""
+    if block_tables.dim() == 2:
+        block_tables = block_tables.unsqueeze(0).expand(num_groups, -1, -1)
+    if slot_mapping.dim() == 1:
+        slot_mapping = slot_mapping.unsqueeze(0).expand(num_groups, -1)
+    if block_tables.dim() != 3 or block_tables.shape[:2] != (num_groups, num_reqs):
+        raise ValueError(
+            f"block_tables.shape={tuple(block_tables.shape)} must be [R={num_reqs}, P] or "
+            f"[G={num_groups}, R={num_reqs}, P]"
+        )
+    if slot_mapping.dim() != 2 or slot_mapping.shape[0] != num_groups:
+        raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [T] or [G={num_groups}, T]")
+    if slot_mapping.dtype == torch.int64 and slot_mapping.numel():
+        limit = torch.iinfo(torch.int32).max
+        if int(slot_mapping.max()) > limit:  # waits for the tensor: vLLM's int64 slots are range-checked once
+            raise ValueError(f"slot_mapping holds slots above int32's {limit}")
+    return block_tables, slot_mapping
+
+
+def pack_plan(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_groups: int,
+    max_query_len: int | None,
+    max_seq_len: int | None,
+    causal: bool,
+    padding: torch.Tensor,
+) -> tuple[torch.Tensor, PlanLayout]:
+    """Check one step's metadata and pack it into one int32 tensor on its device (see `PagedAttentionBackend.plan`
+    for the arguments; `padding` is a zero int32 tensor of at least one alignment's elements on that device).
+    Returns (the packed tensor, its layout). Bounds left None are read from the tensors, which waits for them."""
+    _check_tensors(
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping
+    )
+    num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if seq_lens.dim() != 1 or query_start_loc.shape != (num_reqs + 1,):
+        raise ValueError(
+            f"query_start_loc.shape={tuple(query_start_loc.shape)} and seq_lens.shape={tuple(seq_lens.shape)} "
+            "must be [R+1] and [R]"
+        )
+    block_tables, slot_mapping = _per_group(block_tables, slot_mapping, num_groups=num_groups, num_reqs=num_reqs)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if num_reqs else 0
+    for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r} must be an int >= 0")
+    layout = PlanLayout(
+        num_reqs=num_reqs,
+        num_tokens=slot_mapping.shape[1],
+        num_groups=num_groups,
+        blocks_per_req=block_tables.shape[2],
+        max_query_len=_bucket(max_query_len),
+        max_seq_len=_bucket(max_seq_len),
+        causal=causal,
+    )
+    return _pack([query_start_loc, seq_lens, *block_tables, *slot_mapping], padding), layout
