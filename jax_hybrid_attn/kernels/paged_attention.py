@@ -103,6 +103,13 @@ def _paged_attention_kernel(
     logit_scale_ref, q_ref, kv_ref, o_ref, lse_ref,
     *, block_size, group_size, params, kv_layout, config, p_in_registers,
 ):  # fmt: skip
+    """One CTA: the producer and consumer warpgroups of one (query tile, KV head, split).
+
+    Long on purpose: it is one Pallas kernel body. Its nested functions (producer, consumer, their steps) close
+    over the refs, the tile's key range and the static configuration, which every one of them reads; as
+    module-level functions each would take a dozen of these as arguments, and the barrier protocol between
+    them (ring slots, "loaded"/"consumed", the consumers' turns) is easiest to check when it sits in one place.
+    """
     tile, kv_head, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
     request = tile_request_ref[tile]
     head_dim = q_ref.shape[-1]
@@ -171,6 +178,9 @@ def _paged_attention_kernel(
             issue(step, pages, v_ring, v_loaded, 1)
 
     def consumer(wg, q_smem, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, extras):
+        """Online softmax of consumer `wg`'s 64 query rows over the CTA's key steps: masked edge steps, unmasked
+        inner steps, masked edge steps. Long for the reason the kernel is: its helpers share its registers'
+        layouts and the ring's barriers."""
         k_staging, v_staging, p_smem, v_zeroed, schedule = extras
         my_first_q_pos = first_q_pos + wg * tokens_per_consumer
         my_len = jnp.clip(tile_len - wg * tokens_per_consumer, 0, tokens_per_consumer)
