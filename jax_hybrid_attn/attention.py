@@ -21,7 +21,7 @@ from .kernels.mixed_batch import paged_attention_kernels
 from .kv_cache import write_kv
 from .layout import KVLayout
 from .metadata import AttentionMetadata
-from .params import CAUSAL, LayerAttentionParams
+from .params import CAUSAL, LayerAttentionParams, check_params
 
 __all__ = ["IMPLEMENTATIONS", "layer_attention", "paged_attention"]
 
@@ -96,6 +96,7 @@ def layer_attention(
     Returns:
       (attention output [T, N, H] in q's dtype, the updated cache).
     """
+    check_params(params)
     if (k is None) != (v is None):
         raise ValueError("k and v must both be given, or both be None (a layer that reads another layer's cache)")
     implementation = _resolve_implementation(implementation, interpret)

@@ -11,6 +11,7 @@ that a prefix hit shares hold the right values. Caches start as NaN: a read of a
 import dataclasses
 import zlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -108,7 +109,7 @@ class Driver:
                 cache = self.caches[layer].astype(dtype)  # a copy for the kernels, the cache itself otherwise
                 got, cache = layer_attention(
                     q_in, k, v, cache, metadata, params=params, implementation=implementation,
-                    interpret=implementation == "kernel",
+                    interpret=implementation == "kernel" and jax.default_backend() != "gpu",
                 )  # fmt: skip
                 self._check(batch, out, layer, q_in, np.asarray(got.astype(jnp.float32)), dtype)
             self.caches[layer] = cache
@@ -187,3 +188,53 @@ def test_serving_steps_on_the_kernels_in_interpret_mode(in_window_only):
     """The same trace; the prefix-hit step (a decode beside a prefill) and a step of the resume also run the
     kernels."""
     run_trace(Driver(make_config(in_window_only=in_window_only)), kernel_steps=(3, 12))
+
+
+def test_one_jit_from_the_step_output_to_every_layer():
+    """metadata_from_step and layer_attention trace: a whole step's attention (every group and layer) runs as one
+    jitted function of the StepOutput, with no host round trip, and gives what the eager calls give."""
+    config = make_config(in_window_only=False)
+    manager = KVCacheManager(config)
+    manager.add_request("a", SHARED_PREFIX[:40])
+    manager.add_request("b", SHARED_PREFIX[:20] + [1, 2, 3])
+    out = manager.schedule([("a", 40), ("b", 8)])
+    rng = np.random.default_rng(1)
+    num_tokens = config.max_num_batched_tokens
+    q = jnp.asarray(rng.standard_normal((len(LAYERS), num_tokens, NUM_Q_HEADS, HEAD_DIM)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((len(LAYERS), 2, num_tokens, NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
+    shape = (config.num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    fresh = lambda: [jnp.zeros(shape, jnp.float32) for _ in LAYERS]  # noqa: E731
+
+    def attention_of_step(out, caches, q, kv):
+        outputs = []
+        for layer, params in enumerate(LAYERS):
+            metadata = metadata_from_step(config, out, layer)
+            y, caches[layer] = layer_attention(q[layer], kv[layer, 0], kv[layer, 1], caches[layer], metadata, params=params)
+            outputs.append(y)
+        return jnp.stack(outputs), caches
+
+    eager, _ = attention_of_step(out, fresh(), q, kv)
+    jitted, caches = jax.jit(attention_of_step)(out, fresh(), q, kv)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), rtol=1e-6, atol=1e-6)
+    assert np.all(np.isfinite(np.asarray(jitted))) and float(jnp.abs(caches[0]).sum()) > 0
+
+
+def test_join_refuses_bad_arguments():
+    config = make_config(in_window_only=False)
+    manager = KVCacheManager(config)
+    manager.add_request("a", [1, 2, 3])
+    out = manager.schedule([("a", 3)])
+    with pytest.raises(ValueError, match="group=3"):
+        metadata_from_step(config, out, 3)
+    with pytest.raises(ValueError, match="return_block_tables"):
+        metadata_from_step(config, dataclasses.replace(out, block_tables=None), 0)
+    with pytest.raises(ValueError, match="max_query_len"):
+        metadata_from_step(config, out, 0, max_query_len=-1)
+    metadata = metadata_from_step(config, out, 0)
+    shape = (config.num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    q = jnp.zeros((config.max_num_batched_tokens, NUM_Q_HEADS, HEAD_DIM))
+    k = jnp.zeros((config.max_num_batched_tokens, NUM_KV_HEADS, HEAD_DIM))
+    with pytest.raises(ValueError, match="k and v"):
+        layer_attention(q, k, None, jnp.zeros(shape), metadata)
+    with pytest.raises(ValueError, match="params"):
+        layer_attention(q, k, k, jnp.zeros(shape), metadata, params=dict(sliding_window=4))
