@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import torch
 
 from jax_hybrid_attn import LayerAttentionParams, get_kv_cache_shape, layer_attention, metadata_group_key
+from jax_hybrid_attn.integers import check_int
 
 from .dlpack import ALIGNMENT, jax_dtype, same_memory, to_jax, to_torch
 from .plan import PACKED_FIELD_ALIGNMENT, pack_plan
@@ -85,8 +86,7 @@ class AttentionLayer:
     def __post_init__(self):
         for name in ("num_heads", "num_kv_heads", "head_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+            check_int(name, value)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -156,8 +156,7 @@ class PagedAttentionBackend:
         for name, layer in layers.items():
             if not isinstance(layer, AttentionLayer):
                 raise ValueError(f"layers[{name!r}] must be an AttentionLayer, got {type(layer).__name__}")
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-            raise ValueError(f"{block_size=} must be a positive int")
+        check_int("block_size", block_size)
         if cache_owner not in CACHE_OWNERS:
             raise ValueError(f"{cache_owner=} must be one of {CACHE_OWNERS}")
         get_kv_cache_shape(1, block_size, 1, 1, kv_layout=kv_layout)  # validates kv_layout

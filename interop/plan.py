@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import torch
 
+from jax_hybrid_attn.integers import cdiv
 from jax_hybrid_attn.metadata import AttentionMetadata
 
 __all__ = ["PACKED_FIELD_ALIGNMENT", "PlanLayout", "pack_plan"]
@@ -26,7 +27,7 @@ _ALIGN_ELEMENTS = PACKED_FIELD_ALIGNMENT // 4  # int32
 
 
 def _aligned(size: int) -> int:
-    return -(-size // _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
+    return cdiv(size, _ALIGN_ELEMENTS) * _ALIGN_ELEMENTS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,8 @@ layers silently drops context (a vLLM bug). Layers whose parameters differ get d
 import dataclasses
 import math
 
+from .integers import check_int
+
 __all__ = [
     "CAUSAL",
     "LayerAttentionParams",
@@ -28,19 +30,13 @@ NO_WINDOW_LEFT = -1
 
 
 def _check_window(sliding_window: int | None) -> None:
-    if sliding_window is not None and (
-        not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window < 1
-    ):
-        raise ValueError(f"sliding_window={sliding_window!r} must be an int >= 1 or None")
+    if sliding_window is not None:
+        check_int("sliding_window", sliding_window)
 
 
 def _check_chunk(attention_chunk_size: int | None) -> None:
-    if attention_chunk_size is not None and (
-        not isinstance(attention_chunk_size, int)
-        or isinstance(attention_chunk_size, bool)
-        or attention_chunk_size < 1
-    ):
-        raise ValueError(f"attention_chunk_size={attention_chunk_size!r} must be an int >= 1 or None")
+    if attention_chunk_size is not None:
+        check_int("attention_chunk_size", attention_chunk_size)
 
 
 def _check_positive_float(name: str, value: float | None) -> None:

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .constants import NULL_BLOCK_ID
+from .integers import cdiv
 from .layout import FP8_DTYPE, KVLayout, get_kv_cache_shape
 from .masks import allowed_key_range
 from .metadata import AttentionMetadata, make_attention_metadata
@@ -111,7 +112,7 @@ def pack_paged_inputs(
     seq_lens = np.array([len(k) for k in keys], np.int64)
     num_kv_heads, head_dim = keys[0].shape[1:]
     kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
-    blocks_per_request = -(-seq_lens // block_size)
+    blocks_per_request = cdiv(seq_lens, block_size)
     max_blocks = max(int(blocks_per_request.max(initial=0)), 1)
     num_blocks = 1 + int(blocks_per_request.sum()) + spare_blocks
     pool_ids = rng.permutation(np.arange(1, num_blocks))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._compat import register_pytree_dataclass
+from ..integers import cdiv
 from .paged_attention import ROWS
 
 __all__ = [
@@ -61,7 +62,7 @@ def prefill_tiles(query_lens: Int[Array, "R"], group_size: int, num_tokens: int,
     per_tile = tokens_per_tile(group_size, rows)
     num_reqs = query_lens.shape[0]
     is_prefill = query_lens > tokens_per_tile(group_size)
-    tiles_per_request = jnp.where(is_prefill, -(-query_lens // per_tile), 0)
+    tiles_per_request = jnp.where(is_prefill, cdiv(query_lens, per_tile), 0)
     ends = jnp.cumsum(tiles_per_request)
     index = jnp.arange(num_reqs + num_tokens // per_tile, dtype=jnp.int32)
     request = jnp.minimum(jnp.searchsorted(ends, index, side="right"), num_reqs - 1).astype(jnp.int32)
