@@ -149,8 +149,8 @@ def host_breakdown(backend, cache, q, k, v, reps, rows):
         arrays = [to_jax(t) for t in (q, k, v, cache)]
         imported = time.perf_counter()
         out, _ = backend_module._layer_step(
-            backend._packed, *arrays, None, None, layout=backend._layout, group=0, params=spec.params,
-            kv_layout="NHD", k_scale=None, v_scale=None, implementation=None, interpret=False,
+            backend._packed, *arrays, None, None, None, None, layout=backend._layout, group=0, params=spec.params,
+            kv_layout="NHD", implementation=None, interpret=False,
         )  # fmt: skip
         called = time.perf_counter()
         backend_module.to_torch(out)

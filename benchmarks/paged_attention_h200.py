@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
-from jax_hybrid_attn import attention, make_attention_metadata, paged_attention, reference
+from jax_hybrid_attn import CAUSAL, LayerAttentionParams, make_attention_metadata, paged_attention, reference
+from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.kernels.paged_attention import KernelConfig
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
@@ -31,16 +32,16 @@ MIXED = ([1, 1, 3, 300, 17], [1, 2049, 513, 1000, 17])  # decodes, a verificatio
 DECODES = ([1, 1, 1, 1, 1], [3, 99, 1000, 4096, 40])
 PARITY_CASES = [  # (name, random_paged_inputs kwargs, attention options)
     ("gqa4 full bs16 d128", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16), {}),
-    ("mha d64 bs32 window 100 sm_scale 0.2", dict(num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=32), dict(sliding_window=100, sm_scale=0.2)),
-    ("mqa d256 bs64 chunk 256", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=64), dict(attention_chunk_size=256)),
-    ("gqa4 softcap+sinks w1", dict(num_q_heads=16, num_kv_heads=4, head_dim=128, block_size=16, with_sinks=True), dict(sliding_window=1, logits_soft_cap=30.0)),
-    ("gqa2 HND window 1000 d256", dict(num_q_heads=16, num_kv_heads=8, head_dim=256, block_size=16, kv_layout="HND"), dict(sliding_window=1000, kv_layout="HND")),
-    ("fp16 gqa8 chunk 64 bs64", dict(num_q_heads=64, num_kv_heads=8, head_dim=128, block_size=64, dtype=jnp.float16), dict(attention_chunk_size=64)),
-    ("non-causal gqa4 HND bs32", dict(num_q_heads=32, num_kv_heads=8, head_dim=64, block_size=32, causal=False, kv_layout="HND"), dict(causal=False, kv_layout="HND")),
-    ("gqa4 sinks chunk 128 softcap", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=32, with_sinks=True), dict(attention_chunk_size=128, logits_soft_cap=50.0)),
-    ("fp8 kv gqa4 bs16 d128 window 512", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, kv_dtype=jnp.float8_e4m3fn), dict(sliding_window=512)),
-    ("fp8 kv HND mqa d256 bs32 chunk 128 sinks", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=32, kv_dtype=jnp.float8_e4m3fn, kv_layout="HND", with_sinks=True), dict(attention_chunk_size=128, kv_layout="HND", logits_soft_cap=30.0)),
-    ("fp8 kv fp16 q d64 bs64 non-causal", dict(num_q_heads=16, num_kv_heads=2, head_dim=64, block_size=64, kv_dtype=jnp.float8_e4m3fn, dtype=jnp.float16, causal=False), dict(causal=False)),
+    ("mha d64 bs32 window 100 sm_scale 0.2", dict(num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=32), dict(params=LayerAttentionParams(sliding_window=100, sm_scale=0.2))),
+    ("mqa d256 bs64 chunk 256", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=64), dict(params=LayerAttentionParams(attention_chunk_size=256))),
+    ("gqa4 softcap+sinks w1", dict(num_q_heads=16, num_kv_heads=4, head_dim=128, block_size=16, with_sinks=True), dict(params=LayerAttentionParams(sliding_window=1, logits_soft_cap=30.0))),
+    ("gqa2 HND window 1000 d256", dict(num_q_heads=16, num_kv_heads=8, head_dim=256, block_size=16, kv_layout="HND"), dict(params=LayerAttentionParams(sliding_window=1000), kv_layout="HND")),
+    ("fp16 gqa8 chunk 64 bs64", dict(num_q_heads=64, num_kv_heads=8, head_dim=128, block_size=64, dtype=jnp.float16), dict(params=LayerAttentionParams(attention_chunk_size=64))),
+    ("non-causal gqa4 HND bs32", dict(num_q_heads=32, num_kv_heads=8, head_dim=64, block_size=32, causal=False, kv_layout="HND"), dict(params=LayerAttentionParams(causal=False), kv_layout="HND")),
+    ("gqa4 sinks chunk 128 softcap", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=32, with_sinks=True), dict(params=LayerAttentionParams(attention_chunk_size=128, logits_soft_cap=50.0))),
+    ("fp8 kv gqa4 bs16 d128 window 512", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, kv_dtype=jnp.float8_e4m3fn), dict(params=LayerAttentionParams(sliding_window=512))),
+    ("fp8 kv HND mqa d256 bs32 chunk 128 sinks", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=32, kv_dtype=jnp.float8_e4m3fn, kv_layout="HND", with_sinks=True), dict(params=LayerAttentionParams(attention_chunk_size=128, logits_soft_cap=30.0), kv_layout="HND")),
+    ("fp8 kv fp16 q d64 bs64 non-causal", dict(num_q_heads=16, num_kv_heads=2, head_dim=64, block_size=64, kv_dtype=jnp.float8_e4m3fn, dtype=jnp.float16, causal=False), dict(params=LayerAttentionParams(causal=False))),
 ]  # fmt: skip
 
 
@@ -70,10 +71,10 @@ def kernel_ms(fn, *args, repeats=30):
     return statistics.median(profiler.measure(fn)(*args)[1] for _ in range(repeats))
 
 
-def visible_keys(query_len, seq_len, **mask):
+def visible_keys(query_len, seq_len, params=CAUSAL):
     """Per query of one request: number of keys it attends to, and the blocks' worth of keys loaded."""
     q_pos = np.arange(seq_len - query_len, seq_len)
-    first, last = allowed_key_range(q_pos, seq_len, **mask)
+    first, last = allowed_key_range(q_pos, seq_len, params=params)
     return np.asarray(last) - np.asarray(first) + 1, np.asarray(first)
 
 
@@ -86,26 +87,25 @@ def record(rows, *fields):
 @contextlib.contextmanager
 def kernel_configs_replaced(*, decode=None, prefill=None):
     """Time a kernel configuration other than the default (the sweeps behind `default_config`)."""
-    original = attention.kernel_configs
+    original = mixed_batch.kernel_configs
 
     def replaced(*args, **kwargs):
         default_decode, default_prefill = original(*args, **kwargs)
         return decode or default_decode, prefill or default_prefill
 
-    attention.kernel_configs = replaced
-    attention._paged_attention_kernels.clear_cache()
+    mixed_batch.kernel_configs = replaced
+    mixed_batch._paged_attention_kernels.clear_cache()
     try:
         yield
     finally:
-        attention.kernel_configs = original
-        attention._paged_attention_kernels.clear_cache()
+        mixed_batch.kernel_configs = original
+        mixed_batch._paged_attention_kernels.clear_cache()
 
 
 def time_decode(rows, name, q, kv_cache, metadata, options, full_ms):
     """One decode timing line: GB/s of the K and V blocks a query can see; returns the time."""
-    mask = {key: value for key, value in options.items() if key in ("sliding_window", "attention_chunk_size")}
     num_reqs, seq_len = q.shape[0], int(metadata.seq_lens[0])
-    _, first = visible_keys(1, seq_len, **mask)
+    _, first = visible_keys(1, seq_len, options.get("params", CAUSAL))
     needed = num_reqs * (seq_len - int(first[0]) // 16 * 16) * 8 * 128 * 2 * kv_cache.dtype.itemsize
     fn = jax.jit(partial(paged_attention, **options))
     try:
@@ -121,16 +121,16 @@ def time_decode(rows, name, q, kv_cache, metadata, options, full_ms):
     return full_ms or ms
 
 
-def time_prefill(rows, q, kv_cache, metadata, name, mask, *, num_reqs, seq_len):
+def time_prefill(rows, q, kv_cache, metadata, name, params, *, num_reqs, seq_len):
     """One prefill timing line: TFLOP/s of the visible (query, key) pairs; returns the flop count."""
-    counts, _ = visible_keys(seq_len, seq_len, **mask)
+    counts, _ = visible_keys(seq_len, seq_len, params)
     flops = 4 * num_reqs * 32 * 128 * int(counts.sum())
-    fn = jax.jit(partial(paged_attention, **mask))
+    fn = jax.jit(partial(paged_attention, params=params))
     first = metadata.replace(query_start_loc=metadata.query_start_loc[:2], seq_lens=metadata.seq_lens[:1],
                              block_tables=metadata.block_tables[:1], slot_mapping=metadata.slot_mapping[:seq_len],
                              num_actual_tokens=jnp.asarray(seq_len, jnp.int32))  # fmt: skip
     try:
-        expected = reference.paged_attention(q[:seq_len], kv_cache, first, **mask).astype(jnp.float32)
+        expected = reference.paged_attention(q[:seq_len], kv_cache, first, params=params).astype(jnp.float32)
         error = float(jnp.abs(fn(q, kv_cache, metadata)[:seq_len].astype(jnp.float32) - expected).max())
         ms = kernel_ms(fn, q, kv_cache, metadata, repeats=10)
     except Exception as exc:
@@ -141,7 +141,8 @@ def time_prefill(rows, q, kv_cache, metadata, name, mask, *, num_reqs, seq_len):
 
 
 SHAPE = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
-MASKS = [("full", {}), ("window 1024", dict(sliding_window=1024)), ("chunk 1024", dict(attention_chunk_size=1024))]
+MASKS = [("full", CAUSAL), ("window 1024", LayerAttentionParams(sliding_window=1024)),
+         ("chunk 1024", LayerAttentionParams(attention_chunk_size=1024))]
 
 
 def parity_section(rows):
@@ -159,7 +160,8 @@ def parity_section(rows):
 
     # Mixed batch == its parts, on the device.
     inputs = random_paged_inputs(1, query_lens=MIXED[0], seq_lens=MIXED[1], num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
-    whole = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, sliding_window=256)
+    window = LayerAttentionParams(sliding_window=256)
+    whole = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, params=window)
     starts = np.asarray(inputs.metadata.query_start_loc)
     worst = 0.0
     for r, query_len in enumerate(MIXED[0]):
@@ -167,7 +169,7 @@ def parity_section(rows):
             query_start_loc=jnp.asarray([0, query_len], jnp.int32), seq_lens=inputs.metadata.seq_lens[r : r + 1],
             block_tables=inputs.metadata.block_tables[r : r + 1], slot_mapping=inputs.metadata.slot_mapping[starts[r] : starts[r + 1]],
             num_actual_tokens=jnp.asarray(query_len, jnp.int32), max_query_len=query_len)  # fmt: skip
-        alone = paged_attention(inputs.q[starts[r] : starts[r + 1]], inputs.kv_cache, part, sliding_window=256)
+        alone = paged_attention(inputs.q[starts[r] : starts[r + 1]], inputs.kv_cache, part, params=window)
         worst = max(worst, float(jnp.abs(whole[starts[r] : starts[r + 1]].astype(jnp.float32) - alone.astype(jnp.float32)).max()))
     print(f"mixed batch vs its parts: max|diff|={worst:.3g}", flush=True)
     rows.append(("parity", "mixed batch == parts (window 256)", "", "PASS" if worst <= 2e-2 else "FAIL", f"{worst:.3g}"))
@@ -177,8 +179,8 @@ def decode_section(rows, *, sweep):
     for seq_len in [8192, 32768]:
         q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=seq_len, **SHAPE)
         full_ms = None
-        for label, mask in MASKS:
-            full_ms = time_decode(rows, f"decode B=64 ctx={seq_len} {label}", q, kv_cache, metadata, mask, full_ms)
+        for label, params in MASKS:
+            full_ms = time_decode(rows, f"decode B=64 ctx={seq_len} {label}", q, kv_cache, metadata, dict(params=params), full_ms)
         fp8_cache = (kv_cache * 0.5).astype(jnp.float8_e4m3fn)
         time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV", q, fp8_cache, metadata, dict(k_scale=2.0, v_scale=2.0), None)
         del fp8_cache
@@ -194,7 +196,7 @@ def decode_section(rows, *, sweep):
             record(rows, f"peer pallas-triton paged decode ctx={seq_len} full", f"{ms:.3f} ms", f"{gbps:.0f} GB/s")
             del k_pages, v_pages
         if sweep and seq_len == 32768:  # the split and block_kv sweep behind the decode defaults
-            window = dict(sliding_window=1024)
+            window = dict(params=LayerAttentionParams(sliding_window=1024))
             for splits, block_kv, stages in [(1, 128, 2), (2, 128, 2), (4, 128, 2), (2, 64, 3), (4, 64, 3), (8, 64, 3)]:
                 config = KernelConfig(block_kv=block_kv, num_stages=stages, num_splits=splits)
                 with kernel_configs_replaced(decode=config):
@@ -209,10 +211,10 @@ def prefill_section(rows, *, sweep):
     k_dense = kv_cache[1:, 0].reshape(num_reqs, seq_len, 8, 128)  # not the same blocks as the table: timing only
     q_dense = q.reshape(num_reqs, seq_len, 32, 128)
     prefill = partial(time_prefill, rows, q, kv_cache, metadata, num_reqs=num_reqs, seq_len=seq_len)
-    for label, mask in MASKS:
-        flops = prefill(f"prefill 8x4096 {label}", mask)
-        if "attention_chunk_size" not in mask:
-            window = mask.get("sliding_window")
+    for label, params in MASKS:
+        flops = prefill(f"prefill 8x4096 {label}", params)
+        if params.attention_chunk_size is None:
+            window = params.sliding_window
             peer = jax.jit(partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn",
                                    local_window_size=None if window is None else (window - 1, 0)))  # fmt: skip
             name = f"peer cuDNN dense prefill 8x4096 {label}"
@@ -225,7 +227,7 @@ def prefill_section(rows, *, sweep):
     for block_kv, stages, ping_pong in prefill_sweep:
         config = KernelConfig(block_kv=block_kv, num_stages=stages, num_consumers=2, ping_pong=ping_pong)
         with kernel_configs_replaced(prefill=config):
-            prefill(f"sweep prefill 8x4096 full block_kv={block_kv} stages={stages} ping_pong={ping_pong}", {})
+            prefill(f"sweep prefill 8x4096 full block_kv={block_kv} stages={stages} ping_pong={ping_pong}", CAUSAL)
 
 
 def main():

@@ -79,8 +79,8 @@ def gpt_oss():
         num_experts_per_tok=1,
     )  # fmt: skip
     params = [
-        LayerAttentionParams(sm_scale=SCALE, sliding_window=WINDOW, has_sinks=True),
-        LayerAttentionParams(sm_scale=SCALE, has_sinks=True),
+        LayerAttentionParams(sm_scale=SCALE, sliding_window=WINDOW),
+        LayerAttentionParams(sm_scale=SCALE),
     ]
     return config, params
 

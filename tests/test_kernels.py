@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_hybrid_attn import paged_attention, reference
+from jax_hybrid_attn import LayerAttentionParams, paged_attention, reference
 from jax_hybrid_attn._compat import interpret_params, races_found
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
@@ -53,8 +53,10 @@ def run_case(case, *, seed, interpret=True):
         with_sinks=case["with_sinks"], causal=case["causal"],
         null_unreachable_for=case["mask"] if case["causal"] else None,
     )  # fmt: skip
-    options = dict(case["mask"], logits_soft_cap=case["logits_soft_cap"], sm_scale=case.get("sm_scale"), causal=case["causal"],
-                   kv_layout=case["kv_layout"], sinks=inputs.sinks, k_scale=inputs.k_scale, v_scale=inputs.v_scale)  # fmt: skip
+    params = LayerAttentionParams(**case["mask"], logits_soft_cap=case["logits_soft_cap"], sm_scale=case.get("sm_scale"),
+                                  causal=case["causal"])  # fmt: skip
+    options = dict(params=params, kv_layout=case["kv_layout"], sinks=inputs.sinks, k_scale=inputs.k_scale,
+                   v_scale=inputs.v_scale)  # fmt: skip
     out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, interpret=interpret, **options)
     expected = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
     return np.asarray(out.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32))
@@ -82,7 +84,8 @@ def test_mixed_batch_equals_its_parts():
     query_lens, seq_lens = [1, 2, 40], [50, 77, 60]
     inputs = random_paged_inputs(11, query_lens=query_lens, seq_lens=seq_lens, num_q_heads=8, num_kv_heads=2,
                                  head_dim=64, block_size=16, dtype=jnp.bfloat16)  # fmt: skip
-    whole = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, sliding_window=30, interpret=True)
+    window = LayerAttentionParams(sliding_window=30)
+    whole = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, params=window, interpret=True)
     starts = np.asarray(inputs.metadata.query_start_loc)
     for r, query_len in enumerate(query_lens):
         part = inputs.metadata.replace(
@@ -91,7 +94,7 @@ def test_mixed_batch_equals_its_parts():
             slot_mapping=inputs.metadata.slot_mapping[starts[r] : starts[r + 1]],
             num_actual_tokens=jnp.asarray(query_len, jnp.int32), max_query_len=query_len,
         )  # fmt: skip
-        alone = paged_attention(inputs.q[starts[r] : starts[r + 1]], inputs.kv_cache, part, sliding_window=30, interpret=True)
+        alone = paged_attention(inputs.q[starts[r] : starts[r + 1]], inputs.kv_cache, part, params=window, interpret=True)
         np.testing.assert_allclose(np.asarray(whole[starts[r] : starts[r + 1]], np.float32), np.asarray(alone, np.float32),
                                    **TOLERANCES[jnp.dtype(jnp.bfloat16)])  # fmt: skip
 

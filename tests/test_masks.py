@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_hybrid_attn import local_window_size, masks, window_left
+from jax_hybrid_attn import LayerAttentionParams, local_window_size, masks, window_left
 from jax_hybrid_attn._compat import dense_attention
 
 SEQ_LEN = 37
@@ -34,9 +34,10 @@ def test_predicate_and_interval_match_dense(causal, sliding_window, attention_ch
     q_pos = np.arange(SEQ_LEN)[:, None]
     k_pos = np.arange(SEQ_LEN)[None, :]
     expected = dense_expected(SEQ_LEN, **options)
-    np.testing.assert_array_equal(masks.attention_mask(q_pos, k_pos, SEQ_LEN, **options), expected)
+    params = LayerAttentionParams(**options)
+    np.testing.assert_array_equal(masks.attention_mask(q_pos, k_pos, SEQ_LEN, params=params), expected)
 
-    first, last = masks.allowed_key_range(np.arange(SEQ_LEN), SEQ_LEN, **options)
+    first, last = masks.allowed_key_range(np.arange(SEQ_LEN), SEQ_LEN, params=params)
     from_interval = (np.asarray(first)[:, None] <= k_pos) & (k_pos <= np.asarray(last)[:, None])
     np.testing.assert_array_equal(from_interval, expected)
     assert np.all(np.asarray(first) <= np.arange(SEQ_LEN)), "a query always sees itself"
@@ -50,7 +51,8 @@ def test_single_predicates():
 
 
 def test_masks_trace_under_jit():
-    fn = jax.jit(lambda q, k: masks.attention_mask(q, k, 9, sliding_window=3, attention_chunk_size=4))
+    params = LayerAttentionParams(sliding_window=3, attention_chunk_size=4)
+    fn = jax.jit(lambda q, k: masks.attention_mask(q, k, 9, params=params))
     np.testing.assert_array_equal(
         fn(jnp.arange(9)[:, None], jnp.arange(9)[None, :]),
         dense_expected(9, causal=True, sliding_window=3, attention_chunk_size=4),
@@ -66,7 +68,9 @@ def test_matches_jax_dot_product_attention(sliding_window):
     expected = dense_attention(q, k, v, scale=0.25, is_causal=True, local_window_size=local_window_size(sliding_window))
 
     pos = jnp.arange(seq_len)
-    allowed = masks.attention_mask(pos[:, None], pos[None, :], seq_len, sliding_window=sliding_window)
+    allowed = masks.attention_mask(
+        pos[:, None], pos[None, :], seq_len, params=LayerAttentionParams(sliding_window=sliding_window)
+    )
     logits = jnp.einsum("qnh,knh->nqk", q[0], k[0]) * 0.25
     weights = jax.nn.softmax(jnp.where(allowed, logits, -jnp.inf), axis=-1)
     ours = jnp.einsum("nqk,knh->qnh", weights, v[0])

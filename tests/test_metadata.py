@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from jax_hybrid_attn import (
     PAD_SLOT_ID,
     AttentionMetadata,
+    LayerAttentionParams,
     expand_block_tables,
     make_attention_metadata,
     make_local_attention_virtual_batches,
@@ -155,7 +156,9 @@ def test_chunked_reference_equals_causal_reference_on_virtual_batch(
     nulls = dict(attention_chunk_size=chunk) if null_unreachable else None
     inputs = random_inputs(query_lens, seq_lens, block_size, null_unreachable_for=nulls)
     virtual = make_local_attention_virtual_batches(chunk, inputs.metadata, block_size)
-    chunked = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, attention_chunk_size=chunk)
+    chunked = paged_attention(
+        inputs.q, inputs.kv_cache, inputs.metadata, params=LayerAttentionParams(attention_chunk_size=chunk)
+    )
     plain = paged_attention(inputs.q, inputs.kv_cache, virtual, checked=True)
     assert np.all(np.isfinite(chunked))
     np.testing.assert_allclose(plain, chunked, **TOL)
@@ -266,8 +269,9 @@ def test_expanded_tables_give_same_attention_and_slots(query_lens, seq_lens):
     assert np_(kernel_metadata.slot_mapping) == np_(inputs.metadata.slot_mapping)
 
     kernel_cache = split_cache_blocks(inputs.kv_cache, 2)
-    expected = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, sliding_window=11)
-    got = paged_attention(inputs.q, kernel_cache, kernel_metadata, sliding_window=11, checked=True)
+    window = LayerAttentionParams(sliding_window=11)
+    expected = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, params=window)
+    got = paged_attention(inputs.q, kernel_cache, kernel_metadata, params=window, checked=True)
     assert np.all(np.isfinite(expected))
     np.testing.assert_allclose(got, expected, **TOL)
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_hybrid_attn import reference
+from jax_hybrid_attn import LayerAttentionParams, reference
 from jax_hybrid_attn.testing import TOLERANCES, pack_paged_inputs, random_paged_inputs
 
 from .oracle import attention_float64
@@ -44,8 +44,8 @@ def sampled_cases(num_cases, seed=0):
 def run_both(inputs, *, kv_layout, mask, logits_soft_cap, causal, sm_scale=None):
     options = dict(mask, logits_soft_cap=logits_soft_cap, causal=causal, sm_scale=sm_scale)
     out = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, kv_layout=kv_layout,
-                                    sinks=inputs.sinks, k_scale=inputs.k_scale, v_scale=inputs.v_scale,
-                                    checked=True, **options)  # fmt: skip
+                                    params=LayerAttentionParams(**options), sinks=inputs.sinks,
+                                    k_scale=inputs.k_scale, v_scale=inputs.v_scale, checked=True)  # fmt: skip
     expected = attention_float64(inputs.q.astype(jnp.float32), inputs.keys, inputs.values,
                                  np.diff(inputs.metadata.query_start_loc), sinks=inputs.sinks, **options)  # fmt: skip
     return np.asarray(out.astype(jnp.float32)), expected
@@ -93,7 +93,9 @@ def test_window_equals_full_attention_over_last_w_keys(sliding_window):
     long = pack_paged_inputs(rng, q, keys, values, [1, 1, 1], block_size=16, dtype=jnp.float32)
     short = pack_paged_inputs(rng, q, [k[-sliding_window:] for k in keys], [v[-sliding_window:] for v in values],
                               [1, 1, 1], block_size=16, dtype=jnp.float32)  # fmt: skip
-    windowed = reference.paged_attention(long.q, long.kv_cache, long.metadata, sliding_window=sliding_window)
+    windowed = reference.paged_attention(
+        long.q, long.kv_cache, long.metadata, params=LayerAttentionParams(sliding_window=sliding_window)
+    )
     full = reference.paged_attention(short.q, short.kv_cache, short.metadata)
     np.testing.assert_allclose(windowed, full, **TOLERANCES[jnp.dtype(jnp.float32)])
 
@@ -102,7 +104,8 @@ def test_mixed_batch_equals_its_parts_and_padding_is_zero():
     query_lens, seq_lens = [1, 1, 17, 40], [30, 99, 17, 60]
     whole = random_paged_inputs(5, query_lens=query_lens, seq_lens=seq_lens, num_q_heads=4, num_kv_heads=1,
                                 head_dim=64, block_size=16, dtype=jnp.float32)  # fmt: skip
-    out = reference.paged_attention(whole.q, whole.kv_cache, whole.metadata, attention_chunk_size=32)
+    chunked = LayerAttentionParams(attention_chunk_size=32)
+    out = reference.paged_attention(whole.q, whole.kv_cache, whole.metadata, params=chunked)
     starts = np.asarray(whole.metadata.query_start_loc)
     for r in range(len(query_lens)):
         part = whole.metadata.replace(
@@ -111,12 +114,12 @@ def test_mixed_batch_equals_its_parts_and_padding_is_zero():
             slot_mapping=whole.metadata.slot_mapping[starts[r] : starts[r + 1]],
             num_actual_tokens=jnp.asarray(query_lens[r], jnp.int32),
         )  # fmt: skip
-        alone = reference.paged_attention(whole.q[starts[r] : starts[r + 1]], whole.kv_cache, part, attention_chunk_size=32)
+        alone = reference.paged_attention(whole.q[starts[r] : starts[r + 1]], whole.kv_cache, part, params=chunked)
         np.testing.assert_array_equal(out[starts[r] : starts[r + 1]], alone)
 
     padded_q = jnp.concatenate([whole.q, jnp.ones((3, *whole.q.shape[1:]), whole.q.dtype)])
     padded = whole.metadata.replace(slot_mapping=jnp.concatenate([whole.metadata.slot_mapping, jnp.full(3, -1, jnp.int32)]))
-    padded_out = reference.paged_attention(padded_q, whole.kv_cache, padded, attention_chunk_size=32)
+    padded_out = reference.paged_attention(padded_q, whole.kv_cache, padded, params=chunked)
     np.testing.assert_array_equal(padded_out[:-3], out)
     assert not np.any(padded_out[-3:])
 

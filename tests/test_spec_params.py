@@ -44,10 +44,10 @@ def test_specs_are_frozen_hashable_and_compare_by_value():
 def test_metadata_group_key_separates_differing_layers_without_error():
     gemma_local = LayerAttentionParams(sliding_window=1024, logits_soft_cap=50.0)
     gemma_global = LayerAttentionParams(logits_soft_cap=50.0)
-    gpt_oss_local = LayerAttentionParams(sliding_window=128, has_sinks=True)
+    gpt_oss_local = LayerAttentionParams(sliding_window=128)
     layers = [gemma_local, gemma_global, gemma_local, gpt_oss_local, LayerAttentionParams(sliding_window=1024, logits_soft_cap=50.0)]
     keys = [metadata_group_key(p) for p in layers]
     assert keys[0] == keys[2] == keys[4]
     assert len({keys[0], keys[1], keys[3]}) == 3
-    for field, value in [("sm_scale", 0.1), ("attention_chunk_size", 8192), ("causal", False), ("has_sinks", True)]:
+    for field, value in [("sm_scale", 0.1), ("attention_chunk_size", 8192), ("causal", False)]:
         assert metadata_group_key(dataclasses.replace(gemma_global, **{field: value})) != keys[1], field

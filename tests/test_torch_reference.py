@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from jax_hybrid_attn import reference
+from jax_hybrid_attn import LayerAttentionParams, reference
 from jax_hybrid_attn.kv_cache import write_kv
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
@@ -104,9 +104,13 @@ def test_matches_jax_reference(c):
         c["mask"], sm_scale=c["sm_scale"], logits_soft_cap=c["logits_soft_cap"], causal=c["causal"],
         kv_layout=c["kv_layout"], k_scale=inputs.k_scale, v_scale=inputs.v_scale,
     )  # fmt: skip
-    expected = reference.paged_attention(
-        q, inputs.kv_cache, metadata, sinks=inputs.sinks, checked=True, **options
+    params = LayerAttentionParams(
+        **c["mask"], sm_scale=c["sm_scale"], logits_soft_cap=c["logits_soft_cap"], causal=c["causal"]
     )
+    expected = reference.paged_attention(
+        q, inputs.kv_cache, metadata, params=params, sinks=inputs.sinks, kv_layout=c["kv_layout"],
+        k_scale=inputs.k_scale, v_scale=inputs.v_scale, checked=True,
+    )  # fmt: skip
 
     out = paged_attention_torch(
         to_torch(q), to_torch(inputs.kv_cache), to_torch(metadata.query_start_loc),

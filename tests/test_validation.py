@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jax_hybrid_attn
 from jax_hybrid_attn import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -47,6 +48,11 @@ def attention(q=Q, kv_cache=KV, metadata=MD, **kwargs):
     return paged_attention(q, kv_cache, metadata, **kwargs)
 
 
+def with_params(**options):
+    """paged_attention on the valid inputs for a layer of these options (checked when the params are built)."""
+    return attention(params=LayerAttentionParams(**options))
+
+
 def checked(**changes):
     """paged_attention(checked=True) on the valid inputs with some metadata fields replaced."""
     return attention(metadata=MD.replace(**changes), checked=True)
@@ -79,6 +85,7 @@ def traced_checked_call():
 VALID_CALLS = {
     "paged_attention": lambda: attention(),
     "paged_attention-checked": lambda: attention(checked=True),
+    "paged_attention-params": lambda: with_params(sliding_window=4, logits_soft_cap=30.0, sm_scale=0.5),
     "paged_attention-fp8": lambda: attention(kv_cache=KV.astype(FP8), k_scale=0.5, v_scale=2.0),
     "write_kv": lambda: write(checked=True),
     "make_attention_metadata": lambda: build(num_tokens=T + 2),
@@ -115,18 +122,25 @@ CASES = [
     ("kv-dtype-differs-from-q", lambda: attention(kv_cache=KV.astype(jnp.bfloat16)), E, r"kv_cache\.dtype"),
     ("kv-layout-lowercase", lambda: attention(kv_layout="nhd"), E, "kv_layout"),
     # paged_attention: options
-    ("sliding-window-0", lambda: attention(sliding_window=0), E, "sliding_window"),
-    ("sliding-window-negative", lambda: attention(sliding_window=-1), E, "sliding_window"),
-    ("sliding-window-float", lambda: attention(sliding_window=2.5), E, "sliding_window"),
-    ("sliding-window-bool", lambda: attention(sliding_window=True), E, "sliding_window"),
-    ("chunk-0", lambda: attention(attention_chunk_size=0), E, "attention_chunk_size"),
-    ("soft-cap-0", lambda: attention(logits_soft_cap=0.0), E, "logits_soft_cap"),
-    ("soft-cap-negative", lambda: attention(logits_soft_cap=-1.0), E, "logits_soft_cap"),
-    ("soft-cap-inf", lambda: attention(logits_soft_cap=float("inf")), E, "logits_soft_cap"),
-    ("sm-scale-0", lambda: attention(sm_scale=0.0), E, "sm_scale"),
-    ("sm-scale-nan", lambda: attention(sm_scale=float("nan")), E, "sm_scale"),
-    ("causal-int", lambda: attention(causal=1), E, "causal"),
-    ("causal-disagrees-with-metadata", lambda: attention(causal=False), E, r"metadata\.causal"),
+    ("sliding-window-0", lambda: with_params(sliding_window=0), E, "sliding_window"),
+    ("sliding-window-negative", lambda: with_params(sliding_window=-1), E, "sliding_window"),
+    ("sliding-window-float", lambda: with_params(sliding_window=2.5), E, "sliding_window"),
+    ("sliding-window-bool", lambda: with_params(sliding_window=True), E, "sliding_window"),
+    ("chunk-0", lambda: with_params(attention_chunk_size=0), E, "attention_chunk_size"),
+    ("soft-cap-0", lambda: with_params(logits_soft_cap=0.0), E, "logits_soft_cap"),
+    ("soft-cap-negative", lambda: with_params(logits_soft_cap=-1.0), E, "logits_soft_cap"),
+    ("soft-cap-inf", lambda: with_params(logits_soft_cap=float("inf")), E, "logits_soft_cap"),
+    ("sm-scale-0", lambda: with_params(sm_scale=0.0), E, "sm_scale"),
+    ("sm-scale-nan", lambda: with_params(sm_scale=float("nan")), E, "sm_scale"),
+    ("causal-int", lambda: with_params(causal=1), E, "causal"),
+    ("causal-disagrees-with-metadata", lambda: with_params(causal=False), E, r"params\.causal.*metadata\.causal"),
+    ("noncausal-metadata-with-default-params", lambda: attention(metadata=MD.replace(causal=False)),
+     E, r"params\.causal=True disagrees with metadata\.causal=False"),  # fmt: skip
+    ("params-not-params", lambda: attention(params="x"), E, "params="),
+    ("params-dict", lambda: attention(params=dict(sliding_window=4)), E, "params="),
+    ("top-level-params-not-params", lambda: jax_hybrid_attn.paged_attention(Q, KV, MD, params="x"), E, "params="),
+    ("top-level-kernel-params-not-params",
+     lambda: jax_hybrid_attn.paged_attention(Q, KV, MD, params="x", implementation="kernel"), E, "params="),  # fmt: skip
     ("sinks-shape", lambda: attention(sinks=jnp.ones(N + 1, jnp.float32)), E, "sinks"),
     ("sinks-rank", lambda: attention(sinks=jnp.ones((N, 1), jnp.float32)), E, "sinks"),
     ("sinks-int", lambda: attention(sinks=jnp.ones(N, jnp.int32)), E, "sinks"),
@@ -214,13 +228,14 @@ CASES = [
     # params and masks
     ("params-sliding-window-0", lambda: LayerAttentionParams(sliding_window=0), E, "sliding_window"),
     ("params-chunk-bool", lambda: LayerAttentionParams(attention_chunk_size=True), E, "attention_chunk_size"),
-    ("params-has-sinks-int", lambda: LayerAttentionParams(has_sinks=1), E, "has_sinks"),
     ("params-causal-none", lambda: LayerAttentionParams(causal=None), E, "causal"),
     ("group-key-not-params", lambda: metadata_group_key("x"), E, "params"),
     ("window-left-0", lambda: window_left(0), E, "sliding_window"),
     ("local-window-size-negative", lambda: local_window_size(-3), E, "sliding_window"),
-    ("mask-chunk-0", lambda: attention_mask(jnp.arange(4), jnp.arange(4), 4, attention_chunk_size=0),
+    ("mask-chunk-0",
+     lambda: attention_mask(jnp.arange(4), jnp.arange(4), 4, params=LayerAttentionParams(attention_chunk_size=0)),
      E, "attention_chunk_size"),  # fmt: skip
+    ("mask-params-not-params", lambda: attention_mask(jnp.arange(4), jnp.arange(4), 4, params="x"), E, "params="),
     # metadata helpers
     ("virtual-chunk-not-multiple", lambda: make_local_attention_virtual_batches(6, MD, 4), E, "attention_chunk_size"),
     ("virtual-chunk-0", lambda: make_local_attention_virtual_batches(0, MD, 4), E, "attention_chunk_size"),
