@@ -40,46 +40,18 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allocator_step import BLOCK, WINDOW, decode_prompts, running_decodes  # noqa: E402
+from allocator_step import BLOCK, decode_prompts, running_decodes  # noqa: E402
+from vllm_peer import request_factory, vllm_kv_cache_manager  # noqa: E402
 
 from jax_hybrid_attn.allocator import append_token_ids, compile_allocate_slots  # noqa: E402
-from jax_hybrid_attn.allocator.columns import ROW_GROUP_COLUMNS  # noqa: E402
 
 
 def vllm_manager(config, lengths, tokens):
     """vLLM's `KVCacheManager` for `config`'s groups and pool, with the requests of `running_decodes` in the same
     state: (manager, requests)."""
-    import torch
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-    )
-    from vllm.v1.request import Request
-
-    layer = dict(block_size=BLOCK, num_kv_heads=8, head_size=256, dtype=torch.bfloat16)
-    groups = [KVCacheGroupSpec(["full.0"], FullAttentionSpec(**layer))] + [
-        KVCacheGroupSpec([f"window{g}.0"], SlidingWindowSpec(**layer, sliding_window=WINDOW))
-        for g in range(config.num_groups - 1)
-    ]
-    manager = KVCacheManager(
-        KVCacheConfig(num_blocks=config.num_blocks, kv_cache_tensors=[], kv_cache_groups=groups),
-        max_model_len=config.max_model_len,
-        scheduler_block_size=BLOCK,
-        hash_block_size=BLOCK,
-        enable_caching=True,
-    )
-    init_none_hash(sha256)
-    hasher = get_request_block_hasher(BLOCK, sha256)
-    requests = [
-        Request(str(r), tokens[r, :n].tolist(), SamplingParams(max_tokens=1 << 20), None, block_hasher=hasher)
-        for r, n in enumerate(lengths)
-    ]
+    manager = vllm_kv_cache_manager(config)
+    make_request = request_factory(BLOCK)
+    requests = [make_request(str(r), tokens[r, :n].tolist()) for r, n in enumerate(lengths)]
     for start in range(0, len(requests), 2):  # as `running_decodes`: two prompts, then their first decode
         pair = requests[start : start + 2]
         for request in pair:
@@ -99,11 +71,11 @@ def vllm_manager(config, lengths, tokens):
 def check_same_blocks(config, state, manager, requests):
     """Every request's block ids, group by group, are the same in both allocators. Returns the blocks compared."""
     tables = np.asarray(state.requests.tables)
-    rows = np.asarray(state.requests.rows)
+    lengths = np.asarray(state.requests.num_table_blocks)  # [G, R]
     compared = 0
     for r, request in enumerate(requests):
         for g, theirs in enumerate(manager.get_block_ids(request.request_id)):
-            ours = tables[g, r, : rows[r, ROW_GROUP_COLUMNS + g]].tolist()
+            ours = tables[g, r, : lengths[g, r]].tolist()
             if ours != list(theirs):
                 raise AssertionError(
                     f"request {r}, group {g}: ours {ours[-4:]}..., vLLM {list(theirs)[-4:]}..."
