@@ -1,21 +1,16 @@
 """KV-cache specs: what one layer stores per block, and how much memory one request may need.
 
-Frozen dataclasses with vLLM's names and formulas (`vllm/v1/kv_cache_interface.py`), so layers with equal
+Frozen dataclasses with the names and formulas of vLLM's KV-cache specs, so layers with equal
 specs can share one KV-cache group. Token counts follow the window convention of `params.py`.
 """
 
 import dataclasses
-import math
 
 import numpy as np
 
-__all__ = ["AttentionSpec", "FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec"]
+from .integers import cdiv, check_int
 
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive int")
+__all__ = ["AttentionSpec", "ChunkedLocalAttentionSpec", "FullAttentionSpec", "SlidingWindowSpec"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,7 +23,9 @@ class AttentionSpec:
     dtype: np.dtype
 
     def __post_init__(self):
-        _check_positive(block_size=self.block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size)
+        check_int("block_size", self.block_size)
+        check_int("num_kv_heads", self.num_kv_heads)
+        check_int("head_size", self.head_size)
         try:
             dtype = np.dtype(self.dtype)
         except TypeError as error:
@@ -45,7 +42,8 @@ class AttentionSpec:
 
     def max_memory_usage_bytes(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
         """Most bytes one request can hold in this layer at once (vLLM's startup sizing)."""
-        _check_positive(max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens)
+        check_int("max_model_len", max_model_len)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
         blocks = self.max_num_blocks_per_request(
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
         )
@@ -57,7 +55,7 @@ class FullAttentionSpec(AttentionSpec):
     """Every token of the request stays in the cache until the request ends."""
 
     def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
-        return math.ceil(max_model_len / self.block_size)
+        return cdiv(max_model_len, self.block_size)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,12 +66,12 @@ class SlidingWindowSpec(AttentionSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_positive(sliding_window=self.sliding_window)
+        check_int("sliding_window", self.sliding_window)
 
     def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
         # The window may start inside a block, hence the extra block (vLLM's admission cap).
         tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
-        return math.ceil(tokens / self.block_size) + 1
+        return cdiv(tokens, self.block_size) + 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,7 +82,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_positive(attention_chunk_size=self.attention_chunk_size)
+        check_int("attention_chunk_size", self.attention_chunk_size)
         if self.attention_chunk_size % self.block_size:
             # vLLM's chunked-local manager frees and looks up whole blocks at chunk starts.
             raise ValueError(
@@ -93,4 +91,4 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
         tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
-        return math.ceil(tokens / self.block_size)
+        return cdiv(tokens, self.block_size)

@@ -5,7 +5,8 @@ import numpy as np
 
 from jax_hybrid_attn import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from jax_hybrid_attn.allocator import AllocatorConfig, KVCacheManager
-from jax_hybrid_attn.allocator.columns import HASHED, MAP_SLOT, SLIDING_WINDOW
+from jax_hybrid_attn.allocator.columns import HASHED, MAP_SLOT
+from jax_hybrid_attn.allocator.config import SLIDING_WINDOW
 
 from .allocator_oracle import Oracle
 

@@ -8,12 +8,10 @@ exact token prefix (no hash collisions) plus group, salt and adapter.
 
 import math
 
+from jax_hybrid_attn.integers import cdiv
+
 FULL, SLIDING_WINDOW, CHUNKED_LOCAL = 0, 1, 2
 NULL = 0
-
-
-def cdiv(a, b):
-    return -(-a // b)
 
 
 class Oracle:

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from jax_hybrid_attn import NULL_BLOCK_ID, PAD_SLOT_ID
-from jax_hybrid_attn.allocator import KVCacheManager, allocate_slots, managers
-from jax_hybrid_attn.allocator.columns import HASHED, MAP_SLOT, SLIDING_WINDOW, STAMP, STAMP_COUNTER
-from jax_hybrid_attn.allocator.pool import STAMP_RENORMALIZE_AT
+from jax_hybrid_attn.allocator import KVCacheManager, allocate_slots, group_rules
+from jax_hybrid_attn.allocator.columns import HASHED, MAP_SLOT, STAMP, STAMP_COUNTER
+from jax_hybrid_attn.allocator.config import SLIDING_WINDOW
 from jax_hybrid_attn.allocator.coordinator import find_longest_cache_hit
+from jax_hybrid_attn.allocator.pool import STAMP_RENORMALIZE_AT
 
 from .allocator_cases import CONFIGS, Mirror, check_invariants, chunked, full, make_config, window
 
@@ -131,8 +132,8 @@ def test_caching_off_returns_every_block_to_the_head_later_groups_in_front():
     ],
 )
 def test_skipped_tokens_docstring_examples(spec, computed, skipped):
-    constants = managers.group_constants(make_config([spec]))
-    assert int(managers.num_skipped_tokens(constants, jnp.array([computed]))[0, 0]) == skipped
+    constants = group_rules.group_constants(make_config([spec]))
+    assert int(group_rules.num_skipped_tokens(constants, jnp.array([computed]))[0, 0]) == skipped
 
 
 def test_a_block_is_freed_only_when_all_its_tokens_are_skipped():
@@ -189,7 +190,7 @@ def hits(*flags):
 
 
 def test_full_attention_hit_is_left_to_right_to_the_first_miss():
-    find = managers.find_full
+    find = group_rules.find_full
     assert int(find(hits(1, 1, 0, 1, 1), 20, block_size=4, alignment=4)) == 8
     assert int(find(hits(1, 1, 1, 1, 1), 15, block_size=4, alignment=4)) == 12  # max_length caps
     assert int(find(hits(1, 1, 1, 0, 0), 20, block_size=4, alignment=8)) == 8  # aligned down
@@ -197,7 +198,7 @@ def test_full_attention_hit_is_left_to_right_to_the_first_miss():
 
 def test_sliding_window_hit_is_the_rightmost_contiguous_run():
     """Window 9, block 4: a run of cdiv(8, 4) = 2 blocks suffices, searched right to left."""
-    find = managers.find_sliding_window
+    find = group_rules.find_sliding_window
     options = dict(block_size=4, alignment=4, window=9)
     assert int(find(hits(1, 0, 1, 1, 0, 1), 24, **options)) == 16  # run at blocks 2-3; block 5 alone is short
     assert int(find(hits(1, 1, 0, 0, 0, 1), 24, **options)) == 8  # no run: the prefix run at block 0
@@ -206,8 +207,8 @@ def test_sliding_window_hit_is_the_rightmost_contiguous_run():
     assert int(find(hits(0, 1, 0, 1, 0, 1), 24, **options)) == 0
     # alignment 8: a run may only end on an 8-token boundary, so block 4 (ending at 20) cannot end it
     assert int(find(hits(0, 0, 1, 1, 1, 0), 24, block_size=4, alignment=8, window=9)) == 16
-    constants = managers.group_constants(make_config([window(4, 9)]))
-    assert int(managers.hit_start_block(constants, jnp.asarray(16))[0, 0]) == 2  # [null, null, blk2, blk3]
+    constants = group_rules.group_constants(make_config([window(4, 9)]))
+    assert int(group_rules.hit_start_block(constants, jnp.asarray(16))[0, 0]) == 2  # [null, null, blk2, blk3]
 
 
 @pytest.mark.parametrize(
@@ -216,9 +217,9 @@ def test_sliding_window_hit_is_the_rightmost_contiguous_run():
 )
 def test_chunked_local_hit_docstring_examples(max_length, flags, length, first_real):
     """Chunk 8, block 4: max_length 15 -> [null, null, blk2] when block 2 hits, else [null, null]; 16 -> 4 nulls."""
-    assert int(managers.find_chunked_local(hits(*flags), max_length, block_size=4, chunk=8)) == length
-    constants = managers.group_constants(make_config([chunked(4, 8)]))
-    assert int(managers.hit_start_block(constants, jnp.asarray(length))[0, 0]) == first_real
+    assert int(group_rules.find_chunked_local(hits(*flags), max_length, block_size=4, chunk=8)) == length
+    constants = group_rules.group_constants(make_config([chunked(4, 8)]))
+    assert int(group_rules.hit_start_block(constants, jnp.asarray(length))[0, 0]) == first_real
 
 
 def test_chunked_local_completed_chunks_count_without_lookup():
@@ -436,7 +437,7 @@ def test_in_window_only_steps_give_exact_attention_from_the_cache(name):
     """Prefill in budget-sized chunks, then decode, writing K/V by the allocator's slot mapping into a NaN cache:
     attention over the allocator's block tables equals dense attention over the whole sequence, at every step;
     no block taken by a step is out of the window at the next one."""
-    from jax_hybrid_attn import reference
+    from jax_hybrid_attn import LayerAttentionParams, reference
     from jax_hybrid_attn.kv_cache import write_kv
     from jax_hybrid_attn.metadata import AttentionMetadata
     from jax_hybrid_attn.testing import TOLERANCES
@@ -475,7 +476,8 @@ def test_in_window_only_steps_give_exact_attention_from_the_cache(name):
             max_query_len=t,
             max_seq_len=config.max_model_len,
         )
-        got = reference.paged_attention(jnp.asarray(q[n : n + t]), cache, metadata, sliding_window=window)
+        params = LayerAttentionParams(sliding_window=window)
+        got = reference.paged_attention(jnp.asarray(q[n : n + t]), cache, metadata, params=params)
         want = attention_float64(q[n : n + t], [k[: n + t]], [v[: n + t]], [t], sliding_window=window)
         np.testing.assert_allclose(got, want, **TOLERANCES[jnp.dtype(jnp.float32)])
         computed = n + t

@@ -1,23 +1,27 @@
 """The hybrid block allocator: vLLM v1's hybrid KV-cache manager with its state as a pytree and its step jitted.
 
-Behaviour: vLLM's `KVCacheManager` with the hybrid coordinator (reference: shared/reference/
-vllm-hybrid-allocator.md §1), free order of vLLM 0.33 (unhashed blocks to the head of the free queue, hashed ones
-to the tail). Use `KVCacheManager` from Python, or the jitted functions (`add_requests`, `append_token_ids`,
+Behaviour: vLLM's `KVCacheManager` with the hybrid coordinator (one block pool shared by every KV-cache group; a
+prefix hit must hold in every group), free order of vLLM 0.33 (unhashed blocks to the head of the free queue, hashed
+ones to the tail). Use `KVCacheManager` from Python, or the jitted functions (`add_requests`, `append_token_ids`,
 `allocate_slots`, `free`, `get_computed_blocks`, `reset_prefix_cache`) on an `AllocatorState` directly.
 
 Modules, one job each:
-  columns      named columns of the packed state arrays; sentinels
-  config       KV-cache configuration from per-layer specs (groups, shared tensors, num_blocks, startup check)
-  hashing      chained 64-bit block hashes in JAX
-  state        `AllocatorConfig` (static) and the `AllocatorState` pytree
-  prefix_map   hash -> block map in arrays
-  pool         free queue, reference counts, caching and lazy eviction
-  managers     per attention type: skipped tokens, hit search, caching mask
-  coordinator  prefix hits over all groups (hybrid fixed point)
-  requests     request slots: token ids and block hashes
-  step         `allocate_slots`, `free`, `get_computed_blocks`, `reset_prefix_cache`
-  compiled     `allocate_slots` compiled ahead of time, with one task per operation on a CPU
-  manager      `KVCacheManager`, a thin Python object around the jitted functions
+  config            KV-cache groups, tensors and num_blocks from per-layer specs; `AllocatorConfig` (static)
+  columns           the packed layout of the state arrays, its sentinels, and named views to read it
+  state             the `AllocatorState` pytree (block pool, request slots) and `init_state`
+  hashing           chained 64-bit block hashes in JAX
+  prefix_map        hash -> block map in arrays
+  pool              free queue, reference counts, caching and lazy eviction
+  group_rules       per attention type (vLLM's single-type managers): skipped blocks, hit search, caching mask
+  coordinator       prefix hits over all groups (hybrid fixed point)
+  requests          request slots: token ids and block hashes
+  row_plan          the step's per-row arithmetic: what each group of each row frees, takes and caches
+  commit            a step's events into the pool, its new block tables and request rows
+  single_row        the step's general path: one row of any kind
+  vectorised        the step's fast path: a run of rows served at once
+  step              `allocate_slots` (the rows in order), `free`, `get_computed_blocks`, `reset_prefix_cache`
+  xla_cpu           workarounds for XLA's CPU runtime, with their measured gains; the pinned compile
+  kv_cache_manager  `KVCacheManager`, a thin Python object around the jitted functions
 
 Deliberate differences from vLLM (each explained where it is made):
   * A request that cannot be served leaves the state unchanged; vLLM first frees its out-of-window blocks.
@@ -38,8 +42,8 @@ Deliberate differences from vLLM (each explained where it is made):
     sizes of one attention type through `UniformTypeKVCacheSpecs`.
 """
 
-from .compiled import compile_allocate_slots, compile_single_task
 from .config import (
+    AllocatorConfig,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
@@ -52,11 +56,15 @@ from .config import (
     unify_page_sizes,
 )
 from .hashing import NO_ADAPTER, cache_salt_words
-from .manager import KVCacheManager, PrefixCacheStatsSnapshot
+from .kv_cache_manager import KVCacheManager
 from .pool import free_queue_order
 from .requests import add_requests, append_token_ids
-from .state import AllocatorConfig, AllocatorState, init_state
+from .state import AllocatorState, PrefixCacheStats, init_state
 from .step import StepOutput, allocate_slots, free, get_computed_blocks, reset_prefix_cache, usage
+from .xla_cpu import compile_allocate_slots, compile_single_task
+
+PrefixCacheStatsSnapshot = PrefixCacheStats
+"""The name `KVCacheManager.make_prefix_cache_stats`' result had (`state.PrefixCacheStats`)."""
 
 __all__ = [
     "NO_ADAPTER",

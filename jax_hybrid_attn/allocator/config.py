@@ -1,6 +1,7 @@
-"""KV-cache configuration from per-layer specs: groups, shared tensors, `num_blocks`, startup check.
+"""Configuration: KV-cache groups, shared tensors and `num_blocks` from per-layer specs (vLLM's sizing, with its
+startup check), and `AllocatorConfig`, the allocator's static sizes and options.
 
-vLLM's general hybrid path (`vllm/v1/core/kv_cache_utils.py`), in plain Python:
+vLLM's general hybrid path (its `get_kv_cache_config`), in plain Python:
   1. page sizes are unified by scaling each smaller-page layer's ``block_size`` by ``max_page // page``
      (`NotImplementedError` when that does not divide);
   2. layers are bucketed by identical spec; ``group_size`` is the smallest bucket, or the largest one when
@@ -20,12 +21,18 @@ Deliberate differences from vLLM:
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
+from ..integers import cdiv, check_int
 from ..spec import AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 __all__ = [
+    "CHUNKED_LOCAL",
+    "FULL",
+    "SLIDING_WINDOW",
+    "AllocatorConfig",
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheTensor",
@@ -81,11 +88,6 @@ class KVCacheConfig:
         return max((spec.page_size_bytes for spec in self.specs), default=0)
 
 
-def _check_int(name: str, value, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-
-
 def _check_specs(specs: Mapping[str, AttentionSpec]) -> None:
     if not isinstance(specs, Mapping):
         raise ValueError(f"specs must be a mapping from layer name to spec, got {type(specs).__name__}")
@@ -138,7 +140,7 @@ def get_kv_cache_groups(specs: Mapping[str, AttentionSpec]) -> tuple[KVCacheGrou
         group_size = max(sizes)
     groups = []
     for spec, names in buckets.items():
-        num_groups = math.ceil(len(names) / group_size)
+        num_groups = cdiv(len(names), group_size)
         groups.extend(KVCacheGroupSpec(tuple(names[i::num_groups]), spec) for i in range(num_groups))
     return tuple(groups)
 
@@ -219,9 +221,9 @@ def get_kv_cache_config(
     Raises:
       ValueError: a request of ``max_model_len`` tokens does not fit; the message names the largest that does.
     """
-    _check_int("available_memory", available_memory, minimum=0)
-    _check_int("max_model_len", max_model_len, minimum=1)
-    _check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+    check_int("available_memory", available_memory, minimum=0)
+    check_int("max_model_len", max_model_len, minimum=1)
+    check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
     groups = get_kv_cache_groups(specs)
     if not groups:  # attention-free model: the pool still holds the null block
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=(), kv_cache_groups=())
@@ -229,7 +231,7 @@ def get_kv_cache_config(
     group_size = max(len(group.layer_names) for group in groups)
     num_blocks = available_memory // page_size // group_size
     if num_blocks_override is not None:
-        _check_int("num_blocks_override", num_blocks_override, minimum=1)
+        check_int("num_blocks_override", num_blocks_override, minimum=1)
         num_blocks = num_blocks_override
     tensors = tuple(
         KVCacheTensor(
@@ -251,3 +253,183 @@ def max_concurrency(kv_config: KVCacheConfig, *, max_model_len: int, max_num_bat
         kv_config.specs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
     )
     return (kv_config.num_blocks - 1) / need if need else math.inf
+
+
+# ------------------------------------------------------------------------------------------ the allocator
+
+FULL, SLIDING_WINDOW, CHUNKED_LOCAL = 0, 1, 2
+"""Kinds of a KV-cache group (vLLM's single-type managers), in `AllocatorConfig.kinds`."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AllocatorConfig:
+    """Static sizes and options of the allocator (hashable; a `jax.jit` static argument).
+
+    Attributes:
+      specs: one spec per KV-cache group, in group order (`KVCacheConfig.specs`).
+      num_blocks: B, blocks in the pool, the null block (id 0) included.
+      max_num_seqs: R, request slots.
+      max_model_len: L, most tokens of one request.
+      max_num_batched_tokens: most new tokens of one step (T of the step's outputs, and vLLM's admission cap).
+      max_num_lookahead_tokens: most lookahead (speculative) tokens of one request in one step.
+      enable_caching: prefix caching (hashing, hit search, lazy eviction).
+      verify_hits: store each cached block's token ids and compare them on every prefix hit.
+      sliding_window_in_window_only: chunks are clipped so that sliding-window groups allocate only blocks that a
+        later step still reads (see the `step` module); off by default, as in vLLM.
+    """
+
+    specs: tuple[AttentionSpec, ...]
+    num_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_lookahead_tokens: int = 0
+    enable_caching: bool = True
+    verify_hits: bool = False
+    sliding_window_in_window_only: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "specs", tuple(self.specs))
+        if not self.specs:
+            raise ValueError("specs=() must name at least one KV-cache group")
+        for i, spec in enumerate(self.specs):
+            if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+                raise NotImplementedError(
+                    f"specs[{i}] is a {type(spec).__name__}; the allocator has no manager for it"
+                )
+        check_int("num_blocks", self.num_blocks, minimum=1)
+        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        check_int("max_model_len", self.max_model_len, minimum=1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        check_int("max_num_lookahead_tokens", self.max_num_lookahead_tokens, minimum=0)
+        for name in ("enable_caching", "verify_hits", "sliding_window_in_window_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.num_blocks >= 2**30:
+            raise ValueError(f"num_blocks={self.num_blocks} must be < 2**30 (int32 ring indices)")
+        for i, spec in enumerate(self.specs):
+            if isinstance(spec, ChunkedLocalAttentionSpec) and spec.block_size != self.alignment:
+                raise NotImplementedError(
+                    f"specs[{i}] is chunked-local with block_size={spec.block_size}, but the groups' block sizes "
+                    f"have lcm {self.alignment}: chunked-local attention needs one block size for all groups (as in vLLM)"
+                )
+
+    def __hash__(self):  # cached: jax.jit hashes its static arguments on every call
+        if "_hash" not in self.__dict__:
+            self.__dict__["_hash"] = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        return self.__dict__["_hash"]
+
+    @classmethod
+    def from_kv_cache_config(cls, kv_config: KVCacheConfig, **options) -> "AllocatorConfig":
+        """The allocator for a `KVCacheConfig`; ``options`` are the other fields (``max_num_seqs`` ...)."""
+        return cls(specs=kv_config.specs, num_blocks=kv_config.num_blocks, **options)
+
+    # ----------------------------------------------------------------------------------------- derived sizes
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.specs)
+
+    @functools.cached_property
+    def kinds(self) -> tuple[int, ...]:
+        kind = {
+            FullAttentionSpec: FULL,
+            SlidingWindowSpec: SLIDING_WINDOW,
+            ChunkedLocalAttentionSpec: CHUNKED_LOCAL,
+        }
+        return tuple(kind[type(spec)] for spec in self.specs)
+
+    @functools.cached_property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(spec.block_size for spec in self.specs)
+
+    @functools.cached_property
+    def sliding_windows(self) -> tuple[int, ...]:
+        """Window of each sliding-window group; 0 for the others."""
+        return tuple(getattr(spec, "sliding_window", 0) for spec in self.specs)
+
+    @functools.cached_property
+    def chunk_sizes(self) -> tuple[int, ...]:
+        """Chunk of each chunked-local group; 0 for the others."""
+        return tuple(getattr(spec, "attention_chunk_size", 0) for spec in self.specs)
+
+    @functools.cached_property
+    def hash_block_size(self) -> int:
+        """Tokens per hash block: the gcd of the groups' block sizes (vLLM's hash_block_size)."""
+        return math.gcd(*self.block_sizes) if self.specs else 1
+
+    @functools.cached_property
+    def alignment(self) -> int:
+        """Prefix hits and caching are aligned to the lcm of the block sizes (vLLM's hybrid coordinator)."""
+        return math.lcm(*self.block_sizes) if self.specs else 1
+
+    @functools.cached_property
+    def blocks_per_row(self) -> tuple[int, ...]:
+        """P of each group: block-table columns, ``cdiv(max_model_len, block_size)`` (vLLM's full-length rows)."""
+        return tuple(cdiv(self.max_model_len, s) for s in self.block_sizes)
+
+    @property
+    def max_blocks_per_row(self) -> int:
+        return max(self.blocks_per_row, default=1)
+
+    @property
+    def hash_blocks_per_row(self) -> int:
+        return self.max_model_len // self.hash_block_size
+
+    @functools.cached_property
+    def attention_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Groups with identical specs, looked up together; full attention first (vLLM's hybrid coordinator)."""
+        by_spec: dict[AttentionSpec, list[int]] = {}
+        for g, spec in enumerate(self.specs):
+            by_spec.setdefault(spec, []).append(g)
+        ordered = sorted(by_spec.values(), key=lambda ids: self.kinds[ids[0]] != FULL)
+        return tuple(tuple(ids) for ids in ordered)
+
+    @functools.cached_property
+    def admission_caps(self) -> tuple[int, ...]:
+        """Most blocks one request of a group can hold at once (vLLM's ``max_admission_blocks_per_request``)."""
+        caps = []
+        for spec, kind, window in zip(self.specs, self.kinds, self.sliding_windows):
+            cap = spec.max_num_blocks_per_request(
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=self.max_num_batched_tokens + self.max_num_lookahead_tokens,
+            )
+            if kind == SLIDING_WINDOW and self.sliding_window_in_window_only:
+                # The window behind the chunk, the longest clipped chunk (`group_rules.in_window_chunk`), lookahead:
+                # 2 * (cdiv(W - 1, S) + 1) without lookahead.
+                size = spec.block_size
+                longest_chunk = max(1, window - 2 + size)
+                reach = window - 1 + longest_chunk + self.max_num_lookahead_tokens
+                cap = min(cap, cdiv(reach, size) + 1)
+            caps.append(cap)
+        return tuple(caps)
+
+    @functools.cached_property
+    def max_row_step_blocks(self) -> int:
+        """Most blocks one request frees, takes or caches in one step whose computed tokens advance by at most
+        ``max_num_batched_tokens + max_num_lookahead_tokens``: per group ``cdiv(T + La, S) + 1``, plus the blocks
+        of a whole chunk for chunked-local groups (freed together at a chunk boundary), capped at ``P``. A request
+        that would exceed it (its computed tokens jumped further) fails (see `step.allocate_slots`)."""
+        tokens = self.max_num_batched_tokens + self.max_num_lookahead_tokens
+        per_group = (
+            min(p, cdiv(tokens, s) + 1 + cdiv(chunk, s))
+            for s, p, chunk in zip(self.block_sizes, self.blocks_per_row, self.chunk_sizes, strict=True)
+        )
+        return max(1, sum(per_group))
+
+    @property
+    def ring_capacity(self) -> int:
+        return _next_pow2(2 * self.num_blocks)
+
+    @property
+    def num_buckets(self) -> int:
+        return _next_pow2(max(self.num_blocks // 2, 1))
+
+    @property
+    def stored_block_tokens(self) -> int:
+        """Token ids kept per block for `verify_hits` (0 when off)."""
+        return max(self.block_sizes) if self.verify_hits and self.specs else 0

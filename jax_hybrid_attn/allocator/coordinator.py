@@ -17,9 +17,10 @@ from jaxtyping import Array, Bool, Int
 
 from ..constants import NULL_BLOCK_ID
 from . import prefix_map
-from .columns import NUM_TOKENS
-from .managers import FINDERS, group_constants, hit_start_block
-from .state import CHUNKED_LOCAL, FULL, SLIDING_WINDOW, AllocatorConfig, BlockPool, RequestTable
+from .columns import RequestRows
+from .config import CHUNKED_LOCAL, FULL, SLIDING_WINDOW, AllocatorConfig
+from .group_rules import FINDERS, group_constants, hit_start_block
+from .state import BlockPool, RequestTable
 
 __all__ = ["compute_hits", "find_longest_cache_hit", "lookup_blocks", "may_hit"]
 
@@ -29,7 +30,7 @@ def lookup_blocks(config: AllocatorConfig, pool: BlockPool, requests: RequestTab
     c = group_constants(config)
     index = jnp.arange(config.max_blocks_per_row, dtype=jnp.int32)[None, :]
     key_index = (index + 1) * c.hash_scale - 1
-    num_tokens = requests.rows[slot, NUM_TOKENS]
+    num_tokens = RequestRows(requests.rows, slot).num_tokens
     in_row = (index < c.blocks_per_row) & ((index + 1) * c.block_size <= num_tokens)
     key_index = jnp.clip(key_index, 0, config.hash_blocks_per_row - 1)
     keys = requests.block_hashes[slot][key_index]  # [G, P, 2]

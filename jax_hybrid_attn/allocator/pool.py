@@ -39,20 +39,20 @@ from .columns import (
     RING_SPAN,
     STAMP,
     STAMP_COUNTER,
-    cpu_cond,
-    cumsum,
-    run_if,
-    updated,
+    BlockRows,
 )
 from .state import BlockPool
+from .xla_cpu import cpu_cond, cumsum, materialize, run_if, updated
 
 __all__ = [
     "cache_blocks",
+    "compact",
     "finish_inserts",
     "free_blocks",
     "free_queue_order",
-    "repeated_events",
+    "needs_compaction",
     "renormalize_stamps",
+    "repeated_events",
     "reset_prefix_cache",
     "stamps_near_overflow",
     "take",
@@ -68,7 +68,7 @@ def _ring_window(ring, info, head, span, size: int):
     offset = jnp.arange(size, dtype=jnp.int32)
     index = (head + offset) & (ring.shape[0] - 1)
     entries = ring[index]
-    return entries, (offset < span) & (info[entries, FREE_POS] == index)
+    return entries, (offset < span) & (BlockRows(info, entries).free_pos == index)
 
 
 def _compact_ring(ring, info, head, span):
@@ -86,7 +86,7 @@ def _compact_ring(ring, info, head, span):
 
 
 def _ring(pool: BlockPool):
-    return pool.ring, pool.info, pool.counters[RING_HEAD], pool.counters[RING_SPAN]
+    return pool.ring, pool.info, pool.ring_head, pool.ring_span
 
 
 def free_blocks(
@@ -111,8 +111,9 @@ def free_blocks(
     num_events, num_blocks = blocks.shape[0], pool.info.shape[0]
     capacity = pool.ring.shape[0]
     mask = mask & (blocks != NULL_BLOCK_ID)
-    rows, info = jax.lax.optimization_barrier((pool.info[blocks], pool.info))
-    ref_before, hashed = rows[:, REF], rows[:, HASHED] != 0
+    rows, info = materialize((pool.info[blocks], pool.info))
+    rows = BlockRows(rows)
+    ref_before, hashed = rows.ref, rows.hashed
     if unique:
         count, last = jnp.ones_like(blocks), mask
     else:  # only blocks held more than once can appear twice
@@ -127,8 +128,7 @@ def free_blocks(
     num_tail = jnp.sum(to_tail, dtype=jnp.int32)
     num_head = jnp.zeros((), jnp.int32) if hashed_only else jnp.sum(queued & ~hashed, dtype=jnp.int32)
     added = num_tail + num_head
-    counters = pool.counters
-    ring, info, head, span = pool.ring, info, counters[RING_HEAD], counters[RING_SPAN]
+    ring, head, span = pool.ring, pool.ring_head, pool.ring_span
     if compact:
         ring, info, head, span = run_if(span + added > capacity, _compact_ring, ring, info, head, span)
 
@@ -146,10 +146,10 @@ def free_blocks(
         index = jnp.where(to_tail, index, (new_head + from_head) & wrap)
     ring = ring.at[jnp.where(queued, index, capacity)].set(blocks, mode="drop")
     # One scatter writes REF and FREE_POS of each block (by its last event; the count already holds every event).
-    values = jnp.stack([ref_after, jnp.where(queued, index, rows[:, FREE_POS])], axis=-1)
+    values = jnp.stack([ref_after, jnp.where(queued, index, rows.free_pos)], axis=-1)
     info = info.at[jnp.where(last, blocks, num_blocks), REF : FREE_POS + 1].set(values, mode="drop")
     counters = updated(
-        counters, {RING_HEAD: new_head, RING_SPAN: span + added, NUM_FREE: counters[NUM_FREE] + added}
+        pool.counters, {RING_HEAD: new_head, RING_SPAN: span + added, NUM_FREE: pool.num_free + added}
     )
     return dataclasses.replace(pool, ring=ring, info=info, counters=counters)
 
@@ -169,13 +169,12 @@ def touch(pool: BlockPool, blocks: Int[Array, "E"], mask: Bool[Array, "E"]) -> B
     goes stale)."""
     num_blocks = pool.info.shape[0]
     mask = mask & (blocks != NULL_BLOCK_ID)
-    rows, info = jax.lax.optimization_barrier((pool.info[blocks], pool.info))
-    was_free = mask & (rows[:, REF] == 0)
-    values = jnp.stack([rows[:, REF] + 1, jnp.full_like(blocks, NOT_FREE)], axis=-1)
+    rows, info = materialize((pool.info[blocks], pool.info))
+    ref = BlockRows(rows).ref
+    was_free = mask & (ref == 0)
+    values = jnp.stack([ref + 1, jnp.full_like(blocks, NOT_FREE)], axis=-1)
     info = info.at[jnp.where(mask, blocks, num_blocks), REF : FREE_POS + 1].set(values, mode="drop")
-    counters = updated(
-        pool.counters, {NUM_FREE: pool.counters[NUM_FREE] - jnp.sum(was_free, dtype=jnp.int32)}
-    )
+    counters = updated(pool.counters, {NUM_FREE: pool.num_free - jnp.sum(was_free, dtype=jnp.int32)})
     return dataclasses.replace(pool, info=info, counters=counters)
 
 
@@ -183,7 +182,7 @@ def needs_compaction(pool: BlockPool, *, appended: Int[Array, ""], count: Int[Ar
     """Whether appending `appended` blocks at the tail, then taking `count` from a window of `max_count` entries,
     needs the ring compacted first (it overflows, or stale entries crowd the head)."""
     capacity = pool.ring.shape[0]
-    head, span = pool.counters[RING_HEAD], pool.counters[RING_SPAN]
+    head, span = pool.ring_head, pool.ring_span
     _, live = _ring_window(pool.ring, pool.info, head, span, max_count)
     live_after = jnp.sum(live, dtype=jnp.int32) + jnp.clip(
         max_count - span, 0, appended
@@ -218,41 +217,41 @@ def take(pool: BlockPool, count: Int[Array, ""], max_count: int):
     )
     advance = jnp.max(jnp.where(taken, jnp.arange(1, max_count + 1, dtype=jnp.int32), 0), initial=0)
     got = jnp.arange(max_count) < count
-    rows, info = jax.lax.optimization_barrier((info[blocks], info))
+    rows, info = materialize((info[blocks], info))
+    rows = BlockRows(rows)
     fresh = jnp.asarray([1, NOT_FREE, 0, NO_GROUP, NO_MAP_SLOT], jnp.int32)  # REF .. MAP_SLOT
     info = info.at[jnp.where(got, blocks, num_blocks), REF : MAP_SLOT + 1].set(fresh, mode="drop")
-    evict = got & (rows[:, HASHED] != 0)
+    evict = got & rows.hashed
     counters = updated(
         pool.counters,
         {
             RING_HEAD: (head + advance) & (capacity - 1),
             RING_SPAN: span - advance,
-            NUM_FREE: pool.counters[NUM_FREE] - jnp.sum(taken, dtype=jnp.int32),
+            NUM_FREE: pool.num_free - jnp.sum(taken, dtype=jnp.int32),
         },
     )
-    table = prefix_map.delete(pool.prefix_map, blocks, rows[:, MAP_SLOT], evict)
+    table = prefix_map.delete(pool.prefix_map, blocks, rows.map_slot, evict)
     return dataclasses.replace(pool, ring=ring, info=info, counters=counters, prefix_map=table), blocks
 
 
 def stamps_near_overflow(pool: BlockPool) -> Bool[Array, ""]:
     """Whether the insertion stamps must be re-ranked before more blocks are cached (`renormalize_stamps`)."""
-    return pool.counters[STAMP_COUNTER] >= STAMP_RENORMALIZE_AT
+    return pool.stamp_counter >= STAMP_RENORMALIZE_AT
 
 
 def renormalize_stamps(pool: BlockPool) -> BlockPool:
     """Re-rank the insertion stamps if they near overflow (check at least once per step: a step inserts far fewer
     than ``2**31 - STAMP_RENORMALIZE_AT`` blocks)."""
-    info, counter = run_if(
-        stamps_near_overflow(pool), _renormalize_stamps, pool.info, pool.counters[STAMP_COUNTER]
-    )
+    info, counter = run_if(stamps_near_overflow(pool), _renormalize_stamps, pool.info, pool.stamp_counter)
     return dataclasses.replace(pool, info=info, counters=updated(pool.counters, {STAMP_COUNTER: counter}))
 
 
 def _renormalize_stamps(info, counter):
     """Re-rank the insertion stamps of cached blocks from 0 (same order), before they overflow."""
     num_blocks = info.shape[0]
-    hashed = info[:, HASHED] != 0
-    order = jnp.argsort(jnp.where(hashed, info[:, STAMP], jnp.iinfo(jnp.int32).max))
+    blocks = BlockRows(info)
+    hashed = blocks.hashed
+    order = jnp.argsort(jnp.where(hashed, blocks.stamp, jnp.iinfo(jnp.int32).max))
     rank = jnp.zeros(num_blocks, jnp.int32).at[order].set(jnp.arange(num_blocks, dtype=jnp.int32))
     return info.at[:, STAMP].set(rank), jnp.sum(hashed, dtype=jnp.int32)
 
@@ -275,8 +274,7 @@ def cache_blocks(
     num_blocks = pool.info.shape[0]
     mask = mask & (blocks != NULL_BLOCK_ID)
     safe = jnp.where(mask, blocks, num_blocks)
-    counters = pool.counters
-    stamps = counters[STAMP_COUNTER] + cumsum(mask) - 1
+    stamps = pool.stamp_counter + cumsum(mask) - 1
     table, inserts = prefix_map.insert(pool.prefix_map, blocks, keys, groups, mask, finish=finish)
     words = jax.lax.bitcast_convert_type(keys, jnp.int32)
     values = jnp.stack(
@@ -286,10 +284,10 @@ def cache_blocks(
         values, mode="drop"
     )  # HASHED, GROUP, MAP_SLOT, STAMP, HASH_HI, HASH_LO
     counters = updated(
-        counters,
+        pool.counters,
         {
-            STAMP_COUNTER: counters[STAMP_COUNTER] + jnp.sum(mask, dtype=jnp.int32),
-            DROPPED: counters[DROPPED] + inserts.dropped,
+            STAMP_COUNTER: pool.stamp_counter + jnp.sum(mask, dtype=jnp.int32),
+            DROPPED: pool.dropped_inserts + inserts.dropped,
         },
     )
     block_tokens = pool.block_tokens
@@ -310,13 +308,13 @@ def finish_inserts(pool: BlockPool, inserts: prefix_map.Inserts) -> BlockPool:
     info = pool.info.at[jnp.where(placed, done.blocks, pool.info.shape[0]), MAP_SLOT].set(
         done.slot_of, mode="drop"
     )
-    counters = updated(pool.counters, {DROPPED: pool.counters[DROPPED] + done.dropped})
+    counters = updated(pool.counters, {DROPPED: pool.dropped_inserts + done.dropped})
     return dataclasses.replace(pool, info=info, prefix_map=table, counters=counters)
 
 
 def reset_prefix_cache(pool: BlockPool):
     """Forget every hash, if no block is in use. Returns (pool, whether it was reset)."""
-    ok = pool.counters[NUM_FREE] == pool.info.shape[0] - 1
+    ok = pool.num_free == pool.info.shape[0] - 1
     forgotten = pool.info.at[:, HASHED].set(0).at[:, MAP_SLOT].set(NO_MAP_SLOT).at[:, GROUP].set(NO_GROUP)
     empty = jnp.full_like(pool.prefix_map, prefix_map.EMPTY_SLOT).at[:, -1].set(0)
     info = jnp.where(ok, forgotten, pool.info)
@@ -325,7 +323,7 @@ def reset_prefix_cache(pool: BlockPool):
 
 def free_queue_order(pool: BlockPool) -> list[int]:
     """The free queue from head (next evicted) to tail, on the host (for tests and debugging)."""
-    ring, free_pos = np.asarray(pool.ring), np.asarray(pool.info[:, FREE_POS])
-    head, span = int(pool.counters[RING_HEAD]), int(pool.counters[RING_SPAN])
+    ring, free_pos = np.asarray(pool.ring), np.asarray(pool.free_pos)
+    head, span = int(pool.ring_head), int(pool.ring_span)
     index = (head + np.arange(span)) % ring.shape[0]
     return [int(b) for b, i in zip(ring[index], index) if free_pos[b] == i]

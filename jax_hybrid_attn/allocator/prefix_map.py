@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int, UInt32
 
 from .._compat import register_pytree_dataclass
-from .columns import GROUP, HASH_HI, HASH_LO, NO_MAP_SLOT, STAMP
+from .columns import NO_MAP_SLOT, BlockRows
 from .hashing import hash_words
 
 __all__ = [
@@ -39,7 +39,7 @@ BUCKET_WIDTH = 8
 """W: slots per bucket."""
 
 EMPTY_SLOT = -1
-"""`map_slots` entry of an empty slot."""
+"""Prefix-map slot holding no block."""
 
 NO_BLOCK = -1
 """`lookup` result of a miss."""
@@ -67,15 +67,15 @@ def lookup(
     width = prefix_map.shape[1] - 1
     b1, b2 = bucket_pair(keys, groups, prefix_map.shape[0])
     candidates = jnp.concatenate([prefix_map[b1, :width], prefix_map[b2, :width]], axis=-1)  # [..., 2W]
-    rows = info[jnp.maximum(candidates, 0)]  # [..., 2W, 8]
+    rows = BlockRows(info[jnp.maximum(candidates, 0)])  # [..., 2W, 8]
     words = jax.lax.bitcast_convert_type(keys, jnp.int32)
     match = (
         (candidates != EMPTY_SLOT)
-        & (rows[..., HASH_HI] == words[..., None, 0])
-        & (rows[..., HASH_LO] == words[..., None, 1])
-        & (rows[..., GROUP] == groups[..., None])
+        & (rows.hash_hi == words[..., None, 0])
+        & (rows.hash_lo == words[..., None, 1])
+        & (rows.group == groups[..., None])
     )
-    stamp = jnp.where(match, rows[..., STAMP], _INT32_MAX)
+    stamp = jnp.where(match, rows.stamp, _INT32_MAX)
     best = jnp.argmin(stamp, axis=-1)
     found = jnp.take_along_axis(candidates, best[..., None], axis=-1)[..., 0]
     return jnp.where(jnp.any(match, axis=-1), found, NO_BLOCK)

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, UInt32
 
-from .columns import ADAPTER, NUM_TOKENS, ROOT_HI, ROOT_LO, RUNNING
+from .columns import ADAPTER, NUM_TOKENS, ROOT_HI, ROOT_LO, RequestRows
+from .config import AllocatorConfig
 from .hashing import chain_block_hash, root_hash
-from .state import AllocatorConfig, AllocatorState, RequestTable
+from .state import AllocatorState, RequestTable
 
 __all__ = ["add_requests", "append_token_ids"]
 
@@ -30,11 +31,11 @@ def _extend_hashes(config: AllocatorConfig, req: RequestTable, slots, old_len, n
     def one(j, hashes):
         k = first + j
         active = k < last
-        root = jax.lax.bitcast_convert_type(req.rows[slots, ROOT_HI : ROOT_LO + 1], jnp.uint32)
-        parent = jnp.where((k == 0)[:, None], root, hashes[slots, jnp.maximum(k - 1, 0)])
+        stored = RequestRows(req.rows, slots)
+        parent = jnp.where((k == 0)[:, None], stored.root, hashes[slots, jnp.maximum(k - 1, 0)])
         position = jnp.clip(k[:, None] * size + offset, 0, config.max_model_len - 1)
         tokens = req.token_ids[slots[:, None], position]
-        block_hash = chain_block_hash(parent, tokens, req.rows[slots, ADAPTER])
+        block_hash = chain_block_hash(parent, tokens, stored.adapter_id)
         index = jnp.clip(k, 0, config.hash_blocks_per_row - 1)
         return hashes.at[jnp.where(active, slots, drop), index].set(block_hash, mode="drop")
 
@@ -73,7 +74,12 @@ def add_requests(
     adapter_id = jnp.zeros(num_rows, jnp.int32) if adapter_id is None else jnp.asarray(adapter_id, jnp.int32)
     num_tokens = jnp.asarray(num_tokens, jnp.int32)
     safe = jnp.clip(slots, 0, config.max_num_seqs - 1)
-    ok = (slots >= 0) & (slots < config.max_num_seqs) & (req.rows[safe, RUNNING] == 0) & (num_tokens >= 0)
+    ok = (
+        (slots >= 0)
+        & (slots < config.max_num_seqs)
+        & ~RequestRows(req.rows, safe).running
+        & (num_tokens >= 0)
+    )
     ok = ok & (num_tokens <= width)
     slots = jnp.where(ok, safe, config.max_num_seqs)
     row = (
@@ -121,7 +127,7 @@ def append_token_ids(
     slots = jnp.asarray(slots, jnp.int32)
     counts = jnp.asarray(counts, jnp.int32)
     safe = jnp.clip(slots, 0, config.max_num_seqs - 1)
-    old_len = req.rows[safe, NUM_TOKENS]
+    old_len = RequestRows(req.rows, safe).num_tokens
     ok = (
         (slots >= 0)
         & (slots < config.max_num_seqs)

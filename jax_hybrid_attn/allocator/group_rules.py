@@ -1,4 +1,5 @@
-"""vLLM's single-type managers as array formulas: skipped tokens, hit search, caching mask, admission cap.
+"""The rules of each attention type (vLLM's single-type KV-cache managers) as array formulas: skipped tokens and
+blocks, hit search, caching mask, in-window chunks.
 
 One row of per-group constants (`GroupConstants`, each [G, 1]) broadcasts over requests, so every formula runs
 for all groups and requests at once; the kinds are static, so XLA keeps only the branches that exist.
@@ -23,21 +24,24 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from .state import CHUNKED_LOCAL, FULL, SLIDING_WINDOW, AllocatorConfig
+from ..integers import cdiv
+from .config import CHUNKED_LOCAL, FULL, SLIDING_WINDOW, AllocatorConfig
 
 __all__ = [
-    "by_spec",
-    "kind_mask",
-    "per_block",
-    "skipped_blocks",
+    "FINDERS",
     "GroupConstants",
+    "by_spec",
     "cacheable_mask",
     "find_chunked_local",
     "find_full",
     "find_sliding_window",
     "group_constants",
     "hit_start_block",
+    "in_window_chunk",
+    "kind_mask",
     "num_skipped_tokens",
+    "per_block",
+    "skipped_blocks",
 ]
 
 
@@ -116,7 +120,7 @@ def find_sliding_window(
     """Hit tokens of a sliding-window group (vLLM's right-to-left scan, as one vector expression)."""
     index = jnp.arange(hit.shape[0], dtype=jnp.int32)
     hit = hit & (index < max_length // block_size)
-    need = -(-(window - 1) // block_size)
+    need = cdiv(window - 1, block_size)
     aligned = ((index + 1) * block_size) % alignment == 0
     last_miss = jax.lax.cummax(jnp.where(hit, -1, index))
     run = index - last_miss  # hits from the start of this run of hits up to i
@@ -138,7 +142,7 @@ def find_chunked_local(hit: Bool[Array, "P"], max_length, *, block_size: int, ch
 def hit_start_block(c: GroupConstants, hit_length: Int[Array, "..."]) -> Int[Array, "G ..."]:
     """First real block of each group's hit list of `hit_length` tokens; blocks before it are null blocks."""
     num_blocks = hit_length // c.block_size
-    need = jnp.maximum(-(-(c.window - 1) // c.block_size), 1)
+    need = jnp.maximum(cdiv(c.window - 1, c.block_size), 1)
     sliding = jnp.maximum(num_blocks - need, 0)
     chunked = (hit_length // c.chunk) * c.chunk // c.block_size
     return jnp.where(c.kind == SLIDING_WINDOW, sliding, jnp.where(c.kind == CHUNKED_LOCAL, chunked, 0))
@@ -148,7 +152,7 @@ def cacheable_mask(c: GroupConstants, position: Int[Array, "..."], alignment: in
     """vLLM's sliding-window ``_cache_block_mask``: with an alignment of several blocks, a window group
     caches only the last ``cdiv(W - 1, S)`` blocks of each alignment segment (no hit can start elsewhere)."""
     per_segment = alignment // c.block_size
-    tail = -(-(c.window - 1) // c.block_size)
+    tail = cdiv(c.window - 1, c.block_size)
     masked = (c.kind == SLIDING_WINDOW) & (tail < per_segment)
     return ~masked | (position % per_segment >= per_segment - tail)
 
@@ -169,14 +173,9 @@ def by_spec(config: AllocatorConfig, fn) -> Array:
     return jnp.stack([done[spec] for spec in config.specs])
 
 
-def per_block(config: AllocatorConfig, tokens, *, per_group: bool = False, round_up: bool = False):
-    """``tokens // S_g`` (``cdiv`` with `round_up`) for every group: [G, ...]. `tokens` is shared by the groups,
-    or [G, ...] with `per_group`."""
-    rows = []
-    for g, size in enumerate(config.block_sizes):
-        x = tokens[g] if per_group else tokens
-        rows.append(-(-x // size) if round_up else x // size)
-    return jnp.stack(rows)
+def per_block(config: AllocatorConfig, tokens, *, round_up: bool = False):
+    """``tokens // S_g`` (``cdiv`` with `round_up`) for every group: [G, ...] for `tokens` [...]."""
+    return jnp.stack([cdiv(tokens, size) if round_up else tokens // size for size in config.block_sizes])
 
 
 def skipped_blocks(config: AllocatorConfig, num_computed: Int[Array, "R"]) -> Int[Array, "G R"]:

@@ -2,8 +2,8 @@
 
 It maps request ids to slots, keeps each request's computed-token count, pads every batch to ``max_num_seqs``
 rows (one compiled shape), checks arguments, and returns Python lists where vLLM does. All the work happens in
-the jitted functions of `step` and `requests` (the step compiled with `compiled.compile_allocate_slots`, one task
-per operation on a CPU); the state stays on the device.
+the jitted functions of `step` and `requests` (the step compiled with `xla_cpu.compile_allocate_slots`, one task
+per memory-bound operation on a CPU); the state stays on the device.
 
 Differences from vLLM's `KVCacheManager` beyond those of `step`: `allocate_slots` returns every block id of the
 request per group (vLLM returns the newly allocated blocks); a request must be added (`add_request`) before it
@@ -20,25 +20,13 @@ import numpy as np
 from . import pool as pool_ops
 from . import requests as request_ops
 from . import step as step_ops
-from .compiled import compile_allocate_slots
-from .columns import NUM_TOKENS, STAT_HITS, STAT_QUERIES, STAT_REQUESTS
+from .columns import STAT_HITS, STAT_QUERIES, STAT_REQUESTS, RequestRows
+from .config import AllocatorConfig
 from .hashing import NO_ADAPTER, cache_salt_words
-from .state import AllocatorConfig, init_state
+from .state import PrefixCacheStats, init_state
+from .xla_cpu import compile_allocate_slots
 
-__all__ = ["KVCacheManager", "PrefixCacheStatsSnapshot"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefixCacheStatsSnapshot:
-    """Prefix-cache counters since the previous snapshot: requests looked up, their tokens, tokens hit."""
-
-    requests: int
-    queries: int
-    hits: int
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
+__all__ = ["KVCacheManager"]
 
 
 class KVCacheManager:
@@ -127,7 +115,7 @@ class KVCacheManager:
         )
 
     def num_tokens(self, request_id: Hashable) -> int:
-        return int(self.state.requests.rows[self._slot(request_id), NUM_TOKENS])
+        return int(RequestRows(self.state.requests.rows, self._slot(request_id)).num_tokens)
 
     def num_computed_tokens(self, request_id: Hashable) -> int:
         self._slot(request_id)
@@ -261,10 +249,10 @@ class KVCacheManager:
         """Free block ids from the head (next to be taken) to the tail."""
         return pool_ops.free_queue_order(self.state.pool)
 
-    def make_prefix_cache_stats(self) -> PrefixCacheStatsSnapshot:
-        """Counters since the previous call (then reset), like vLLM's ``make_prefix_cache_stats``."""
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Counters since the previous call (then reset), as ints, like vLLM's ``make_prefix_cache_stats``."""
         stats = self.state.stats
-        snapshot = PrefixCacheStatsSnapshot(int(stats.requests), int(stats.queries), int(stats.hits))
+        snapshot = PrefixCacheStats(int(stats.requests), int(stats.queries), int(stats.hits))
         pool = self.state.pool
         counters = pool.counters.at[STAT_REQUESTS].set(0).at[STAT_QUERIES].set(0).at[STAT_HITS].set(0)
         self.state = dataclasses.replace(self.state, pool=dataclasses.replace(pool, counters=counters))
