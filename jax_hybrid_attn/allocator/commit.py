@@ -5,8 +5,8 @@ one (row, group) are one vLLM ``free_blocks`` call. The one-row path enumerates 
 into `AllocatorConfig.max_row_step_blocks` slots (`expand_events`); the vectorised path has one event slot per
 (row, group) (`one_event_per_group`), since its rows free, take and cache at most one block per group.
 
-Block tables are written through a flat view (``tables.reshape(-1)``, indices from `table_index`): one cheap 1-D
-gather or scatter each.
+Block tables are written through a flat view (``tables.reshape(-1)``, [G * R_slots * P_max], written GRP in the
+annotations; indices from `table_index`): one cheap 1-D gather or scatter each. E is the number of event slots.
 """
 
 import dataclasses

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..integers import check_int
 from . import pool as pool_ops
 from . import requests as request_ops
 from . import step as step_ops
@@ -78,8 +79,9 @@ class KVCacheManager:
             )
         if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
             raise ValueError("token_ids must be non-negative int32 values")
-        if not isinstance(adapter_id, int) or isinstance(adapter_id, bool) or not 0 <= adapter_id < 2**31:
-            raise ValueError(f"adapter_id={adapter_id!r} must be an int in [0, 2**31)")
+        check_int("adapter_id", adapter_id, minimum=0)
+        if adapter_id >= 2**31:
+            raise ValueError(f"adapter_id={adapter_id!r} must be < 2**31")
         slot = self._free_slots.pop()
         row = np.zeros((1, self.config.max_model_len), np.int32)
         row[0, : tokens.size] = tokens
@@ -141,8 +143,10 @@ class KVCacheManager:
         counts = [count for _, count in new_tokens]
         for request_id, count in new_tokens:
             self._slot(request_id)
-            if not isinstance(count, (int, np.integer)) or count <= 0:
-                raise ValueError(f"num_new_tokens={count!r} of request {request_id!r} must be a positive int")
+            try:
+                check_int("num_new_tokens", int(count) if isinstance(count, np.integer) else count)
+            except ValueError as error:
+                raise ValueError(f"{error} (request {request_id!r})") from None
         if sum(counts) > config.max_num_batched_tokens:
             raise ValueError(
                 f"{sum(counts)} new tokens exceed max_num_batched_tokens={config.max_num_batched_tokens}"

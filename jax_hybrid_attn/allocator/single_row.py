@@ -54,16 +54,16 @@ def _search_prefix(
         return jnp.zeros((), jnp.int32), nulls, jnp.zeros(config.num_groups, jnp.int32)
 
     found, lists, first_real = jax.lax.cond(lookup, do_search, no_search, None)
-    stats = pool.counters
-    stats = updated(
-        stats,
+    stats = pool.stats
+    counters = updated(
+        pool.counters,
         {
-            STAT_REQUESTS: stats[STAT_REQUESTS] + search.astype(jnp.int32),
-            STAT_QUERIES: stats[STAT_QUERIES] + jnp.where(search, num_tokens, 0),
-            STAT_HITS: stats[STAT_HITS] + jnp.where(search, found, 0),
+            STAT_REQUESTS: stats.requests + search.astype(jnp.int32),
+            STAT_QUERIES: stats.queries + jnp.where(search, num_tokens, 0),
+            STAT_HITS: stats.hits + jnp.where(search, found, 0),
         },
     )
-    pool = dataclasses.replace(pool, counters=stats)
+    pool = dataclasses.replace(pool, counters=counters)
     return pool, _PrefixHit(found[None], first_real[:, None], lists[:, None, :])
 
 

@@ -84,6 +84,12 @@ class BlockPool:
     stamp_counter = property(lambda self: self.counters[STAMP_COUNTER])
     dropped_inserts = property(lambda self: self.counters[DROPPED])
 
+    @property
+    def stats(self) -> "PrefixCacheStats":
+        """The prefix-cache counters since the last read."""
+        counters = self.counters
+        return PrefixCacheStats(counters[STAT_REQUESTS], counters[STAT_QUERIES], counters[STAT_HITS])
+
 
 @dataclasses.dataclass(frozen=True)
 class RequestTable:
@@ -136,8 +142,8 @@ class AllocatorState:
 
     @property
     def stats(self) -> PrefixCacheStats:
-        counters = self.pool.counters
-        return PrefixCacheStats(counters[STAT_REQUESTS], counters[STAT_QUERIES], counters[STAT_HITS])
+        """The prefix-cache counters since the last read (`BlockPool.stats`)."""
+        return self.pool.stats
 
 
 for _cls in (BlockPool, RequestTable, AllocatorState):
