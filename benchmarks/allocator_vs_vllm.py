@@ -7,7 +7,7 @@ sides, prefilled two at a time as there. Each timed scheduler step computes one 
     each (``get_block_ids(allow_none=True)``, which the scheduler sends to the worker): the KV-cache manager's work
     in a decode step of the scheduler (``allocate_slots`` alone is printed too);
   * ours: one `allocate_slots` call for the 256 rows, outputs ready (`jax.block_until_ready`), compiled by
-    `compile_allocate_slots` (one task per operation on a CPU; see `jax_hybrid_attn.allocator.compiled`).
+    `compile_allocate_slots` (one task per operation on a CPU; see `jax_hybrid_attn.allocator.xla_cpu`).
 The two take turns of `--block` steps (10 by default; the first side changes every turn), so that the machine's
 noise hits both alike: the figure to read is the ratio. Each step starts, untimed, with the token each request
 sampled (the same tokens on both sides): vLLM's block hasher and our `append_token_ids` hash a block when it fills.

@@ -20,6 +20,9 @@ from .validation import check_paged_attention_args
 
 __all__ = ["paged_attention"]
 
+EXACT = jax.lax.Precision.HIGHEST
+"""float32 products in full float32 on every backend (a GPU would otherwise use TF32 for float32 matmuls)."""
+
 TOKENS_PER_MAP_STEP = 8  # queries computed together by lax.map; bounds the gathered [.., P*S, K, H] memory
 
 
@@ -81,7 +84,7 @@ def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, 
         k = keys[request].astype(jnp.float32) * k_scale  # [P*S, K, H]
         v = jnp.where(allowed[:, None, None], values[request].astype(jnp.float32) * v_scale, 0.0)
         q_t = q[token].astype(jnp.float32).reshape(num_kv_heads, group_size, head_dim)
-        logits = jnp.einsum("kgh,pkh->kgp", q_t, k) * params.sm_scale
+        logits = jnp.einsum("kgh,pkh->kgp", q_t, k, precision=EXACT) * params.sm_scale
         if params.logits_soft_cap is not None:
             logits = params.logits_soft_cap * jnp.tanh(logits / params.logits_soft_cap)
         logits = jnp.where(allowed, logits, -jnp.inf)
@@ -93,7 +96,7 @@ def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, 
         denominator = weights.sum(axis=-1)
         if sinks is not None:
             denominator = denominator + jnp.exp(sink - row_max)
-        out = jnp.einsum("kgp,pkh->kgh", weights, v) / denominator[..., None]
+        out = jnp.einsum("kgp,pkh->kgh", weights, v, precision=EXACT) / denominator[..., None]
         is_query = token < metadata.query_start_loc[-1]
         return jnp.where(is_query, out, 0.0).reshape(num_q_heads, head_dim)
 

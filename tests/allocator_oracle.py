@@ -1,4 +1,4 @@
-"""A plain-Python model of vLLM's hybrid KV-cache manager (reference §1, vLLM 0.33 free order), one request at a
+"""A plain-Python model of vLLM's hybrid KV-cache manager (vLLM 0.33, its free order included), one request at a
 time, written from the rules rather than from the jitted code: the oracle of the allocator's tests.
 
 It follows the jitted allocator's documented choices where they differ from vLLM: a failed allocation changes

@@ -1,4 +1,4 @@
-"""Every rule of vLLM's hybrid allocator (reference §1), with the worked examples written there."""
+"""Every rule of vLLM v1's hybrid KV-cache allocator (vLLM 0.33), each with a worked example."""
 
 import dataclasses
 

@@ -115,7 +115,7 @@ def test_mixed_batch_equals_its_parts_and_padding_is_zero():
             num_actual_tokens=jnp.asarray(query_lens[r], jnp.int32),
         )  # fmt: skip
         alone = reference.paged_attention(whole.q[starts[r] : starts[r + 1]], whole.kv_cache, part, params=chunked)
-        np.testing.assert_array_equal(out[starts[r] : starts[r + 1]], alone)
+        np.testing.assert_allclose(out[starts[r] : starts[r + 1]], alone, **TOLERANCES[jnp.dtype(jnp.float32)])
 
     padded_q = jnp.concatenate([whole.q, jnp.ones((3, *whole.q.shape[1:]), whole.q.dtype)])
     padded = whole.metadata.replace(slot_mapping=jnp.concatenate([whole.metadata.slot_mapping, jnp.full(3, -1, jnp.int32)]))
