@@ -21,7 +21,7 @@ Modules, one job each:
   vectorised        the step's fast path: a run of rows served at once
   step              `allocate_slots` (the rows in order), `free`, `get_computed_blocks`, `reset_prefix_cache`
   xla_cpu           workarounds for XLA's CPU runtime, with their measured gains; the pinned compile
-  kv_cache_manager  `KVCacheManager`, a thin Python object around the jitted functions
+  kv_cache_manager  `KVCacheManager`, a thin Python object around the jitted functions; `compile_allocate_slots`
 
 Deliberate differences from vLLM (each explained where it is made):
   * A request that cannot be served leaves the state unchanged; vLLM first frees its out-of-window blocks.
@@ -56,12 +56,12 @@ from .config import (
     unify_page_sizes,
 )
 from .hashing import NO_ADAPTER, cache_salt_words
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, compile_allocate_slots
 from .pool import free_queue_order
 from .requests import add_requests, append_token_ids
 from .state import AllocatorState, PrefixCacheStats, init_state
 from .step import StepOutput, allocate_slots, free, get_computed_blocks, reset_prefix_cache, usage
-from .xla_cpu import compile_allocate_slots, compile_single_task
+from .xla_cpu import compile_single_task
 
 PrefixCacheStatsSnapshot = PrefixCacheStats
 """The name `KVCacheManager.make_prefix_cache_stats`' result had (`state.PrefixCacheStats`)."""

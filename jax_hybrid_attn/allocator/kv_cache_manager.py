@@ -2,7 +2,7 @@
 
 It maps request ids to slots, keeps each request's computed-token count, pads every batch to ``max_num_seqs``
 rows (one compiled shape), checks arguments, and returns Python lists where vLLM does. All the work happens in
-the jitted functions of `step` and `requests` (the step compiled with `xla_cpu.compile_allocate_slots`, one task
+the jitted functions of `step` and `requests` (the step compiled with `compile_allocate_slots`, below, one task
 per memory-bound operation on a CPU); the state stays on the device.
 
 Differences from vLLM's `KVCacheManager` beyond those of `step`: `allocate_slots` returns every block id of the
@@ -11,6 +11,7 @@ is allocated; prefix hits are found by `allocate_slots` itself, `get_computed_bl
 """
 
 import dataclasses
+import functools
 from collections.abc import Hashable, Sequence
 
 import jax
@@ -24,10 +25,10 @@ from . import step as step_ops
 from .columns import STAT_HITS, STAT_QUERIES, STAT_REQUESTS, RequestRows
 from .config import AllocatorConfig
 from .hashing import NO_ADAPTER, cache_salt_words
-from .state import PrefixCacheStats, init_state
-from .xla_cpu import compile_allocate_slots
+from .state import AllocatorState, PrefixCacheStats, init_state
+from .xla_cpu import compile_single_task
 
-__all__ = ["KVCacheManager"]
+__all__ = ["KVCacheManager", "compile_allocate_slots"]
 
 
 class KVCacheManager:
@@ -267,3 +268,56 @@ class KVCacheManager:
             f"KVCacheManager({len(self._slot_of)} requests, {self.num_free_blocks}/{self.config.num_blocks - 1} "
             f"blocks free, groups={self.config.block_sizes})"
         )
+
+
+def _platform(state: AllocatorState) -> str:
+    """Platform of the state's arrays (of the default backend for abstract ones without a sharding)."""
+    leaf = state.pool.info
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+        return jax.default_backend()
+    return next(iter(sharding.device_set)).platform
+
+
+@functools.cache
+def _single_task_step():
+    """`step.allocate_slots` under a jit of its own: JAX caches a lowering's executable, and `allocate_slots` may
+    have compiled the same lowering without pinning; every executable cached here was compiled pinned."""
+
+    @functools.wraps(step_ops.allocate_slots.__wrapped__)  # its signature, for the static and donated names
+    def pinned_allocate_slots(*args, **kwargs):
+        return step_ops.allocate_slots.__wrapped__(*args, **kwargs)
+
+    return jax.jit(
+        pinned_allocate_slots,
+        static_argnames=("config", "num_tokens", "return_block_tables"),
+        donate_argnames=("state", "previous_output"),
+        keep_unused=True,
+    )
+
+
+def compile_allocate_slots(
+    config: AllocatorConfig,
+    state: AllocatorState,
+    *args,
+    num_tokens: int | None = None,
+    return_block_tables: bool = True,
+    previous_output=None,
+) -> jax.stages.Compiled:
+    """`step.allocate_slots` compiled ahead of time for these arguments (arrays or `jax.ShapeDtypeStruct`), with one
+    task per memory-bound operation on a CPU (`compile_single_task`). A second call for the same config, shapes and
+    keywords returns the executable compiled by the first.
+
+    Call the result with the arguments of `allocate_slots` less `config` and the static keywords (`num_tokens`,
+    `return_block_tables`): ``step(state, slots, num_computed_tokens, num_new_tokens[, num_lookahead_tokens,
+    full_sequence_must_fit][, previous_output=out])``, each with the shape and dtype it was compiled for (and
+    `previous_output` given if and only if it was given here). `state` and `previous_output` are donated.
+
+      >>> step = compile_allocate_slots(config, state, slots, computed, ones, num_tokens=256)
+      >>> state, out = step(state, slots, computed, ones)
+    """
+    reused = {} if previous_output is None else {"previous_output": previous_output}
+    lowered = _single_task_step().lower(
+        config, state, *args, num_tokens=num_tokens, return_block_tables=return_block_tables, **reused
+    )
+    return compile_single_task(lowered, platform=_platform(state))

@@ -31,7 +31,7 @@ How the rows go (the step is a few hundred array operations whatever R is; `xla_
   * Rare work sits in 0-or-1-trip loops (`xla_cpu.run_if`). On a GPU each such check is a host sync of its
     predicate, so an iteration has two: ring compaction with stamp re-ranking before the frees and takes (one check
     for both, in either path), then prefix-map inserts that collided together with the one-row path.
-  * On a CPU, `xla_cpu.compile_allocate_slots` compiles the step with one task per memory-bound operation.
+  * On a CPU, `kv_cache_manager.compile_allocate_slots` compiles the step with one task per memory-bound operation.
 
 Deliberate differences from vLLM:
   * A row whose step would free, take or cache more than `AllocatorConfig.max_row_step_blocks` blocks fails: that

@@ -6,7 +6,7 @@ avoid copies of the multi-MB state arrays; the device-neutral code elsewhere cal
 plain JAX operations. Every helper gives the same values, bit for bit, as the plain operation would. Figures
 (also in ``benchmarks/RESULTS.md``) were measured on 2 pinned CPU cores:
 
-* `compile_single_task` / `compile_allocate_slots` (the pinned compile). XLA's CPU compiler splits an operation
+* `compile_single_task` (the pinned compile; `kv_cache_manager.compile_allocate_slots` compiles the step with it). XLA's CPU compiler splits an operation
   into parallel tasks when its cost model counts enough bytes accessed: more than 512 KB gives a memory-bound
   operation 2 tasks (at most ``ceil(sqrt(cores))``, and never more than the CPUs the *compiling* thread may run
   on). The model counts the whole operand of a fused gather and the whole output of a scatter, so each gather or
@@ -34,7 +34,6 @@ plain JAX operations. Every helper gives the same values, bit for bit, as the pl
   chain of ``.at[i].set`` is a dynamic-update-slice each, with copies in between (an operation each).
 """
 
-import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -42,11 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from ..integers import cdiv
-from .config import AllocatorConfig
-from .state import AllocatorState
 
 __all__ = [
-    "compile_allocate_slots",
     "compile_single_task",
     "cpu_cond",
     "cumsum",
@@ -134,57 +130,3 @@ def compile_single_task(lowered: jax.stages.Lowered, *, platform: str) -> jax.st
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="jax_hybrid_attn-compile") as pool:
         return pool.submit(compile_pinned).result()
-
-
-def _platform(state: AllocatorState) -> str:
-    """Platform of the state's arrays (of the default backend for abstract ones without a sharding)."""
-    leaf = state.pool.info
-    sharding = getattr(leaf, "sharding", None)
-    if sharding is None:
-        return jax.default_backend()
-    return next(iter(sharding.device_set)).platform
-
-
-@functools.cache
-def _single_task_step():
-    """`step.allocate_slots` under a jit of its own: JAX caches a lowering's executable, and `allocate_slots` may
-    have compiled the same lowering without pinning; every executable cached here was compiled pinned."""
-    from . import step  # the step uses this module's array operations
-
-    @functools.wraps(step.allocate_slots.__wrapped__)  # its signature, for the static and donated names
-    def allocate_slots(*args, **kwargs):
-        return step.allocate_slots.__wrapped__(*args, **kwargs)
-
-    return jax.jit(
-        allocate_slots,
-        static_argnames=("config", "num_tokens", "return_block_tables"),
-        donate_argnames=("state", "previous_output"),
-        keep_unused=True,
-    )
-
-
-def compile_allocate_slots(
-    config: AllocatorConfig,
-    state: AllocatorState,
-    *args,
-    num_tokens: int | None = None,
-    return_block_tables: bool = True,
-    previous_output=None,
-) -> jax.stages.Compiled:
-    """`step.allocate_slots` compiled ahead of time for these arguments (arrays or `jax.ShapeDtypeStruct`), with one
-    task per memory-bound operation on a CPU (`compile_single_task`). A second call for the same config, shapes and
-    keywords returns the executable compiled by the first.
-
-    Call the result with the arguments of `allocate_slots` less `config` and the static keywords (`num_tokens`,
-    `return_block_tables`): ``step(state, slots, num_computed_tokens, num_new_tokens[, num_lookahead_tokens,
-    full_sequence_must_fit][, previous_output=out])``, each with the shape and dtype it was compiled for (and
-    `previous_output` given if and only if it was given here). `state` and `previous_output` are donated.
-
-      >>> step = compile_allocate_slots(config, state, slots, computed, ones, num_tokens=256)
-      >>> state, out = step(state, slots, computed, ones)
-    """
-    reused = {} if previous_output is None else {"previous_output": previous_output}
-    lowered = _single_task_step().lower(
-        config, state, *args, num_tokens=num_tokens, return_block_tables=return_block_tables, **reused
-    )
-    return compile_single_task(lowered, platform=_platform(state))
