@@ -9,10 +9,11 @@ library's kernels (the jnp reference on a CPU), in one jitted JAX call; the resu
 that shares JAX's memory. Nothing is copied on a GPU: q, k, v and a torch-owned cache enter JAX through DLPack
 (`dlpack.to_jax`), the cache is donated so that XLA updates it in place, and the output leaves through DLPack.
 
-Per step, `plan` packs the metadata of every KV-cache group into ONE int32 buffer on the torch side and imports it
-once (each DLPack import costs host time comparable to a decode kernel; benchmarks/RESULTS.md); `run` slices it
-inside its jitted call, where `layer_attention` writes the layer's k/v and attends. Layers with different windows, chunks, soft caps, scales or sinks are never an error: each
-`metadata_group_key` compiles its own function, all reading the same plan.
+Per step, `plan` packs the metadata of every KV-cache group into one int32 buffer on the torch side and imports
+it once (`plan.py`: each DLPack import costs host time comparable to a decode kernel); `run` slices one group's
+`AttentionMetadata` out of it inside its jitted call, where `layer_attention` writes the layer's k/v and attends.
+Layers with different windows, chunks, soft caps, scales or sinks are never an error: each `metadata_group_key`
+compiles its own function, all reading the same plan.
 
 Cache ownership (`cache_owner`):
   * "torch" (vLLM's way): the caller allocates each layer's cache with `get_kv_cache_shape` and passes it to
