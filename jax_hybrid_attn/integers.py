@@ -1,12 +1,27 @@
-"""The two integer helpers every module needs: the checked-int argument test and ceiling division."""
+"""The integer helpers every module needs: the checked-int argument test and ceiling division."""
 
-__all__ = ["cdiv", "check_int"]
+import numbers
+
+import numpy as np
+
+__all__ = ["INT32_MAX", "cdiv", "check_int", "is_int"]
+
+INT32_MAX = 2**31 - 1
+"""The largest value a static size may take: positions, windows and chunks are int32 on the device."""
 
 
-def check_int(name: str, value, *, minimum: int = 1) -> None:
-    """Raise `ValueError` naming `name` unless `value` is an int (not a bool) ``>= minimum``."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+def is_int(value) -> bool:
+    """Whether `value` is an integer scalar: a Python int or a numpy integer, never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_int(name: str, value, *, minimum: int = 1, maximum: int | None = INT32_MAX) -> int:
+    """`value` as a Python int, or `ValueError` naming `name` unless it is an integer scalar (numpy ones
+    included, bools not) in ``[minimum, maximum]`` (``maximum=None``: no upper bound)."""
+    if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name}={value!r} must be an int {bound}")
+    return int(value)
 
 
 def cdiv(a, b):

@@ -49,7 +49,9 @@ class AttentionMetadata:
       slot_mapping: [T] int32 cache slot (``block_id * S + offset``) of each query token's K/V;
         `PAD_SLOT_ID` for padding tokens.
       num_actual_tokens: [] int32, tokens that are not padding (``query_start_loc[-1]``).
-      max_query_len: static upper bound of the query lengths.
+      max_query_len: static upper bound of the query lengths. A request whose query is longer (or longer than
+        its ``seq_lens``, or whose ``seq_lens`` exceed the block table's ``P * S`` positions) cannot be served:
+        under jit its tokens come out NaN, never a wrong number; ``checked=True`` raises instead.
       max_seq_len: static upper bound of `seq_lens`.
       causal: static; whether keys after a query are masked.
     """

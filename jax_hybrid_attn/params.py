@@ -13,6 +13,9 @@ layers silently drops context (a vLLM bug). Layers whose parameters differ get d
 
 import dataclasses
 import math
+import numbers
+
+import numpy as np
 
 from .integers import check_int
 
@@ -29,37 +32,26 @@ NO_WINDOW_LEFT = -1
 """FlashInfer's `window_left` for "no sliding window"."""
 
 
-def _check_window(sliding_window: int | None) -> None:
-    if sliding_window is not None:
-        check_int("sliding_window", sliding_window)
+def _optional_int(name: str, value) -> int | None:
+    """None, or `value` as a Python int in [1, 2**31 - 1] (numpy integers accepted)."""
+    return None if value is None else check_int(name, value)
 
 
-def _check_chunk(attention_chunk_size: int | None) -> None:
-    if attention_chunk_size is not None:
-        check_int("attention_chunk_size", attention_chunk_size)
-
-
-def _check_positive_float(name: str, value: float | None) -> None:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if value is not None and not (is_number and math.isfinite(value) and value > 0):
+def _optional_positive_float(name: str, value) -> float | None:
+    """None, or `value` as a finite Python float > 0 (numpy floats and ints accepted, bools and strings not)."""
+    if value is None:
+        return None
+    is_number = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+    if not (is_number and math.isfinite(value) and value > 0):
         raise ValueError(f"{name}={value!r} must be a finite number > 0 or None")
+    return float(value)
 
 
-def check_attention_options(
-    *,
-    sm_scale: float | None,
-    sliding_window: int | None,
-    attention_chunk_size: int | None,
-    logits_soft_cap: float | None,
-    causal: bool,
-) -> None:
-    """Raise `ValueError` naming the first static attention option that is out of range."""
-    _check_positive_float("sm_scale", sm_scale)
-    _check_window(sliding_window)
-    _check_chunk(attention_chunk_size)
-    _check_positive_float("logits_soft_cap", logits_soft_cap)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal={causal!r} must be a bool")
+def _bool(name: str, value) -> bool:
+    """`value` as a Python bool (numpy bools accepted, anything else refused)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be a bool")
+    return bool(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,13 +77,17 @@ class LayerAttentionParams:
     causal: bool = True
 
     def __post_init__(self):
-        check_attention_options(
-            sm_scale=self.sm_scale,
-            sliding_window=self.sliding_window,
-            attention_chunk_size=self.attention_chunk_size,
-            logits_soft_cap=self.logits_soft_cap,
-            causal=self.causal,
+        """Check every field and store it as a plain Python value (numpy scalars are converted), so that equal
+        parameters hash alike as a static argument."""
+        checked = dict(
+            sm_scale=_optional_positive_float("sm_scale", self.sm_scale),
+            sliding_window=_optional_int("sliding_window", self.sliding_window),
+            attention_chunk_size=_optional_int("attention_chunk_size", self.attention_chunk_size),
+            logits_soft_cap=_optional_positive_float("logits_soft_cap", self.logits_soft_cap),
+            causal=_bool("causal", self.causal),
         )
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
 
 CAUSAL = LayerAttentionParams()
@@ -118,11 +114,11 @@ def resolve_sm_scale(sm_scale: float | None, head_dim: int) -> float:
 
 def window_left(sliding_window: int | None) -> int:
     """FlashInfer's `window_left` (keys strictly left of the query): ``W - 1``, or -1 for no window."""
-    _check_window(sliding_window)
+    sliding_window = _optional_int("sliding_window", sliding_window)
     return NO_WINDOW_LEFT if sliding_window is None else sliding_window - 1
 
 
 def local_window_size(sliding_window: int | None) -> tuple[int, int] | None:
     """`jax.nn.dot_product_attention`'s `local_window_size` for a causal layer: ``(W - 1, 0)``."""
-    _check_window(sliding_window)
+    sliding_window = _optional_int("sliding_window", sliding_window)
     return None if sliding_window is None else (sliding_window - 1, 0)

@@ -16,7 +16,7 @@ from .layout import KVLayout, kv_as_nhd
 from .masks import attention_mask
 from .metadata import AttentionMetadata
 from .params import CAUSAL, LayerAttentionParams
-from .validation import check_paged_attention_args
+from .validation import check_paged_attention_args, flag_unservable_requests
 
 __all__ = ["paged_attention"]
 
@@ -101,4 +101,4 @@ def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, 
         return jnp.where(is_query, out, 0.0).reshape(num_q_heads, head_dim)
 
     out = jax.lax.map(attend, jnp.arange(num_tokens), batch_size=TOKENS_PER_MAP_STEP)
-    return out.astype(q.dtype)
+    return flag_unservable_requests(out.astype(q.dtype), metadata, block_size=block_size)

@@ -6,6 +6,8 @@ call it outside `jax.jit`. Unsupported combinations raise `NotImplementedError` 
 """
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +23,20 @@ METADATA_INDEX_DTYPE = jnp.dtype(jnp.int32)
 
 
 def _check_array(name: str, x, *, ndim: int) -> None:
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"{name} must be an array, got {type(x).__name__}")
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        hint = " (a torch tensor enters JAX through jax_hybrid_attn_torch.to_jax)" if "torch" in type(x).__module__ else ""
+        raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}{hint}")
     if x.ndim != ndim:
         raise ValueError(f"{name}.shape={tuple(x.shape)} must have {ndim} dimensions")
+    if 0 in x.shape[1:]:
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must have no empty dimension after the first")
+
+
+def check_bool(name: str, value) -> bool:
+    """`value` as a Python bool; `ValueError` naming `name` for anything but a bool or numpy bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be a bool")
+    return bool(value)
 
 
 def _check_index_array(name: str, x, *, ndim: int) -> None:
@@ -109,6 +121,8 @@ def check_metadata_values(metadata: AttentionMetadata, *, num_blocks: int, block
 def _check_kv_cache(kv_cache, kv_layout) -> None:
     check_kv_layout(kv_layout)
     _check_array("kv_cache", kv_cache, ndim=5)
+    if kv_cache.shape[0] == 0:
+        raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must hold at least the null block (B >= 1)")
     if kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must have 2 (K and V) on axis 1")
     if jnp.dtype(kv_cache.dtype) not in KV_CACHE_DTYPES:
@@ -125,24 +139,36 @@ def resolve_kv_scales(kv_cache_dtype, k_scale, v_scale) -> tuple[jax.Array, jax.
         return jnp.float32(1), jnp.float32(1)
     resolved = []
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        scale = jnp.asarray(1.0 if scale is None else scale, jnp.float32)
+        if scale is None:
+            scale = 1.0
+        if isinstance(scale, (bool, np.bool_, str, bytes)) or not (
+            isinstance(scale, numbers.Real) or isinstance(scale, (jax.Array, np.ndarray))
+        ):
+            raise ValueError(f"{name}={scale!r} must be a number (or a float scalar array)")
+        if isinstance(scale, (jax.Array, np.ndarray)) and not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise ValueError(f"{name}.dtype={scale.dtype} must be a float dtype")
+        scale = jnp.asarray(scale, jnp.float32)
         if scale.ndim != 0:
             raise ValueError(f"{name} must be a scalar (one scale per tensor), got shape {scale.shape}")
-        if not isinstance(scale, jax.core.Tracer) and not float(scale) > 0:
-            raise ValueError(f"{name}={float(scale)} must be > 0")
-        resolved.append(scale)
+        if not isinstance(scale, jax.core.Tracer) and not (math.isfinite(float(scale)) and float(scale) > 0):
+            raise ValueError(f"{name}={float(scale)} must be finite and > 0")
+        # A traced scale cannot be checked here: an invalid one becomes NaN, so every output it touches is NaN.
+        resolved.append(jnp.where(jnp.isfinite(scale) & (scale > 0), scale, jnp.nan))
     return tuple(resolved)
 
 
 def check_write_kv_args(kv_cache, k, v, slot_mapping, *, kv_layout, k_scale, v_scale, checked):
+    checked = check_bool("checked", checked)
     _check_kv_cache(kv_cache, kv_layout)
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache_dims(kv_cache, kv_layout)
     for name, x in (("k", k), ("v", v)):
         _check_array(name, x, ndim=3)
         if x.shape[1:] != (num_kv_heads, head_dim):
             raise ValueError(f"{name}.shape={tuple(x.shape)} must be [T, K={num_kv_heads}, H={head_dim}]")
-    if k.shape != v.shape:
-        raise ValueError(f"k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} must be equal")
+        if jnp.dtype(x.dtype) not in QUERY_DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype} must be one of {[str(d) for d in QUERY_DTYPES]}")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"k.shape={tuple(k.shape)}, k.dtype={k.dtype} and v.shape={tuple(v.shape)}, v.dtype={v.dtype} must match")
     _check_index_array("slot_mapping", slot_mapping, ndim=1)
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [T={k.shape[0]}]")
@@ -163,6 +189,7 @@ def check_paged_attention_args(
     """All checks of `paged_attention`; returns ``(params, k_scale, v_scale)`` with ``params.sm_scale`` and the
     scales resolved to values."""
     check_params(params)
+    checked = check_bool("checked", checked)
     _check_array("q", q, ndim=3)
     if jnp.dtype(q.dtype) not in QUERY_DTYPES:
         raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in QUERY_DTYPES]}")
@@ -189,3 +216,21 @@ def check_paged_attention_args(
     k_scale, v_scale = resolve_kv_scales(kv_cache.dtype, k_scale, v_scale)
     params = dataclasses.replace(params, sm_scale=resolve_sm_scale(params.sm_scale, head_dim))
     return params, k_scale, v_scale
+
+
+def flag_unservable_requests(out: jax.Array, metadata: AttentionMetadata, *, block_size: int) -> jax.Array:
+    """`out` [T, N, H] with NaN in every token of a request that the metadata cannot serve: a query longer than
+    ``metadata.max_query_len`` or than its ``seq_lens``, or a ``seq_lens`` beyond the block table's ``P * S``
+    positions. Traced metadata cannot be checked on the host; this keeps such values from giving a wrong number
+    silently (``checked=True`` raises instead, on concrete values). Runs inside the jitted reference and kernels."""
+    num_reqs, max_blocks = metadata.block_tables.shape
+    if num_reqs == 0:
+        return out
+    query_lens, seq_lens = metadata.query_lens, metadata.seq_lens
+    unservable = (
+        (query_lens > metadata.max_query_len) | (query_lens > seq_lens) | (seq_lens > max_blocks * block_size)
+    )
+    token = jnp.arange(out.shape[0], dtype=jnp.int32)
+    request = jnp.clip(jnp.searchsorted(metadata.query_start_loc, token, side="right") - 1, 0, num_reqs - 1)
+    flagged = unservable[request] & (token < metadata.query_start_loc[-1])
+    return jnp.where(flagged[:, None, None], jnp.nan, out).astype(out.dtype)

@@ -221,7 +221,7 @@ def get_kv_cache_config(
     Raises:
       ValueError: a request of ``max_model_len`` tokens does not fit; the message names the largest that does.
     """
-    check_int("available_memory", available_memory, minimum=0)
+    check_int("available_memory", available_memory, minimum=0, maximum=None)
     check_int("max_model_len", max_model_len, minimum=1)
     check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
     groups = get_kv_cache_groups(specs)

@@ -99,7 +99,9 @@ def cache_salt_words(cache_salt: str | bytes | None) -> np.ndarray:
     """A cache salt (any string) as the two uint32 words `root_hash` takes; ``None`` gives (0, 0)."""
     if cache_salt is None:
         return np.zeros(2, np.uint32)
-    data = cache_salt.encode() if isinstance(cache_salt, str) else bytes(cache_salt)
+    if not isinstance(cache_salt, (str, bytes)):
+        raise ValueError(f"cache_salt={cache_salt!r} must be a str, bytes or None")
+    data = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
     digest = hashlib.sha256(b"jax_hybrid_attn cache salt\0" + data).digest()
     words = np.frombuffer(digest[:8], dtype=">u4").astype(np.uint32)
     return words if words.any() else np.array([0, 1], np.uint32)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..integers import check_int
+from ..integers import INT32_MAX, check_int
 from . import pool as pool_ops
 from . import requests as request_ops
 from . import step as step_ops
@@ -29,6 +29,28 @@ from .state import AllocatorState, PrefixCacheStats, init_state
 from .xla_cpu import compile_single_task
 
 __all__ = ["KVCacheManager", "compile_allocate_slots"]
+
+
+def _check_request_id(request_id) -> None:
+    try:
+        hash(request_id)
+    except TypeError as error:
+        raise TypeError(f"request_id={request_id!r} must be hashable") from error
+
+
+def _token_ids(name: str, token_ids) -> np.ndarray:
+    """Token ids as a flat int64 array; `ValueError` naming `name` for non-integers (floats, bools) or values
+    outside ``[0, 2**31)``."""
+    try:
+        tokens = np.asarray(token_ids)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{name} must be a sequence of int token ids: {error}") from error
+    tokens = tokens.reshape(-1)
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+    if tokens.size and (tokens.min() < 0 or tokens.max() > INT32_MAX):
+        raise ValueError(f"{name} must hold token ids in [0, {INT32_MAX}], got [{tokens.min()}, {tokens.max()}]")
+    return tokens.astype(np.int64)
 
 
 class KVCacheManager:
@@ -68,21 +90,23 @@ class KVCacheManager:
     def add_request(
         self, request_id: Hashable, token_ids: Sequence[int], *, cache_salt=None, adapter_id=NO_ADAPTER
     ):
-        """Register a request and its prompt; its full blocks are hashed on the device. Returns its slot."""
+        """Register a request and its prompt; its full blocks are hashed on the device. Returns its slot.
+
+        Every argument is checked before anything changes: a rejected call leaves the manager as it was."""
+        _check_request_id(request_id)
         if request_id in self._slot_of:
             raise ValueError(f"request_id={request_id!r} is already added")
-        if not self._free_slots:
-            raise ValueError(f"all max_num_seqs={self.config.max_num_seqs} request slots are in use")
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        tokens = _token_ids("token_ids", token_ids)
+        if tokens.size == 0:
+            raise ValueError("token_ids=[] must hold at least one token (a request without a prompt never runs)")
         if tokens.size > self.config.max_model_len:
             raise ValueError(
                 f"len(token_ids)={tokens.size} exceeds max_model_len={self.config.max_model_len}"
             )
-        if tokens.size and (tokens.min() < 0 or tokens.max() > np.iinfo(np.int32).max):
-            raise ValueError("token_ids must be non-negative int32 values")
-        check_int("adapter_id", adapter_id, minimum=0)
-        if adapter_id >= 2**31:
-            raise ValueError(f"adapter_id={adapter_id!r} must be < 2**31")
+        adapter_id = check_int("adapter_id", adapter_id, minimum=0)
+        salt = cache_salt_words(cache_salt)
+        if not self._free_slots:
+            raise ValueError(f"all max_num_seqs={self.config.max_num_seqs} request slots are in use")
         slot = self._free_slots.pop()
         row = np.zeros((1, self.config.max_model_len), np.int32)
         row[0, : tokens.size] = tokens
@@ -92,7 +116,7 @@ class KVCacheManager:
             jnp.array([slot]),
             jnp.asarray(row),
             jnp.array([tokens.size]),
-            jnp.asarray(cache_salt_words(cache_salt))[None],
+            jnp.asarray(salt)[None],
             jnp.array([adapter_id]),
         )
         self._slot_of[request_id] = slot
@@ -100,9 +124,10 @@ class KVCacheManager:
         return slot
 
     def append_token_ids(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
-        """Append tokens (e.g. the one sampled this step) to a request."""
+        """Append tokens (e.g. the one sampled this step) to a request (checked first: a rejected call changes
+        nothing)."""
         slot = self._slot(request_id)
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        tokens = _token_ids("token_ids", token_ids).reshape(1, -1)
         length = self.num_tokens(request_id)
         if length + tokens.shape[1] > self.config.max_model_len:
             raise ValueError(

@@ -18,7 +18,7 @@ from .._compat import check_interpret_threads, plgpu, resolve_interpret
 from ..layout import KVLayout, kv_cache_dims
 from ..metadata import AttentionMetadata
 from ..params import CAUSAL, LayerAttentionParams
-from ..validation import check_paged_attention_args
+from ..validation import check_paged_attention_args, flag_unservable_requests
 from . import tiles as query_tiles
 from .paged_attention import attention_partials, default_config
 
@@ -94,6 +94,8 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     _, block_size, num_kv_heads, _ = kv_cache_dims(kv_cache, kv_layout)
     group_size = num_q_heads // num_kv_heads
     query_lens = metadata.query_lens
+    # Keys past the block table do not exist: the kernels never read past it (those requests are flagged below).
+    seq_lens = jnp.minimum(metadata.seq_lens, metadata.block_tables.shape[1] * block_size)
     logit_scale = jnp.reshape(params.sm_scale * k_scale, (1,)).astype(jnp.float32)
     out = jnp.zeros_like(q)
 
@@ -103,7 +105,7 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
             num_tokens=num_tokens, rows=config.rows,
         )  # fmt: skip
         partial_out, lse = attention_partials(
-            query_tiles.pack_query_rows(q, tokens, heads), kv_cache, tiles, metadata.seq_lens, query_lens,
+            query_tiles.pack_query_rows(q, tokens, heads), kv_cache, tiles, seq_lens, query_lens,
             metadata.block_tables, logit_scale, block_size=block_size, group_size=group_size, params=params,
             kv_layout=kv_layout, config=config, interpret=interpret,
         )  # fmt: skip
@@ -121,4 +123,4 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
         tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
         tokens, heads, rows = run(tiles, prefill_config)
         out = query_tiles.scatter_rows(out, rows, tokens, heads)
-    return out
+    return flag_unservable_requests(out, metadata, block_size=block_size)

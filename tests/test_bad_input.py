@@ -1,0 +1,154 @@
+"""Bad input by class: a clear error that names the argument, nothing lost on a rejected call, a flagged (NaN)
+result where a traced value cannot be checked, and valid numpy scalars accepted."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_hybrid_attn import FullAttentionSpec, LayerAttentionParams, paged_attention, reference, write_kv
+from jax_hybrid_attn.allocator import AllocatorConfig, KVCacheManager
+from jax_hybrid_attn.testing import random_paged_inputs
+
+SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
+
+
+def manager() -> KVCacheManager:
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype=jnp.float32)
+    config = AllocatorConfig(specs=(spec,), num_blocks=16, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=8)
+    return KVCacheManager(config)
+
+
+def snapshot(m: KVCacheManager):
+    return (
+        [np.asarray(x).copy() for x in jax.tree.leaves(m.state)],
+        dict(m._slot_of),
+        list(m._free_slots),
+        dict(m._num_computed),
+    )
+
+
+def assert_same(before, after):
+    for a, b in zip(before[0], after[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert before[1:] == after[1:]
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.add_request("r", [1, 2, 3], cache_salt=1.5), "cache_salt"),
+        (lambda m: m.add_request("r", []), "token_ids"),
+        (lambda m: m.add_request("r", [1.5, 2.0]), "token_ids"),
+        (lambda m: m.add_request("r", [2**31]), "token_ids"),
+        (lambda m: m.add_request("r", [True, False]), "token_ids"),
+        (lambda m: m.add_request("r", [1, 2], adapter_id=-1), "adapter_id"),
+        (lambda m: m.add_request(["unhashable"], [1, 2]), "request_id"),
+        (lambda m: m.append_token_ids("kept", [2**31]), "token_ids"),
+        (lambda m: m.append_token_ids("kept", [0.5]), "token_ids"),
+    ],
+)
+def test_rejected_allocator_calls_leave_every_piece_of_state_as_it_was(call, match):
+    m = manager()
+    m.add_request("kept", [5, 6, 7])
+    for _ in range(3):  # a rejected call, again and again, never leaks a request slot
+        before = snapshot(m)
+        with pytest.raises((ValueError, TypeError), match=match):
+            call(m)
+        assert_same(before, snapshot(m))
+    m.add_request("next", [1, 2])  # the slot is still there
+
+
+def test_numpy_scalars_are_valid_and_sizes_beyond_int32_are_refused():
+    params = LayerAttentionParams(
+        sliding_window=np.int64(4), sm_scale=np.float32(0.3), causal=np.bool_(True), logits_soft_cap=np.float64(30)
+    )
+    assert params == LayerAttentionParams(sliding_window=4, sm_scale=float(np.float32(0.3)), logits_soft_cap=30.0)
+    assert type(params.sliding_window) is int and type(params.causal) is bool
+    with pytest.raises(ValueError, match="sliding_window"):
+        LayerAttentionParams(sliding_window=2**31)
+    with pytest.raises(ValueError, match="attention_chunk_size"):
+        LayerAttentionParams(attention_chunk_size=np.int64(2**40))
+    with pytest.raises(ValueError, match="causal"):
+        LayerAttentionParams(causal="yes")
+
+
+def inputs():
+    return random_paged_inputs(0, query_lens=[1, 20], seq_lens=[30, 40], **SMALL)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(checked="no"), ValueError, "checked"),
+        (dict(params=dict(sliding_window=4)), ValueError, "params"),
+    ],
+)
+def test_options_are_checked(kwargs, error, match):
+    x = inputs()
+    with pytest.raises(error, match=match):
+        reference.paged_attention(x.q, x.kv_cache, x.metadata, **kwargs)
+
+
+def test_arrays_of_another_kind_and_empty_dimensions_name_the_argument():
+    x = inputs()
+    with pytest.raises(TypeError, match="q must be a jax or numpy array"):
+        reference.paged_attention({"q": 1}, x.kv_cache, x.metadata)
+    no_kv_heads = jnp.zeros((4, 2, 16, 0, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache.shape"):
+        reference.paged_attention(x.q, no_kv_heads, x.metadata)
+    no_columns = x.metadata.replace(block_tables=jnp.zeros((2, 0), jnp.int32))
+    with pytest.raises(ValueError, match="metadata.block_tables.shape"):
+        reference.paged_attention(x.q, x.kv_cache, no_columns)
+
+
+def test_write_kv_refuses_what_it_would_cast_silently():
+    cache = jnp.zeros((4, 2, 16, 2, 64), jnp.bfloat16)
+    slots = jnp.arange(3, dtype=jnp.int32)
+    k = jnp.ones((3, 2, 64), jnp.bfloat16)
+    for bad_v, match in ((jnp.ones((3, 2, 64), jnp.int32), "v.dtype"), (k.astype(jnp.float32), "v.dtype")):
+        with pytest.raises(ValueError, match=match):
+            write_kv(cache, k, bad_v, slots)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 0.0, -1.0, "1", True])
+def test_fp8_scales_are_finite_positive_numbers(scale):
+    x = random_paged_inputs(0, query_lens=[1], seq_lens=[20], kv_dtype=jnp.float8_e4m3fn, **SMALL)
+    with pytest.raises(ValueError, match="k_scale"):
+        reference.paged_attention(x.q, x.kv_cache, x.metadata, k_scale=scale, v_scale=1.0)
+
+
+def test_a_traced_invalid_scale_gives_nan_not_a_wrong_number():
+    x = random_paged_inputs(0, query_lens=[1], seq_lens=[20], kv_dtype=jnp.float8_e4m3fn, **SMALL)
+    run = jax.jit(lambda s: reference.paged_attention(x.q, x.kv_cache, x.metadata, k_scale=s, v_scale=1.0))
+    assert np.isfinite(np.asarray(run(jnp.float32(0.5)), np.float32)).all()
+    for bad in (0.0, -1.0, np.inf, np.nan):
+        assert np.isnan(np.asarray(run(jnp.float32(bad)), np.float32)).all()
+
+
+def unservable_cases():
+    x = random_paged_inputs(3, query_lens=[1, 40, 5], seq_lens=[30, 60, 33], **SMALL)
+    short_bound = x.metadata.replace(max_query_len=8)  # request 1 has 40 queries
+    capacity = x.metadata.block_tables.shape[1] * 16
+    beyond_table = x.metadata.replace(seq_lens=x.metadata.seq_lens.at[2].set(capacity + 7))
+    starts = np.asarray(x.metadata.query_start_loc)
+    return x, [("max_query_len below a query", short_bound, 1), ("seq_len beyond the table", beyond_table, 2)], starts
+
+
+@pytest.mark.parametrize("implementation", ["reference", "kernel"])
+def test_metadata_the_kernels_cannot_serve_gives_nan_for_those_requests_only(implementation):
+    """A static bound below a request's query, or a sequence longer than its block table, is flagged: that
+    request's tokens are NaN (the kernels read nothing past the table), the other requests are exact."""
+    x, cases, starts = unservable_cases()
+    interpret = implementation == "kernel" and jax.default_backend() != "gpu"
+    want = reference.paged_attention(x.q, x.kv_cache, x.metadata)
+    for name, metadata, bad in cases:
+        got = np.asarray(
+            paged_attention(x.q, x.kv_cache, metadata, implementation=implementation, interpret=interpret), np.float32
+        )
+        rows = np.arange(len(got))
+        flagged = (rows >= starts[bad]) & (rows < starts[bad + 1])
+        assert np.isnan(got[flagged]).all(), name
+        np.testing.assert_allclose(got[~flagged], np.asarray(want, np.float32)[~flagged], atol=2e-2, rtol=2e-2)
+        with pytest.raises(ValueError):
+            paged_attention(x.q, x.kv_cache, metadata, implementation=implementation, interpret=interpret, checked=True)
