@@ -16,7 +16,7 @@ from .layout import KVLayout, kv_as_nhd
 from .masks import attention_mask
 from .metadata import AttentionMetadata
 from .params import CAUSAL, LayerAttentionParams
-from .validation import check_paged_attention_args, flag_unservable_requests
+from .validation import check_paged_attention_args, unservable_requests
 
 __all__ = ["paged_attention"]
 
@@ -74,6 +74,7 @@ def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, 
     keys = kv_cache[metadata.block_tables, 0].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
     values = kv_cache[metadata.block_tables, 1].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
     key_positions = jnp.arange(max_blocks * block_size)
+    unservable = unservable_requests(metadata, block_size=block_size)
     query_lens = metadata.query_lens
 
     def attend(token):
@@ -98,7 +99,8 @@ def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, 
             denominator = denominator + jnp.exp(sink - row_max)
         out = jnp.einsum("kgp,pkh->kgh", weights, v, precision=EXACT) / denominator[..., None]
         is_query = token < metadata.query_start_loc[-1]
+        out = jnp.where(unservable[request], jnp.nan, out)  # flagged, never a wrong number
         return jnp.where(is_query, out, 0.0).reshape(num_q_heads, head_dim)
 
     out = jax.lax.map(attend, jnp.arange(num_tokens), batch_size=TOKENS_PER_MAP_STEP)
-    return flag_unservable_requests(out.astype(q.dtype), metadata, block_size=block_size)
+    return out.astype(q.dtype)

@@ -218,19 +218,11 @@ def check_paged_attention_args(
     return params, k_scale, v_scale
 
 
-def flag_unservable_requests(out: jax.Array, metadata: AttentionMetadata, *, block_size: int) -> jax.Array:
-    """`out` [T, N, H] with NaN in every token of a request that the metadata cannot serve: a query longer than
-    ``metadata.max_query_len`` or than its ``seq_lens``, or a ``seq_lens`` beyond the block table's ``P * S``
-    positions. Traced metadata cannot be checked on the host; this keeps such values from giving a wrong number
-    silently (``checked=True`` raises instead, on concrete values). Runs inside the jitted reference and kernels."""
-    num_reqs, max_blocks = metadata.block_tables.shape
-    if num_reqs == 0:
-        return out
+def unservable_requests(metadata: AttentionMetadata, *, block_size: int) -> jax.Array:
+    """[R] bool: requests the metadata cannot serve: a query longer than ``metadata.max_query_len`` or than its
+    ``seq_lens``, or a ``seq_lens`` beyond the block table's ``P * S`` positions. Traced metadata cannot be checked
+    on the host, so the reference and the kernels give those requests' tokens NaN instead of a wrong number
+    (``checked=True`` raises instead, on concrete values)."""
     query_lens, seq_lens = metadata.query_lens, metadata.seq_lens
-    unservable = (
-        (query_lens > metadata.max_query_len) | (query_lens > seq_lens) | (seq_lens > max_blocks * block_size)
-    )
-    token = jnp.arange(out.shape[0], dtype=jnp.int32)
-    request = jnp.clip(jnp.searchsorted(metadata.query_start_loc, token, side="right") - 1, 0, num_reqs - 1)
-    flagged = unservable[request] & (token < metadata.query_start_loc[-1])
-    return jnp.where(flagged[:, None, None], jnp.nan, out).astype(out.dtype)
+    capacity = metadata.block_tables.shape[1] * block_size
+    return (query_lens > metadata.max_query_len) | (query_lens > seq_lens) | (seq_lens > capacity)

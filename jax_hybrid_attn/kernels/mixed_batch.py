@@ -18,7 +18,7 @@ from .._compat import check_interpret_threads, plgpu, resolve_interpret
 from ..layout import KVLayout, kv_cache_dims
 from ..metadata import AttentionMetadata
 from ..params import CAUSAL, LayerAttentionParams
-from ..validation import check_paged_attention_args, flag_unservable_requests
+from ..validation import check_paged_attention_args, unservable_requests
 from . import tiles as query_tiles
 from .paged_attention import attention_partials, default_config
 
@@ -97,7 +97,11 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     # Keys past the block table do not exist: the kernels never read past it (those requests are flagged below).
     seq_lens = jnp.minimum(metadata.seq_lens, metadata.block_tables.shape[1] * block_size)
     logit_scale = jnp.reshape(params.sm_scale * k_scale, (1,)).astype(jnp.float32)
-    out = jnp.zeros_like(q)
+    unservable = unservable_requests(metadata, block_size=block_size)
+    # Query tokens start as NaN and every tile overwrites its own: a token no tile computes (a request whose
+    # query is above a max_query_len that skipped the prefill launch) stays flagged. Padding tokens get zeros.
+    is_query = jnp.arange(num_tokens)[:, None, None] < metadata.num_actual_tokens
+    out = jnp.where(is_query, jnp.full_like(q, jnp.nan), jnp.zeros_like(q))
 
     def run(tiles, config):
         tokens, heads = query_tiles.tile_rows(
@@ -110,7 +114,8 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
             kv_layout=kv_layout, config=config, interpret=interpret,
         )  # fmt: skip
         sinks_rows = None if sinks is None else sinks.astype(jnp.float32)[heads]
-        return tokens, heads, query_tiles.merge_splits(partial_out, lse, sinks_rows) * v_scale
+        rows = query_tiles.merge_splits(partial_out, lse, sinks_rows) * v_scale
+        return tokens, heads, jnp.where(unservable[tiles.request][:, None, None, None], jnp.nan, rows)
 
     ctas_per_split = max(1, metadata.num_reqs * num_kv_heads)
     decode_splits = max(1, min(MAX_DECODE_SPLITS, math.ceil(TARGET_DECODE_CTAS / ctas_per_split)))
@@ -123,4 +128,4 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
         tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
         tokens, heads, rows = run(tiles, prefill_config)
         out = query_tiles.scatter_rows(out, rows, tokens, heads)
-    return flag_unservable_requests(out, metadata, block_size=block_size)
+    return out
