@@ -270,9 +270,10 @@ class PagedAttentionBackend:
         cache_jax = self._layer_cache(layer, kv_cache, spec)
         out_jax = None
         if out is not None:
-            if out.dtype != q.dtype or out.numel() != math.prod(shape):
+            if out.dtype != q.dtype or tuple(out.shape) not in (shape, (shape[0], shape[1] * shape[2])):
                 raise ValueError(
-                    f"out ({tuple(out.shape)}, {out.dtype}) must hold {shape} in q's dtype {q.dtype}"
+                    f"out.shape={tuple(out.shape)}, out.dtype={out.dtype} must be {shape} or "
+                    f"{(shape[0], shape[1] * shape[2])} in q's dtype {q.dtype}"
                 )
             out_jax = to_jax(out, name="out")
         result, new_cache = _layer_step(

@@ -120,11 +120,17 @@ def _per_group(block_tables, slot_mapping, *, num_groups: int, num_reqs: int):
         )
     if slot_mapping.dim() != 2 or slot_mapping.shape[0] != num_groups:
         raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [T] or [G={num_groups}, T]")
-    if slot_mapping.dtype == torch.int64 and slot_mapping.numel():
-        limit = torch.iinfo(torch.int32).max
-        if int(slot_mapping.max()) > limit:  # waits for the tensor: vLLM's int64 slots are range-checked once
-            raise ValueError(f"slot_mapping holds slots above int32's {limit}")
     return block_tables, slot_mapping
+
+
+def _check_int64_range(**tensors: torch.Tensor) -> None:
+    """int64 tensors must fit int32 (they are converted): checked on their values, which waits for them."""
+    info = torch.iinfo(torch.int32)
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.int64 and tensor.numel():
+            low, high = int(tensor.min()), int(tensor.max())
+            if low < info.min or high > info.max:
+                raise ValueError(f"{name} holds values in [{low}, {high}], outside int32's [{info.min}, {info.max}]")
 
 
 def pack_plan(
@@ -152,6 +158,9 @@ def pack_plan(
             "must be [R+1] and [R]"
         )
     block_tables, slot_mapping = _per_group(block_tables, slot_mapping, num_groups=num_groups, num_reqs=num_reqs)
+    _check_int64_range(
+        query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping
+    )
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
     if max_seq_len is None:

@@ -133,6 +133,8 @@ def make_attention_metadata(
         raise ValueError(f"block_tables.shape={block_tables.shape} must be [R={seq_lens.shape[0]}, P]")
     if np.any(query_lens < 0) or np.any(query_lens > seq_lens):
         raise ValueError(f"query_lens={query_lens.tolist()} must satisfy 0 <= query_lens <= seq_lens={seq_lens.tolist()}")
+    if block_tables.size and block_tables.min() < 0:
+        raise ValueError(f"block_tables holds {block_tables.min()}: block ids must be >= 0 (NULL_BLOCK_ID for none)")
     if np.any(seq_lens > block_tables.shape[1] * block_size):
         raise ValueError(
             f"seq_lens={seq_lens.tolist()} exceed the block tables' capacity "
@@ -323,6 +325,10 @@ def make_local_attention_virtual_batches(
     seq_lens = _host_int32("seq_lens", metadata.seq_lens)
     block_tables = _host_int32("block_tables", metadata.block_tables)
     query_lens = np.diff(query_start_loc)
+    if np.any(query_lens < 0) or np.any(query_lens > seq_lens):
+        raise ValueError(
+            f"metadata.seq_lens={seq_lens.tolist()} must be >= the query lengths {query_lens.tolist()} (>= 0)"
+        )
 
     # Queries in the chunk holding each request's first new token, and keys in its last chunk.
     first_chunk_queries = np.minimum(chunk - (seq_lens - query_lens) % chunk, query_lens)

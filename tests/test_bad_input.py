@@ -152,3 +152,14 @@ def test_metadata_the_kernels_cannot_serve_gives_nan_for_those_requests_only(imp
         np.testing.assert_allclose(got[~flagged], np.asarray(want, np.float32)[~flagged], atol=2e-2, rtol=2e-2)
         with pytest.raises(ValueError):
             paged_attention(x.q, x.kv_cache, metadata, implementation=implementation, interpret=interpret, checked=True)
+
+
+def test_host_metadata_helpers_refuse_negative_values():
+    from jax_hybrid_attn import make_attention_metadata, make_local_attention_virtual_batches
+
+    with pytest.raises(ValueError, match="block_tables"):
+        make_attention_metadata([1], [3], [[-1]], block_size=4)
+    metadata = make_attention_metadata([2], [6], [[1, 2]], block_size=4)
+    with pytest.raises(ValueError, match="seq_lens"):
+        make_local_attention_virtual_batches(4, metadata.replace(seq_lens=jnp.asarray([-4], jnp.int32)), 4)
+    assert make_attention_metadata(np.asarray([1]), [3], [[1]], block_size=np.int64(4)).num_tokens == 1

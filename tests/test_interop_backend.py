@@ -290,3 +290,16 @@ def test_bad_input_is_named():
         AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sliding_window=0)
     with pytest.raises(ValueError, match="cache_owner='numpy'"):
         PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, cache_owner="numpy")
+
+
+def test_plan_refuses_int64_values_beyond_int32_and_run_checks_the_out_shape():
+    step, caches, q, k, v = make_step()
+    backend = PagedAttentionBackend({"l": AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)}, block_size=BLOCK_SIZE)
+    for field in ("block_tables", "seq_lens", "slot_mapping"):
+        bad = dict(step, **{field: step[field].to(torch.int64).clone()})
+        bad[field].view(-1)[0] = 2**31 + 5
+        with pytest.raises(ValueError, match=field):
+            backend.plan(**bad)
+    backend.plan(**step)
+    with pytest.raises(ValueError, match="out.shape"):
+        backend.run("l", q, k, v, caches[0], out=torch.empty(q.shape[0], 16, 4, dtype=q.dtype))
