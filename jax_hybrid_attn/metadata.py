@@ -22,7 +22,7 @@ from jaxtyping import Array, Int
 from ._compat import register_pytree_dataclass
 from .allocator import AllocatorConfig, StepOutput
 from .constants import PAD_SLOT_ID
-from .integers import cdiv, check_int
+from .integers import INT32_MAX, cdiv, check_int
 
 __all__ = [
     "AttentionMetadata",
@@ -135,13 +135,23 @@ def make_attention_metadata(
         raise ValueError(f"query_lens={query_lens.tolist()} must satisfy 0 <= query_lens <= seq_lens={seq_lens.tolist()}")
     if block_tables.size and block_tables.min() < 0:
         raise ValueError(f"block_tables holds {block_tables.min()}: block ids must be >= 0 (NULL_BLOCK_ID for none)")
+    if block_tables.size and (int(block_tables.max()) + 1) * block_size > INT32_MAX:
+        raise ValueError(
+            f"block_tables holds block {block_tables.max()}: its slots (block * {block_size=} + offset) pass int32"
+        )
     if np.any(seq_lens > block_tables.shape[1] * block_size):
         raise ValueError(
             f"seq_lens={seq_lens.tolist()} exceed the block tables' capacity "
             f"{block_tables.shape[1]} blocks * {block_size=}"
         )
     num_actual_tokens = int(query_lens.sum())
-    num_tokens = num_actual_tokens if num_tokens is None else num_tokens
+    num_tokens = num_actual_tokens if num_tokens is None else check_int("num_tokens", num_tokens, minimum=0)
+    if max_query_len is not None:
+        max_query_len = check_int("max_query_len", max_query_len, minimum=0)
+    if max_seq_len is not None:
+        max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal={causal!r} must be a bool")
     if num_tokens < num_actual_tokens:
         raise ValueError(f"{num_tokens=} is smaller than the {num_actual_tokens} query tokens")
     exact_max_query_len = int(query_lens.max(initial=0))
@@ -158,7 +168,7 @@ def make_attention_metadata(
         num_tokens=num_tokens,
         max_query_len=exact_max_query_len if max_query_len is None else max_query_len,
         max_seq_len=exact_max_seq_len if max_seq_len is None else max_seq_len,
-        causal=causal,
+        causal=bool(causal),
     )
 
 

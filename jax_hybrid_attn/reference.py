@@ -74,7 +74,7 @@ def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, 
     keys = kv_cache[metadata.block_tables, 0].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
     values = kv_cache[metadata.block_tables, 1].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
     key_positions = jnp.arange(max_blocks * block_size)
-    unservable = unservable_requests(metadata, block_size=block_size)
+    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=kv_cache.shape[0])
     query_lens = metadata.query_lens
 
     def attend(token):

@@ -204,7 +204,10 @@ def check_paged_attention_args(
         raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal q.dtype={q.dtype} or be {FP8_DTYPE}")
     check_metadata(metadata)
     if metadata.num_tokens != num_tokens:
-        raise ValueError(f"metadata.slot_mapping.shape={tuple(metadata.slot_mapping.shape)} must be [T={num_tokens}]")
+        raise ValueError(
+            f"q.shape={tuple(q.shape)} has T={num_tokens} tokens but metadata.slot_mapping.shape="
+            f"{tuple(metadata.slot_mapping.shape)}: they must agree"
+        )
     if metadata.causal != params.causal:
         raise ValueError(f"params.causal={params.causal} disagrees with metadata.causal={metadata.causal}")
     if sinks is not None:
@@ -218,11 +221,12 @@ def check_paged_attention_args(
     return params, k_scale, v_scale
 
 
-def unservable_requests(metadata: AttentionMetadata, *, block_size: int) -> jax.Array:
+def unservable_requests(metadata: AttentionMetadata, *, block_size: int, num_blocks: int) -> jax.Array:
     """[R] bool: requests the metadata cannot serve: a query longer than ``metadata.max_query_len`` or than its
-    ``seq_lens``, or a ``seq_lens`` beyond the block table's ``P * S`` positions. Traced metadata cannot be checked
-    on the host, so the reference and the kernels give those requests' tokens NaN instead of a wrong number
-    (``checked=True`` raises instead, on concrete values)."""
-    query_lens, seq_lens = metadata.query_lens, metadata.seq_lens
-    capacity = metadata.block_tables.shape[1] * block_size
-    return (query_lens > metadata.max_query_len) | (query_lens > seq_lens) | (seq_lens > capacity)
+    ``seq_lens``, a ``seq_lens`` beyond the block table's ``P * S`` positions, or a block id outside the pool's
+    ``[0, B)``. Traced metadata cannot be checked on the host, so the reference and the kernels give those
+    requests' tokens NaN instead of a wrong number (``checked=True`` raises instead, on concrete values)."""
+    query_lens, seq_lens, tables = metadata.query_lens, metadata.seq_lens, metadata.block_tables
+    capacity = tables.shape[1] * block_size
+    bad_block = jnp.any((tables < 0) | (tables >= num_blocks), axis=1)
+    return (query_lens > metadata.max_query_len) | (query_lens > seq_lens) | (seq_lens > capacity) | bad_block

@@ -175,7 +175,8 @@ class KVCacheManager:
                 raise ValueError(f"{error} (request {request_id!r})") from None
         if sum(counts) > config.max_num_batched_tokens:
             raise ValueError(
-                f"{sum(counts)} new tokens exceed max_num_batched_tokens={config.max_num_batched_tokens}"
+                f"num_new_tokens={counts} sum to {sum(counts)}, more than max_num_batched_tokens="
+                f"{config.max_num_batched_tokens}"
             )
         lookahead = [0] * len(ids) if num_lookahead_tokens is None else list(num_lookahead_tokens)
         if len(lookahead) != len(ids) or any(x < 0 or x > config.max_num_lookahead_tokens for x in lookahead):

@@ -97,7 +97,8 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     # Keys past the block table do not exist: the kernels never read past it (those requests are flagged below).
     seq_lens = jnp.minimum(metadata.seq_lens, metadata.block_tables.shape[1] * block_size)
     logit_scale = jnp.reshape(params.sm_scale * k_scale, (1,)).astype(jnp.float32)
-    unservable = unservable_requests(metadata, block_size=block_size)
+    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=kv_cache.shape[0])
+    block_tables = jnp.clip(metadata.block_tables, 0, kv_cache.shape[0] - 1)  # never a page outside the pool
     # Query tokens start as NaN and every tile overwrites its own: a token no tile computes (a request whose
     # query is above a max_query_len that skipped the prefill launch) stays flagged. Padding tokens get zeros.
     is_query = jnp.arange(num_tokens)[:, None, None] < metadata.num_actual_tokens
@@ -110,7 +111,7 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
         )  # fmt: skip
         partial_out, lse = attention_partials(
             query_tiles.pack_query_rows(q, tokens, heads), kv_cache, tiles, seq_lens, query_lens,
-            metadata.block_tables, logit_scale, block_size=block_size, group_size=group_size, params=params,
+            block_tables, logit_scale, block_size=block_size, group_size=group_size, params=params,
             kv_layout=kv_layout, config=config, interpret=interpret,
         )  # fmt: skip
         sinks_rows = None if sinks is None else sinks.astype(jnp.float32)[heads]

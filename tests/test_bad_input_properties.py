@@ -1,0 +1,197 @@
+"""Mutated calls of the public entry points: each gives an error that names the mutated argument, or the valid
+call's result (for attention, whole tokens may instead be NaN: a value only the device sees, such as a block id
+outside a shorter cache, flags its request); after a rejected call the state (allocator) is bit-identical to
+before.
+
+A valid call per entry point, and mutations per argument (types, dtypes, ranks, shapes, ranges, numpy scalars);
+hypothesis draws (entry point, argument, mutation) triples.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jax_hybrid_attn import FullAttentionSpec, LayerAttentionParams, make_attention_metadata, reference, write_kv
+from jax_hybrid_attn.allocator import AllocatorConfig, KVCacheManager
+from jax_hybrid_attn.testing import random_paged_inputs
+
+ERRORS = (ValueError, TypeError, NotImplementedError)
+NUM_SEEDS = 8
+"""Each mutation is applied to the valid call of each of these seeds (random values, same shapes)."""
+PARAMS = LayerAttentionParams(sliding_window=6)
+
+
+def array_mutations(x):
+    """Mutations of an array argument: (label, value, whether the value is equivalent to `x`)."""
+    x = np.asarray(x)
+    out = [
+        ("dict", {"x": 1}, False),
+        ("str", "x", False),
+        ("none", None, False),
+        ("list", x.tolist(), False),
+        ("rank+1", x[None], False),
+        ("rank-1", x.reshape(-1)[:1].reshape(()) if x.ndim == 1 else x.reshape(-1), False),
+        ("complex", x.astype(np.complex64), False),
+        ("bool", x.astype(bool), False),
+        ("numpy", x, True),
+    ]
+    if x.ndim and x.shape[0] > 1:
+        out.append(("shorter", x[:-1], False))
+    if np.issubdtype(x.dtype, np.integer):
+        out += [("int64", x.astype(np.int64), False), ("float", x.astype(np.float32), False),
+                ("negative", x - 1000, False), ("huge", x + 2**30, False)]  # fmt: skip
+    else:
+        with np.errstate(invalid="ignore"):  # NaN-filled caches cast to int
+            out += [("int", x.astype(np.int32), False), ("float16", x.astype(np.float16), False)]
+    return out
+
+
+def scalar_mutations(value, *, kind):
+    """Mutations of a scalar option: (label, value, equivalent)."""
+    out = [("str", "1", False), ("list", [value], False), ("dict", {}, False), ("nan", float("nan"), False)]
+    if kind == "int":
+        out += [("numpy", np.int64(value), True), ("negative", -value, False), ("zero", 0, False),
+                ("float", float(value) + 0.5, False), ("huge", 2**40, False), ("bool", True, False)]  # fmt: skip
+    if kind == "bool":
+        out += [("numpy", np.bool_(value), True), ("int", int(value), False), ("str-no", "no", False)]
+    return out
+
+
+def bases(seed: int) -> dict:
+    """The valid call of each entry point for `seed`."""
+    x = random_paged_inputs(seed, query_lens=[1, 6], seq_lens=[9, 20], num_q_heads=4, num_kv_heads=2, head_dim=8,
+                            block_size=4, dtype=jnp.float32)  # fmt: skip
+    slots = jnp.asarray(np.random.default_rng(seed).permutation(x.kv_cache.shape[0] * 4)[:5], jnp.int32)
+    return {
+        "paged_attention": dict(q=x.q, kv_cache=x.kv_cache, metadata=x.metadata),
+        "write_kv": dict(kv_cache=x.kv_cache, k=x.q[:5, :2], v=x.q[:5, 2:], slot_mapping=slots),
+        "make_attention_metadata": dict(query_lens=[1, 6], seq_lens=[9 + seed % 4, 20], num_tokens=8, block_size=4,
+                                        block_tables=[[1, 2, 3, 0, 0], [4, 5, 6, 7, 8 + seed]]),  # fmt: skip
+    }
+
+
+BASES = [bases(seed) for seed in range(NUM_SEEDS)]
+
+
+def attention_cases(base):
+    m = base["metadata"]
+    cases = []
+    for name in ("q", "kv_cache"):
+        cases += [(name, label, dict(base, **{name: v}), eq) for label, v, eq in array_mutations(base[name])]
+    for field in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        for label, v, eq in array_mutations(getattr(m, field)):
+            if label in ("numpy", "list", "dict", "str", "none"):
+                continue  # metadata holds arrays; these are covered on the arguments above
+            # Device values are read only with checked=True (unchecked, they are the caller's promise)
+            cases.append((f"metadata.{field}", label, dict(base, metadata=m.replace(**{field: v}), checked=True), eq))
+    for label, v, eq in scalar_mutations(True, kind="bool"):
+        cases.append(("checked", label, dict(base, checked=v), eq))
+    cases += [("params", "dict", dict(base, params={"sliding_window": 6}), False),
+              ("kv_layout", "bad", dict(base, kv_layout="NDH"), False),
+              ("sinks", "shape", dict(base, sinks=jnp.ones(3)), False),
+              ("k_scale", "not fp8", dict(base, k_scale=2.0), False)]  # fmt: skip
+    return cases
+
+
+def write_cases(base):
+    cases = []
+    for name in ("k", "v", "slot_mapping"):
+        checked = {"checked": True} if name == "slot_mapping" else {}  # slots are device values
+        cases += [(name, label, dict(base, **{name: v}, **checked), eq) for label, v, eq in array_mutations(base[name])]
+    for label, v, eq in scalar_mutations(True, kind="bool"):
+        cases.append(("checked", label, dict(base, checked=v), eq))
+    return cases
+
+
+def metadata_cases(base):
+    cases = []
+    for name in ("query_lens", "seq_lens", "block_tables"):
+        for label, v, eq in array_mutations(np.asarray(base[name], np.int32)):
+            cases.append((name, label, dict(base, **{name: v}), eq or label in ("list", "int64")))
+    for label, v, eq in scalar_mutations(4, kind="int"):
+        cases.append(("block_size", label, dict(base, block_size=v), eq))
+    for label, v, eq in scalar_mutations(8, kind="int"):
+        if label != "huge":
+            cases.append(("num_tokens", label, dict(base, num_tokens=v), eq))
+    return cases
+
+
+CALLS = {
+    "paged_attention": (lambda kw: reference.paged_attention(**kw, params=PARAMS) if "params" not in kw
+                        else reference.paged_attention(**kw)),  # fmt: skip
+    "write_kv": lambda kw: write_kv(**{**kw, "kv_cache": jnp.array(kw["kv_cache"])}),
+    "make_attention_metadata": lambda kw: make_attention_metadata(**kw),
+}
+MUTATIONS = {"paged_attention": attention_cases, "write_kv": write_cases, "make_attention_metadata": metadata_cases}
+FLAT = [  # (seed, entry point, case): every mutation of every entry point on every seed's valid call
+    (seed, entry, case) for seed in range(NUM_SEEDS) for entry, cases in MUTATIONS.items()
+    for case in cases(BASES[seed][entry])
+]  # fmt: skip
+
+
+def leaves(result):
+    return [np.asarray(x) for x in jax.tree.leaves(result)]
+
+
+@settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(index=st.integers(0, len(FLAT) - 1))
+def test_a_mutated_call_names_its_argument_or_equals_the_valid_call(index):
+    seed, entry, (argument, label, kwargs, equivalent) = FLAT[index]
+    call = CALLS[entry]
+    try:
+        got = call(kwargs)
+    except ERRORS as error:
+        root = argument.split(".")[0] if argument.startswith("metadata") else argument
+        assert root in str(error) or argument in str(error), f"{entry}({argument}: {label}): {error!r}"
+        return
+    want = call(BASES[seed][entry])
+    for a, b in zip(leaves(got), leaves(want), strict=True):
+        message = f"{entry}({argument}: {label}) accepted, with another result"
+        assert a.shape == b.shape, message
+        if entry == "paged_attention":  # a value only the device sees is flagged: whole tokens of NaN
+            flagged = np.isnan(a).all(axis=(1, 2))
+            assert not np.isnan(a[~flagged]).any(), message
+            a, b = a[~flagged], b[~flagged]
+        np.testing.assert_array_equal(a, b, err_msg=message)
+
+
+def manager_snapshot(m):
+    return [np.asarray(x).copy() for x in jax.tree.leaves(m.state)], dict(m._slot_of), list(m._free_slots)
+
+
+MANAGER_CALLS = [
+    ("token_ids", lambda m, v: m.add_request("new", v), [[], [1.5], [-1], [2**31], "abc", {"a": 1}, [[1, 2], [3]]]),
+    ("cache_salt", lambda m, v: m.add_request("new", [1, 2], cache_salt=v), [1.5, 7, [1], {}]),
+    ("adapter_id", lambda m, v: m.add_request("new", [1, 2], adapter_id=v), [-1, 2**31, 1.5, "a", True]),
+    ("request_id", lambda m, v: m.add_request(v, [1, 2]), [["list"], {"d": 1}, "kept"]),
+    ("token_ids", lambda m, v: m.append_token_ids("kept", v), [[1.5], [-3], [2**31], "x"]),
+    ("num_new_tokens", lambda m, v: m.schedule([("kept", v)]), [0, -1, 1.5, "1", 10**6]),
+]
+MANAGER_FLAT = [(name, call, value) for name, call, values in MANAGER_CALLS for value in values]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(index=st.integers(0, len(MANAGER_FLAT) - 1))
+def test_a_rejected_allocator_call_changes_nothing(index):
+    name, call, value = MANAGER_FLAT[index]
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype=jnp.float32)
+    m = _MANAGERS.setdefault("m", KVCacheManager(AllocatorConfig(specs=(spec,), num_blocks=16, max_num_seqs=3,
+                                                                 max_model_len=32, max_num_batched_tokens=8)))  # fmt: skip
+    if "kept" not in m._slot_of:
+        m.add_request("kept", [5, 6, 7])
+    before = manager_snapshot(m)
+    try:
+        call(m, value)
+    except ERRORS as error:
+        assert name in str(error), f"{name}={value!r}: {error!r}"
+        after = manager_snapshot(m)
+        for a, b in zip(before[0], after[0], strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert before[1:] == after[1:]
+        return
+    raise AssertionError(f"{name}={value!r} was accepted")
+
+
+_MANAGERS: dict = {}
