@@ -1,10 +1,10 @@
-"""The integer helpers every module needs: the checked-int argument test and ceiling division."""
+"""The scalar helpers every module needs: the checked-int and checked-bool argument tests, ceiling division."""
 
 import numbers
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "cdiv", "check_int", "is_int"]
+__all__ = ["INT32_MAX", "cdiv", "check_bool", "check_int", "is_int"]
 
 INT32_MAX = 2**31 - 1
 """The largest value a static size may take: positions, windows and chunks are int32 on the device."""
@@ -22,6 +22,13 @@ def check_int(name: str, value, *, minimum: int = 1, maximum: int | None = INT32
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name}={value!r} must be an int {bound}")
     return int(value)
+
+
+def check_bool(name: str, value) -> bool:
+    """`value` as a Python bool; `ValueError` naming `name` for anything but a bool or numpy bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}={value!r} must be a bool")
+    return bool(value)
 
 
 def cdiv(a, b):

@@ -22,7 +22,7 @@ from jaxtyping import Array, Int
 from ._compat import register_pytree_dataclass
 from .allocator import AllocatorConfig, StepOutput
 from .constants import PAD_SLOT_ID
-from .integers import INT32_MAX, cdiv, check_int
+from .integers import INT32_MAX, cdiv, check_bool, check_int
 
 __all__ = [
     "AttentionMetadata",
@@ -150,8 +150,7 @@ def make_attention_metadata(
         max_query_len = check_int("max_query_len", max_query_len, minimum=0)
     if max_seq_len is not None:
         max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
-    if not isinstance(causal, (bool, np.bool_)):
-        raise ValueError(f"causal={causal!r} must be a bool")
+    causal = check_bool("causal", causal)
     if num_tokens < num_actual_tokens:
         raise ValueError(f"{num_tokens=} is smaller than the {num_actual_tokens} query tokens")
     exact_max_query_len = int(query_lens.max(initial=0))
@@ -168,7 +167,7 @@ def make_attention_metadata(
         num_tokens=num_tokens,
         max_query_len=exact_max_query_len if max_query_len is None else max_query_len,
         max_seq_len=exact_max_seq_len if max_seq_len is None else max_seq_len,
-        causal=bool(causal),
+        causal=causal,
     )
 
 

@@ -17,7 +17,7 @@ import numbers
 
 import numpy as np
 
-from .integers import check_int
+from .integers import check_bool, check_int
 
 __all__ = [
     "CAUSAL",
@@ -45,13 +45,6 @@ def _optional_positive_float(name: str, value) -> float | None:
     if not (is_number and math.isfinite(value) and value > 0):
         raise ValueError(f"{name}={value!r} must be a finite number > 0 or None")
     return float(value)
-
-
-def _bool(name: str, value) -> bool:
-    """`value` as a Python bool (numpy bools accepted, anything else refused)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}={value!r} must be a bool")
-    return bool(value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,7 +77,7 @@ class LayerAttentionParams:
             sliding_window=_optional_int("sliding_window", self.sliding_window),
             attention_chunk_size=_optional_int("attention_chunk_size", self.attention_chunk_size),
             logits_soft_cap=_optional_positive_float("logits_soft_cap", self.logits_soft_cap),
-            causal=_bool("causal", self.causal),
+            causal=check_bool("causal", self.causal),
         )
         for name, value in checked.items():
             object.__setattr__(self, name, value)

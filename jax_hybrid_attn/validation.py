@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .constants import PAD_SLOT_ID
+from .integers import check_bool
 from .layout import FP8_DTYPE, KV_CACHE_DTYPES, check_kv_layout, kv_cache_dims
 from .metadata import AttentionMetadata
 from .params import LayerAttentionParams, check_params, resolve_sm_scale
@@ -30,13 +31,6 @@ def _check_array(name: str, x, *, ndim: int) -> None:
         raise ValueError(f"{name}.shape={tuple(x.shape)} must have {ndim} dimensions")
     if 0 in x.shape[1:]:
         raise ValueError(f"{name}.shape={tuple(x.shape)} must have no empty dimension after the first")
-
-
-def check_bool(name: str, value) -> bool:
-    """`value` as a Python bool; `ValueError` naming `name` for anything but a bool or numpy bool."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}={value!r} must be a bool")
-    return bool(value)
 
 
 def _check_index_array(name: str, x, *, ndim: int) -> None:
