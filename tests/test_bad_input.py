@@ -131,14 +131,18 @@ def unservable_cases():
     short_bound = x.metadata.replace(max_query_len=8)  # request 1 has 40 queries
     capacity = x.metadata.block_tables.shape[1] * 16
     beyond_table = x.metadata.replace(seq_lens=x.metadata.seq_lens.at[2].set(capacity + 7))
+    outside_pool = x.metadata.replace(block_tables=x.metadata.block_tables.at[0, 0].set(x.kv_cache.shape[0] + 3))
     starts = np.asarray(x.metadata.query_start_loc)
-    return x, [("max_query_len below a query", short_bound, 1), ("seq_len beyond the table", beyond_table, 2)], starts
+    cases = [("max_query_len below a query", short_bound, 1), ("seq_len beyond the table", beyond_table, 2),
+             ("block id outside the pool", outside_pool, 0)]  # fmt: skip
+    return x, cases, starts
 
 
 @pytest.mark.parametrize("implementation", ["reference", "kernel"])
 def test_metadata_the_kernels_cannot_serve_gives_nan_for_those_requests_only(implementation):
-    """A static bound below a request's query, or a sequence longer than its block table, is flagged: that
-    request's tokens are NaN (the kernels read nothing past the table), the other requests are exact."""
+    """A static bound below a request's query, a sequence longer than its block table, or a block id outside the
+    pool is flagged: that request's tokens are NaN (the kernels read nothing past the table or the pool), the other
+    requests are exact."""
     x, cases, starts = unservable_cases()
     interpret = implementation == "kernel" and jax.default_backend() != "gpu"
     want = reference.paged_attention(x.q, x.kv_cache, x.metadata)
