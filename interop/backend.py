@@ -174,6 +174,7 @@ class PagedAttentionBackend:
         self._aliases: dict[tuple, bool] = {}
         self._packed: jax.Array | None = None
         self._layout: PlanLayout | None = None
+        self._needed_blocks: tuple[int, ...] | None = None  # per group, from a checked plan
         self._plan_device: torch.device | None = None
         self._padding: torch.Tensor | None = None
 
@@ -207,6 +208,7 @@ class PagedAttentionBackend:
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
         causal: bool = True,
+        checked: bool = False,
     ) -> None:
         """Take this step's metadata (vLLM's `CommonAttentionMetadata` fields) for every following `run`.
 
@@ -217,19 +219,30 @@ class PagedAttentionBackend:
           slot_mapping: [T], or [G, T]; `PAD_SLOT_ID` (-1) for padding tokens.
           max_query_len, max_seq_len: host-side upper bounds (vLLM's); if None they are read from the tensors,
             which waits for them. Both are rounded up to a power of two to limit recompiles.
+          causal: whether the layers attend causally.
+          checked: also read the tensors' values (a copy to the host, which waits for them) and raise
+            `ValueError` for what the kernels cannot serve: `query_start_loc` not starting at 0 or decreasing,
+            query lengths above `seq_lens`, sequences beyond their block table, negative block ids, slots outside
+            the table's blocks or written twice, bounds below the actual maxima; each following `run` then checks
+            the ids and slots against its cache's block count.
 
-        The four tensors are packed, converted to int32 (an explicit, range-checked conversion of vLLM's int64
-        slot mapping), into one buffer on their device and imported into JAX once.
+        Always checked (no wait): types, dtypes, shapes, devices, and that int64 values fit int32 (this one reads
+        the int64 tensors). Unchecked values are the caller's promise: a request the kernels cannot serve gets NaN
+        output, never a wrong number, and a slot outside the cache is not written.
+
+        The four tensors are packed, converted to int32, into one buffer on their device and imported into JAX
+        once. A call that raises leaves the previous plan in place.
         """
         device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
         if self._padding is None or self._padding.device != device:
             self._padding = torch.zeros(PACKED_FIELD_ALIGNMENT // 4, dtype=torch.int32, device=device)
-        packed, self._layout = pack_plan(
+        packed, layout, needed_blocks = pack_plan(
             query_start_loc, seq_lens, block_tables, slot_mapping, num_groups=self.num_kv_cache_groups,
-            max_query_len=max_query_len, max_seq_len=max_seq_len, causal=causal, padding=self._padding,
+            block_size=self.block_size, max_query_len=max_query_len, max_seq_len=max_seq_len, causal=causal,
+            checked=checked, padding=self._padding,
         )  # fmt: skip
         self._packed = to_jax(packed, name="packed metadata")
-        self._plan_device = device
+        self._layout, self._needed_blocks, self._plan_device = layout, needed_blocks, device
 
     def run(
         self,
@@ -258,16 +271,23 @@ class PagedAttentionBackend:
         if layer not in self.layers:
             raise ValueError(f"{layer=} is not one of the backend's layers {sorted(self.layers)}")
         spec = self.layers[layer]
-        shape = (q.shape[0], spec.num_heads, spec.head_size)
+        num_tokens = self._layout.num_tokens
+        if not isinstance(q, torch.Tensor) or q.dim() == 0 or q.shape[0] != num_tokens:
+            got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"q must be a torch.Tensor of T={num_tokens} tokens (the plan's slot_mapping), got {got}")
+        shape = (num_tokens, spec.num_heads, spec.head_size)
         q_jax = self._import(q, "q", shape, dtypes=SUPPORTED_DTYPES)
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given, or both be None (a layer sharing another's cache)")
-        kv_shape = (q.shape[0], spec.num_kv_heads, spec.head_size)
-        k_jax = None if k is None else self._import(k, "k", kv_shape, dtypes=(q.dtype,))
-        v_jax = None if v is None else self._import(v, "v", kv_shape, dtypes=(q.dtype,))
-        if q.shape[0] != self._layout.num_tokens:
-            raise ValueError(f"q has {q.shape[0]} tokens, the plan's slot mapping {self._layout.num_tokens}")
+        kv_shape = (num_tokens, spec.num_kv_heads, spec.head_size)
+        k_jax = None if k is None else self._import(k, "k", kv_shape, dtypes=(q.dtype,), dtypes_are="q's dtype")
+        v_jax = None if v is None else self._import(v, "v", kv_shape, dtypes=(q.dtype,), dtypes_are="q's dtype")
         cache_jax = self._layer_cache(layer, kv_cache, spec)
+        if self._needed_blocks is not None and cache_jax.shape[0] < self._needed_blocks[spec.kv_cache_group]:
+            raise ValueError(
+                f"the checked plan's block_tables / slot_mapping of group {spec.kv_cache_group} need "
+                f"{self._needed_blocks[spec.kv_cache_group]} blocks, kv_cache of {layer!r} holds {cache_jax.shape[0]}"
+            )
         out_jax = None
         if out is not None:
             if out.dtype != q.dtype or tuple(out.shape) not in (shape, (shape[0], shape[1] * shape[2])):
@@ -321,11 +341,11 @@ class PagedAttentionBackend:
 
     # -------------------------------------------------------------------------------------------- helpers
 
-    def _import(self, tensor, name, shape, *, dtypes) -> jax.Array:
+    def _import(self, tensor, name, shape, *, dtypes, dtypes_are="supported") -> jax.Array:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in dtypes:
-            raise ValueError(f"{name}.dtype={tensor.dtype} must be one of {dtypes}")
+            raise ValueError(f"{name}.dtype={tensor.dtype} must be one of {dtypes} ({dtypes_are})")
         if tensor.device != self._plan_device:
             raise ValueError(f"{name} is on {tensor.device}, the plan's metadata on {self._plan_device}")
         if tensor.numel() != math.prod(shape) or tensor.shape[0] != shape[0]:

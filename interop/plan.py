@@ -11,10 +11,11 @@ Shape letters: T tokens · R requests · P blocks per request · G KV-cache grou
 import dataclasses
 
 import jax
+import numpy as np
 import torch
 
-from jax_hybrid_attn.integers import cdiv
-from jax_hybrid_attn.metadata import AttentionMetadata
+from jax_hybrid_attn import PAD_SLOT_ID, AttentionMetadata, check_metadata_values
+from jax_hybrid_attn.integers import cdiv, check_bool, check_int
 
 __all__ = ["PACKED_FIELD_ALIGNMENT", "PlanLayout", "pack_plan"]
 
@@ -133,6 +134,28 @@ def _check_int64_range(**tensors: torch.Tensor) -> None:
                 raise ValueError(f"{name} holds values in [{low}, {high}], outside int32's [{info.min}, {info.max}]")
 
 
+def _check_values(fields: list[torch.Tensor], layout: PlanLayout, *, block_size: int) -> tuple[int, ...]:
+    """The checked mode: every group's metadata, copied to the host, through `check_metadata_values` (the pool
+    size is not known yet). Returns per group the number of cache blocks its ids and slots need."""
+    query_start_loc, seq_lens, block_tables, slot_mapping = (field.cpu().numpy().astype(np.int32) for field in fields)
+    needed = []
+    for group in range(layout.num_groups):
+        metadata = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables[group],
+            slot_mapping=slot_mapping[group],
+            num_actual_tokens=np.asarray(query_start_loc[-1], np.int32),
+            max_query_len=layout.max_query_len,
+            max_seq_len=layout.max_seq_len,
+            causal=layout.causal,
+        )
+        check_metadata_values(metadata, num_blocks=None, block_size=block_size)
+        highest_slot = max(slot_mapping[group].max(initial=PAD_SLOT_ID), PAD_SLOT_ID)
+        needed.append(max(int(block_tables[group].max(initial=0)), highest_slot // block_size) + 1)
+    return tuple(needed)
+
+
 def pack_plan(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -140,14 +163,19 @@ def pack_plan(
     slot_mapping: torch.Tensor,
     *,
     num_groups: int,
+    block_size: int,
     max_query_len: int | None,
     max_seq_len: int | None,
     causal: bool,
+    checked: bool,
     padding: torch.Tensor,
-) -> tuple[torch.Tensor, PlanLayout]:
+) -> tuple[torch.Tensor, PlanLayout, tuple[int, ...] | None]:
     """Check one step's metadata and pack it into one int32 tensor on its device (see `PagedAttentionBackend.plan`
     for the arguments; `padding` is a zero int32 tensor of at least one alignment's elements on that device).
-    Returns (the packed tensor, its layout). Bounds left None are read from the tensors, which waits for them."""
+
+    Returns (the packed tensor, its layout, and with ``checked=True`` the number of cache blocks each group's
+    ids and slots need, else None). Bounds left None are read from the tensors, which waits for them."""
+    checked, causal = check_bool("checked", checked), check_bool("causal", causal)
     _check_tensors(
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping
     )
@@ -163,18 +191,21 @@ def pack_plan(
     )
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
+        if max_query_len < 0:
+            raise ValueError(f"query_start_loc={query_start_loc.tolist()} must never decrease")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if num_reqs else 0
-    for name, value in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
-        if not isinstance(value, int) or value < 0:
-            raise ValueError(f"{name}={value!r} must be an int >= 0")
+        if max_seq_len < 0:
+            raise ValueError(f"seq_lens={seq_lens.tolist()} must be >= 0")
     layout = PlanLayout(
         num_reqs=num_reqs,
         num_tokens=slot_mapping.shape[1],
         num_groups=num_groups,
         blocks_per_req=block_tables.shape[2],
-        max_query_len=_bucket(max_query_len),
-        max_seq_len=_bucket(max_seq_len),
+        max_query_len=_bucket(check_int("max_query_len", max_query_len, minimum=0)),
+        max_seq_len=_bucket(check_int("max_seq_len", max_seq_len, minimum=0)),
         causal=causal,
     )
-    return _pack([query_start_loc, seq_lens, *block_tables, *slot_mapping], padding), layout
+    fields = [query_start_loc, seq_lens, block_tables, slot_mapping]
+    needed_blocks = _check_values(fields, layout, block_size=block_size) if checked else None
+    return _pack([query_start_loc, seq_lens, *block_tables, *slot_mapping], padding), layout, needed_blocks

@@ -21,7 +21,8 @@ from .kernels.mixed_batch import paged_attention_kernels
 from .kv_cache import write_kv
 from .layout import KVLayout
 from .metadata import AttentionMetadata
-from .params import CAUSAL, LayerAttentionParams, check_params
+from .params import CAUSAL, LayerAttentionParams
+from .validation import check_paged_attention_args
 
 __all__ = ["IMPLEMENTATIONS", "layer_attention", "paged_attention"]
 
@@ -96,7 +97,11 @@ def layer_attention(
     Returns:
       (attention output [T, N, H] in q's dtype, the updated cache).
     """
-    check_params(params)
+    # The attention's checks first: the write below would otherwise report the metadata's errors as its own
+    check_paged_attention_args(
+        q, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
+        checked=False,
+    )  # fmt: skip
     if (k is None) != (v is None):
         raise ValueError("k and v must both be given, or both be None (a layer that reads another layer's cache)")
     implementation = _resolve_implementation(implementation, interpret)

@@ -56,7 +56,8 @@ def write_kv(
       kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND").
       k, v: [T, K, H] this step's keys and values.
       slot_mapping: [T] int32, ``block_id * S + offset``, or `PAD_SLOT_ID`.
-      checked: also check that every slot lies in the cache or is `PAD_SLOT_ID` (needs concrete values).
+      checked: also check that every slot lies in the cache or is `PAD_SLOT_ID`, and that no slot is named
+        twice (needs concrete values; unchecked, a slot outside the cache is dropped).
     """
     k_scale, v_scale = check_write_kv_args(
         kv_cache, k, v, slot_mapping, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale, checked=checked

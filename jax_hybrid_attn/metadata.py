@@ -122,6 +122,13 @@ def make_attention_metadata(
       block_size: S, tokens per block.
       num_tokens: T; tokens past ``sum(query_lens)`` are padding (`PAD_SLOT_ID`). Default: no padding.
       max_query_len, max_seq_len: static upper bounds (e.g. bucketed to limit recompiles); default exact.
+      causal: whether the layers that read this metadata are causal.
+
+    Everything is checked on the host, always (`ValueError` naming the argument): integer arrays whose values
+    fit int32 (numpy integers accepted), matching shapes, ``0 <= query_lens <= seq_lens``, block ids >= 0 whose
+    slots fit int32, tables that cover `seq_lens`, and bounds at or above the actual maxima. Not checked, because
+    the pool size is not an argument: block ids below the cache's block count (``paged_attention(checked=True)``
+    checks it; unchecked, a request with an id outside the pool gets NaN output).
     """
     check_int("block_size", block_size)
     query_lens = _host_int32("query_lens", query_lens)
@@ -229,12 +236,16 @@ def metadata_from_step(
         decode-only step may pass 1, which skips the kernels' prefill launch).
       causal: whether the group's layers are causal.
     """
-    if not isinstance(group, int) or isinstance(group, bool) or not 0 <= group < config.num_groups:
-        raise ValueError(f"{group=} must be an int in [0, {config.num_groups})")
+    if not isinstance(config, AllocatorConfig):
+        raise ValueError(f"config must be an AllocatorConfig, got {type(config).__name__}")
+    group = check_int("group", group, minimum=0, maximum=config.num_groups - 1)
+    if not isinstance(out, StepOutput):
+        raise ValueError(f"out must be the StepOutput of allocate_slots, got {type(out).__name__}")
     if out.block_tables is None:
         raise ValueError("out.block_tables is None: call allocate_slots with return_block_tables=True")
     max_query_len = config.max_num_batched_tokens if max_query_len is None else max_query_len
-    check_int("max_query_len", max_query_len, minimum=0)
+    max_query_len = check_int("max_query_len", max_query_len, minimum=0)
+    causal = check_bool("causal", causal)
     return AttentionMetadata(
         query_start_loc=out.query_start_loc,
         seq_lens=out.seq_lens,

@@ -50,7 +50,11 @@ def paged_attention(
       sinks: [N] one learned logit per query head, unscaled, in the softmax denominator only.
       kv_layout: "NHD" or "HND".
       k_scale, v_scale: per-tensor dequantization scales of a float8_e4m3fn cache.
-      checked: also validate the metadata's values (block ids, lengths); needs concrete arrays.
+      checked: also validate the metadata's values (`check_metadata_values`: block ids in the pool, lengths
+        within the tables, query offsets, slots in the cache and none twice, the static bounds); needs concrete
+        arrays. Always checked: types, dtypes, shapes and options. Unchecked values never give a wrong number:
+        a request the metadata cannot serve (a sequence beyond its table, a block id outside the pool, a query
+        longer than ``max_query_len``) gets NaN output, on the kernels and here alike.
 
     Returns:
       [T, N, H] in ``q.dtype``. Query head n reads KV head ``n // (N // K)``.

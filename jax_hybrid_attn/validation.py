@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .constants import PAD_SLOT_ID
-from .integers import check_bool
+from .integers import INT32_MAX, check_bool
 from .layout import FP8_DTYPE, KV_CACHE_DTYPES, check_kv_layout, kv_cache_dims
 from .metadata import AttentionMetadata
 from .params import LayerAttentionParams, check_params, resolve_sm_scale
@@ -72,8 +72,23 @@ def _concrete(name: str, x) -> np.ndarray:
     return np.asarray(x)
 
 
-def check_metadata_values(metadata: AttentionMetadata, *, num_blocks: int, block_size: int) -> None:
-    """Value checks: block ids in the pool, lengths within the tables, consistent query offsets."""
+def check_slot_values(name: str, slots: np.ndarray, *, num_slots: int) -> None:
+    """Every slot lies in ``[0, num_slots)`` or is `PAD_SLOT_ID`, and none is written twice in one step."""
+    is_slot = slots != PAD_SLOT_ID
+    outside = is_slot & ((slots < 0) | (slots >= num_slots))
+    if outside.any():
+        raise ValueError(
+            f"{name} holds {slots[outside][:4].tolist()}: slots must lie in [0, {num_slots}) or be "
+            f"PAD_SLOT_ID={PAD_SLOT_ID}"
+        )
+    values, counts = np.unique(slots[is_slot], return_counts=True)
+    if np.any(counts > 1):
+        raise ValueError(f"{name} writes slots {values[counts > 1][:4].tolist()} more than once in one step")
+
+
+def check_metadata_values(metadata: AttentionMetadata, *, num_blocks: int | None, block_size: int) -> None:
+    """Value checks: block ids in the pool (``num_blocks=None``: only not negative), lengths within the tables,
+    consistent query offsets, no slot written twice, static bounds at or above the actual maxima."""
     check_metadata(metadata)
     query_start_loc = _concrete("metadata.query_start_loc", metadata.query_start_loc)
     seq_lens = _concrete("metadata.seq_lens", metadata.seq_lens)
@@ -93,16 +108,12 @@ def check_metadata_values(metadata: AttentionMetadata, *, num_blocks: int, block
     capacity = block_tables.shape[1] * block_size
     if np.any(seq_lens > capacity):
         raise ValueError(f"metadata.seq_lens={seq_lens.tolist()} exceed the block tables' capacity {capacity} tokens")
-    if block_tables.size and (block_tables.min() < 0 or block_tables.max() >= num_blocks):
+    pool = INT32_MAX if num_blocks is None else num_blocks
+    if block_tables.size and (block_tables.min() < 0 or block_tables.max() >= pool):
         raise ValueError(
             f"metadata.block_tables holds ids in [{block_tables.min()}, {block_tables.max()}], outside [0, {num_blocks=})"
         )
-    bad_slots = (slot_mapping != PAD_SLOT_ID) & ((slot_mapping < 0) | (slot_mapping >= num_blocks * block_size))
-    if bad_slots.any():
-        raise ValueError(
-            f"metadata.slot_mapping holds {slot_mapping[bad_slots][:4].tolist()}: slots must lie in "
-            f"[0, {num_blocks * block_size}) or be PAD_SLOT_ID={PAD_SLOT_ID}"
-        )
+    check_slot_values("metadata.slot_mapping", slot_mapping, num_slots=pool * block_size)
     if query_lens.size and (
         metadata.max_query_len < query_lens.max() or metadata.max_seq_len < seq_lens.max()
     ):
@@ -167,13 +178,7 @@ def check_write_kv_args(kv_cache, k, v, slot_mapping, *, kv_layout, k_scale, v_s
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [T={k.shape[0]}]")
     if checked:
-        slots = _concrete("slot_mapping", slot_mapping)
-        bad = (slots != PAD_SLOT_ID) & ((slots < 0) | (slots >= num_blocks * block_size))
-        if bad.any():
-            raise ValueError(
-                f"slot_mapping holds {slots[bad][:4].tolist()}: slots must lie in [0, {num_blocks * block_size}) "
-                f"or be PAD_SLOT_ID={PAD_SLOT_ID}"
-            )
+        check_slot_values("slot_mapping", _concrete("slot_mapping", slot_mapping), num_slots=num_blocks * block_size)
     return resolve_kv_scales(kv_cache.dtype, k_scale, v_scale)
 
 

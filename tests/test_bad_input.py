@@ -167,3 +167,30 @@ def test_host_metadata_helpers_refuse_negative_values():
     with pytest.raises(ValueError, match="seq_lens"):
         make_local_attention_virtual_batches(4, metadata.replace(seq_lens=jnp.asarray([-4], jnp.int32)), 4)
     assert make_attention_metadata(np.asarray([1]), [3], [[1]], block_size=np.int64(4)).num_tokens == 1
+
+
+def test_checked_writes_refuse_a_slot_named_twice_in_one_step():
+    x = random_paged_inputs(0, query_lens=[3], seq_lens=[3], **SMALL)
+    slots = jnp.asarray([17, 18, 17], jnp.int32)
+    with pytest.raises(ValueError, match="slot_mapping writes slots \\[17\\] more than once"):
+        write_kv(jnp.array(x.kv_cache), x.q[:, :2], x.q[:, 2:], slots, checked=True)
+    with pytest.raises(ValueError, match="more than once"):
+        paged_attention(x.q, x.kv_cache, x.metadata.replace(slot_mapping=slots), checked=True)
+
+
+def test_schedule_checks_each_per_request_option_before_anything_changes():
+    m = manager()
+    m.add_request("kept", [5, 6, 7])
+    for kwargs, match in [
+        (dict(new_tokens="kept"), "new_tokens"),
+        (dict(new_tokens=[("kept", 1)], num_lookahead_tokens=[1.5]), "num_lookahead_tokens"),
+        (dict(new_tokens=[("kept", 1)], num_lookahead_tokens=[0, 0]), "num_lookahead_tokens"),
+        (dict(new_tokens=[("kept", 1)], full_sequence_must_fit=["yes"]), "full_sequence_must_fit"),
+        (dict(new_tokens=[("kept", np.float64(1))]), "num_new_tokens"),
+    ]:
+        before = snapshot(m)
+        with pytest.raises(ValueError, match=match):
+            m.schedule(**kwargs)
+        assert_same(before, snapshot(m))
+    out = m.schedule([("kept", np.int64(3))], num_lookahead_tokens=[np.int64(0)], full_sequence_must_fit=[np.bool_(0)])
+    assert bool(out.success[0])

@@ -7,13 +7,25 @@ A valid call per entry point, and mutations per argument (types, dtypes, ranks, 
 hypothesis draws (entry point, argument, mutation) triples.
 """
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jax_hybrid_attn import FullAttentionSpec, LayerAttentionParams, make_attention_metadata, reference, write_kv
+from jax_hybrid_attn import (
+    FullAttentionSpec,
+    LayerAttentionParams,
+    SlidingWindowSpec,
+    layer_attention,
+    make_attention_metadata,
+    metadata_from_step,
+    reference,
+    write_kv,
+)
 from jax_hybrid_attn.allocator import AllocatorConfig, KVCacheManager
 from jax_hybrid_attn.testing import random_paged_inputs
 
@@ -59,16 +71,38 @@ def scalar_mutations(value, *, kind):
     return out
 
 
+STEP_CONFIG = AllocatorConfig(
+    specs=(SlidingWindowSpec(sliding_window=8, block_size=4, num_kv_heads=1, head_size=4, dtype=jnp.float32),
+           FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype=jnp.float32)),
+    num_blocks=32, max_num_seqs=3, max_model_len=32, max_num_batched_tokens=8,
+)  # fmt: skip
+
+
+@functools.cache
+def step_output():
+    """A `StepOutput` of a real step: two requests, a 5-token and a 3-token prompt."""
+    manager = KVCacheManager(STEP_CONFIG)
+    manager.add_request("a", list(range(5)))
+    manager.add_request("b", list(range(10, 13)))
+    return manager.schedule([("a", 5), ("b", 3)])
+
+
 def bases(seed: int) -> dict:
     """The valid call of each entry point for `seed`."""
     x = random_paged_inputs(seed, query_lens=[1, 6], seq_lens=[9, 20], num_q_heads=4, num_kv_heads=2, head_dim=8,
                             block_size=4, dtype=jnp.float32)  # fmt: skip
     slots = jnp.asarray(np.random.default_rng(seed).permutation(x.kv_cache.shape[0] * 4)[:5], jnp.int32)
+    kv = jax.random.normal(jax.random.key(seed), (2, x.q.shape[0], 2, 8), jnp.float32)
     return {
         "paged_attention": dict(q=x.q, kv_cache=x.kv_cache, metadata=x.metadata),
+        "layer_attention": dict(q=x.q, k=kv[0], v=kv[1], kv_cache=x.kv_cache, metadata=x.metadata, params=PARAMS),
         "write_kv": dict(kv_cache=x.kv_cache, k=x.q[:5, :2], v=x.q[:5, 2:], slot_mapping=slots),
         "make_attention_metadata": dict(query_lens=[1, 6], seq_lens=[9 + seed % 4, 20], num_tokens=8, block_size=4,
                                         block_tables=[[1, 2, 3, 0, 0], [4, 5, 6, 7, 8 + seed]]),  # fmt: skip
+        "metadata_from_step": dict(config=STEP_CONFIG, out=step_output(), group=seed % 2, max_query_len=8,
+                                   causal=True),  # fmt: skip
+        "LayerAttentionParams": dict(sm_scale=0.25 + seed, sliding_window=6 + seed, attention_chunk_size=None,
+                                     logits_soft_cap=30.0, causal=seed % 2 == 0),  # fmt: skip
     }
 
 
@@ -95,6 +129,58 @@ def attention_cases(base):
     return cases
 
 
+def layer_cases(base):
+    cases = []
+    for name in ("q", "k", "v", "kv_cache"):
+        cases += [(name, label, dict(base, **{name: v}), eq) for label, v, eq in array_mutations(base[name])]
+    m = base["metadata"]
+    for field in ("query_start_loc", "slot_mapping"):  # static checks only: layer_attention runs under jit
+        for label, v, eq in array_mutations(getattr(m, field)):
+            if label in ("rank+1", "shorter", "float", "int64", "complex", "bool"):
+                cases.append((f"metadata.{field}", label, dict(base, metadata=m.replace(**{field: v})), eq))
+    cases += [("params", "dict", dict(base, params={"sliding_window": 6}), False),
+              ("params", "none", dict(base, params=None), False),
+              ("sinks", "shape", dict(base, sinks=jnp.ones(3)), False),
+              ("k", "none alone", dict(base, k=None), False),
+              ("kv_layout", "bad", dict(base, kv_layout="NDH"), False),
+              ("implementation", "bad", dict(base, implementation="triton"), False)]  # fmt: skip
+    return cases
+
+
+def step_metadata_cases(base):
+    cases = [("config", "dict", dict(base, config={}), False), ("config", "none", dict(base, config=None), False),
+             ("out", "dict", dict(base, out={}), False),
+             ("out", "no tables", dict(base, out=dataclasses.replace(base["out"], block_tables=None)), False)]  # fmt: skip
+    for label, v, eq in scalar_mutations(base["group"] + 1, kind="int"):  # + 1: "negative" is never group 0
+        if label == "numpy":
+            v = np.int64(base["group"])
+        if label != "zero":  # group 0 is valid, with another result
+            cases.append(("group", label, dict(base, group=v), eq))
+    cases.append(("group", "past the groups", dict(base, group=STEP_CONFIG.num_groups), False))
+    for label, v, eq in scalar_mutations(8, kind="int"):
+        if label not in ("zero", "huge"):  # 0 is a valid bound (no prefill); huge is valid too
+            cases.append(("max_query_len", label, dict(base, max_query_len=v), eq))
+    for label, v, eq in scalar_mutations(True, kind="bool"):
+        cases.append(("causal", label, dict(base, causal=v), eq))
+    return cases
+
+
+def params_cases(base):
+    cases = []
+    for name, kind in (("sliding_window", "int"), ("sm_scale", "float"), ("logits_soft_cap", "float"),
+                       ("attention_chunk_size", "int"), ("causal", "bool")):  # fmt: skip
+        value = base[name] if base[name] is not None else 16
+        for label, v, eq in scalar_mutations(value, kind=kind):
+            if not (label == "numpy" and base[name] is None):  # a numpy value is no equivalent of None
+                cases.append((name, label, dict(base, **{name: v}), eq))
+        if kind == "float":
+            cases += [(name, "numpy", dict(base, **{name: np.float32(value)}), True),  # exact in float32
+                      (name, "inf", dict(base, **{name: float("inf")}), False),
+                      (name, "negative", dict(base, **{name: -value}), False), (name, "zero", dict(base, **{name: 0.0}), False),
+                      (name, "bool", dict(base, **{name: True}), False)]  # fmt: skip
+    return cases
+
+
 def write_cases(base):
     cases = []
     for name in ("k", "v", "slot_mapping"):
@@ -118,13 +204,29 @@ def metadata_cases(base):
     return cases
 
 
+def with_copied_cache(kw):
+    """The arguments with a copy of the cache, which `write_kv` and `layer_attention` donate."""
+    cache = kw.get("kv_cache")
+    return {**kw, "kv_cache": jnp.array(cache)} if isinstance(cache, jax.Array) else kw
+
+
 CALLS = {
     "paged_attention": (lambda kw: reference.paged_attention(**kw, params=PARAMS) if "params" not in kw
                         else reference.paged_attention(**kw)),  # fmt: skip
-    "write_kv": lambda kw: write_kv(**{**kw, "kv_cache": jnp.array(kw["kv_cache"])}),
+    "layer_attention": lambda kw: layer_attention(**with_copied_cache(kw)),
+    "write_kv": lambda kw: write_kv(**with_copied_cache(kw)),
     "make_attention_metadata": lambda kw: make_attention_metadata(**kw),
+    "metadata_from_step": lambda kw: metadata_from_step(**kw),
+    "LayerAttentionParams": lambda kw: LayerAttentionParams(**kw),
 }
-MUTATIONS = {"paged_attention": attention_cases, "write_kv": write_cases, "make_attention_metadata": metadata_cases}
+MUTATIONS = {
+    "paged_attention": attention_cases,
+    "layer_attention": layer_cases,
+    "write_kv": write_cases,
+    "make_attention_metadata": metadata_cases,
+    "metadata_from_step": step_metadata_cases,
+    "LayerAttentionParams": params_cases,
+}
 FLAT = [  # (seed, entry point, case): every mutation of every entry point on every seed's valid call
     (seed, entry, case) for seed in range(NUM_SEEDS) for entry, cases in MUTATIONS.items()
     for case in cases(BASES[seed][entry])
@@ -132,10 +234,12 @@ FLAT = [  # (seed, entry point, case): every mutation of every entry point on ev
 
 
 def leaves(result):
+    if isinstance(result, LayerAttentionParams):  # equal parameters must also hash alike (a static argument)
+        return [np.asarray(hash(result)), *(np.asarray(x, object) for x in dataclasses.astuple(result))]
     return [np.asarray(x) for x in jax.tree.leaves(result)]
 
 
-@settings(max_examples=1200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(index=st.integers(0, len(FLAT) - 1))
 def test_a_mutated_call_names_its_argument_or_equals_the_valid_call(index):
     seed, entry, (argument, label, kwargs, equivalent) = FLAT[index]
@@ -143,15 +247,18 @@ def test_a_mutated_call_names_its_argument_or_equals_the_valid_call(index):
     try:
         got = call(kwargs)
     except ERRORS as error:
+        assert not equivalent, f"{entry}({argument}: {label}) is valid input, refused: {error!r}"
         root = argument.split(".")[0] if argument.startswith("metadata") else argument
         assert root in str(error) or argument in str(error), f"{entry}({argument}: {label}): {error!r}"
         return
     want = call(BASES[seed][entry])
     for a, b in zip(leaves(got), leaves(want), strict=True):
         message = f"{entry}({argument}: {label}) accepted, with another result"
+        if a.ndim == 5 and a.shape[0] < b.shape[0]:  # a shorter cache is valid: slots past it are dropped
+            b = b[: a.shape[0]]
         assert a.shape == b.shape, message
-        if entry == "paged_attention":  # a value only the device sees is flagged: whole tokens of NaN
-            flagged = np.isnan(a).all(axis=(1, 2))
+        if entry in ("paged_attention", "layer_attention") and a.ndim == 3:  # a value only the device sees is
+            flagged = np.isnan(a).all(axis=(1, 2))  # flagged: whole tokens of NaN
             assert not np.isnan(a[~flagged]).any(), message
             a, b = a[~flagged], b[~flagged]
         np.testing.assert_array_equal(a, b, err_msg=message)
@@ -168,6 +275,12 @@ MANAGER_CALLS = [
     ("request_id", lambda m, v: m.add_request(v, [1, 2]), [["list"], {"d": 1}, "kept"]),
     ("token_ids", lambda m, v: m.append_token_ids("kept", v), [[1.5], [-3], [2**31], "x"]),
     ("num_new_tokens", lambda m, v: m.schedule([("kept", v)]), [0, -1, 1.5, "1", 10**6]),
+    ("new_tokens", lambda m, v: m.schedule(v), ["kept", [("kept",)], [("kept", 1, 2)], 3]),
+    ("num_lookahead_tokens", lambda m, v: m.schedule([("kept", 1)], num_lookahead_tokens=v),
+     [[1.5], ["1"], [-1], [1, 1], 2, [np.nan]]),
+    ("full_sequence_must_fit", lambda m, v: m.schedule([("kept", 1)], full_sequence_must_fit=v),
+     [["yes"], [1], [True, False], True]),
+    ("token_ids", lambda m, v: m.add_request("new", v), [[[1, 2], [3, 4]], 5, [True, 2]]),
 ]
 MANAGER_FLAT = [(name, call, value) for name, call, values in MANAGER_CALLS for value in values]
 

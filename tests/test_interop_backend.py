@@ -303,3 +303,28 @@ def test_plan_refuses_int64_values_beyond_int32_and_run_checks_the_out_shape():
     backend.plan(**step)
     with pytest.raises(ValueError, match="out.shape"):
         backend.run("l", q, k, v, caches[0], out=torch.empty(q.shape[0], 16, 4, dtype=q.dtype))
+
+
+def test_a_checked_plan_refuses_what_the_kernels_cannot_serve_and_keeps_the_previous_plan():
+    step, caches, q, k, v = make_step()
+    backend = PagedAttentionBackend({"l": AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)}, block_size=BLOCK_SIZE)
+    backend.plan(**step, checked=True)
+    planned = (backend._packed, backend._layout)
+    slots, qsl = step["slot_mapping"], step["query_start_loc"]
+    twice = slots.clone()
+    twice[1] = twice[0]
+    decreasing = qsl.clone()
+    decreasing[2] = decreasing[1] - 1
+    for bad, match in [
+        (dict(slot_mapping=twice), "more than once"),
+        (dict(query_start_loc=decreasing), "never decrease"),
+        (dict(seq_lens=step["seq_lens"] + 1000), "capacity"),
+        (dict(block_tables=step["block_tables"] - 100), "block_tables"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            backend.plan(**dict(step, **bad), checked=True)
+        assert (backend._packed, backend._layout) == planned  # the previous plan is still in place
+    backend.plan(**dict(step, slot_mapping=twice))  # unchecked: the caller's promise
+    backend.plan(**step, checked=True)
+    with pytest.raises(ValueError, match="kv_cache of 'l' holds 2"):  # ids and slots against the run's cache
+        backend.run("l", q, k, v, caches[0][:2].clone())

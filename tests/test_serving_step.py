@@ -232,7 +232,11 @@ def test_join_refuses_bad_arguments():
         metadata_from_step(config, dataclasses.replace(out, block_tables=None), 0)
     with pytest.raises(ValueError, match="max_query_len"):
         metadata_from_step(config, out, 0, max_query_len=-1)
+    with pytest.raises(ValueError, match="causal"):
+        metadata_from_step(config, out, 0, causal="yes")
     metadata = metadata_from_step(config, out, 0)
+    same = metadata_from_step(config, out, np.int64(0), max_query_len=np.int64(config.max_num_batched_tokens))
+    assert (same.max_query_len, type(same.max_query_len)) == (metadata.max_query_len, int)  # numpy ints are valid
     shape = (config.num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     q = jnp.zeros((config.max_num_batched_tokens, NUM_Q_HEADS, HEAD_DIM))
     k = jnp.zeros((config.max_num_batched_tokens, NUM_KV_HEADS, HEAD_DIM))

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..integers import INT32_MAX, check_int
+from ..integers import INT32_MAX, check_bool, check_int
 from . import pool as pool_ops
 from . import requests as request_ops
 from . import step as step_ops
@@ -41,16 +41,28 @@ def _check_request_id(request_id) -> None:
 def _token_ids(name: str, token_ids) -> np.ndarray:
     """Token ids as a flat int64 array; `ValueError` naming `name` for non-integers (floats, bools) or values
     outside ``[0, 2**31)``."""
+    if isinstance(token_ids, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in token_ids):
+        raise ValueError(f"{name} must hold integer token ids, not bools")
     try:
         tokens = np.asarray(token_ids)
     except (TypeError, ValueError) as error:
         raise ValueError(f"{name} must be a sequence of int token ids: {error}") from error
-    tokens = tokens.reshape(-1)
+    if tokens.ndim != 1:
+        raise ValueError(f"{name} must be a flat sequence of token ids, got shape {tokens.shape}")
     if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
         raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
     if tokens.size and (tokens.min() < 0 or tokens.max() > INT32_MAX):
         raise ValueError(f"{name} must hold token ids in [0, {INT32_MAX}], got [{tokens.min()}, {tokens.max()}]")
     return tokens.astype(np.int64)
+
+
+def _per_request(name: str, values, default, num_requests: int, check) -> list:
+    """One checked value per request: `values` (a sequence of `num_requests`), or `default` for each if None."""
+    if values is None:
+        return [default] * num_requests
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != num_requests:
+        raise ValueError(f"{name}={values!r} must give one value per request ({num_requests})")
+    return [check(name, value) for value in values]
 
 
 class KVCacheManager:
@@ -92,7 +104,11 @@ class KVCacheManager:
     ):
         """Register a request and its prompt; its full blocks are hashed on the device. Returns its slot.
 
-        Every argument is checked before anything changes: a rejected call leaves the manager as it was."""
+        Checked (on the host, always), before anything changes, so that a rejected call leaves the manager as it
+        was: `request_id` hashable and new; `token_ids` a flat, non-empty sequence of integer ids (no floats or
+        bools) in ``[0, 2**31)`` and at most ``max_model_len`` long; `adapter_id` an int >= 0; `cache_salt` None,
+        str or bytes; a free request slot. Raises `ValueError` (`TypeError` for an unhashable id) naming the
+        argument."""
         _check_request_id(request_id)
         if request_id in self._slot_of:
             raise ValueError(f"request_id={request_id!r} is already added")
@@ -124,8 +140,10 @@ class KVCacheManager:
         return slot
 
     def append_token_ids(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
-        """Append tokens (e.g. the one sampled this step) to a request (checked first: a rejected call changes
-        nothing)."""
+        """Append tokens (e.g. the one sampled this step) to a request.
+
+        Checked first, on the host (a rejected call changes nothing): a known `request_id`; `token_ids` a flat
+        sequence of integer ids in ``[0, 2**31)`` that keeps the request within ``max_model_len``."""
         slot = self._slot(request_id)
         tokens = _token_ids("token_ids", token_ids).reshape(1, -1)
         length = self.num_tokens(request_id)
@@ -161,16 +179,20 @@ class KVCacheManager:
         """One `allocate_slots` call for a batch of ``(request_id, num_new_tokens)``, in row order (vLLM's: running
         requests, then new ones). Rows are padded to ``max_num_seqs``; T is ``max_num_batched_tokens``."""
         config = self.config
+        if not isinstance(new_tokens, Sequence) or not all(
+            isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2 for pair in new_tokens
+        ):
+            raise ValueError(f"new_tokens={new_tokens!r} must be a sequence of (request_id, num_new_tokens) pairs")
         if len(new_tokens) > config.max_num_seqs:
             raise ValueError(f"{len(new_tokens)} requests exceed max_num_seqs={config.max_num_seqs}")
         ids = [request_id for request_id, _ in new_tokens]
         if len(set(ids)) != len(ids):
             raise ValueError(f"request ids {ids!r} must be distinct")
-        counts = [count for _, count in new_tokens]
+        counts = []
         for request_id, count in new_tokens:
             self._slot(request_id)
             try:
-                check_int("num_new_tokens", int(count) if isinstance(count, np.integer) else count)
+                counts.append(check_int("num_new_tokens", count))
             except ValueError as error:
                 raise ValueError(f"{error} (request {request_id!r})") from None
         if sum(counts) > config.max_num_batched_tokens:
@@ -178,19 +200,11 @@ class KVCacheManager:
                 f"num_new_tokens={counts} sum to {sum(counts)}, more than max_num_batched_tokens="
                 f"{config.max_num_batched_tokens}"
             )
-        lookahead = [0] * len(ids) if num_lookahead_tokens is None else list(num_lookahead_tokens)
-        if len(lookahead) != len(ids) or any(x < 0 or x > config.max_num_lookahead_tokens for x in lookahead):
-            raise ValueError(
-                f"num_lookahead_tokens={lookahead!r} must give each request a value in "
-                f"[0, max_num_lookahead_tokens={config.max_num_lookahead_tokens}]"
-            )
-        must_fit = (
-            [False] * len(ids)
-            if full_sequence_must_fit is None
-            else [bool(x) for x in full_sequence_must_fit]
-        )
-        if len(must_fit) != len(ids):
-            raise ValueError(f"full_sequence_must_fit has {len(must_fit)} entries for {len(ids)} requests")
+        lookahead = _per_request(
+            "num_lookahead_tokens", num_lookahead_tokens, 0, len(ids),
+            lambda name, x: check_int(name, x, minimum=0, maximum=config.max_num_lookahead_tokens),
+        )  # fmt: skip
+        must_fit = _per_request("full_sequence_must_fit", full_sequence_must_fit, False, len(ids), check_bool)
 
         pad = config.max_num_seqs - len(ids)
         slots = np.array([self._slot_of[i] for i in ids] + [-1] * pad, np.int32)
