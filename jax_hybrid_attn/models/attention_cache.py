@@ -1,0 +1,102 @@
+"""What a decoder's attention layers read and write, behind one interface.
+
+A model never builds metadata or touches a block table. It calls ``cache.attend(layer, q, k, v, params=...,
+sinks=...)`` once per layer and gets the layer's output and the cache to pass on. Two caches implement it:
+
+  * `DenseAttention` (here): one sequence, every token in this call, no cache: plain masked attention in
+    float32, the dense forward that the paged path is tested against;
+  * `jax_hybrid_attn.engine.paged_cache.PagedCache`: the serving path, where each layer writes its k/v into its
+    KV-cache tensor by slot and attends through `layer_attention` (the kernels on a GPU).
+
+Both give each token its position in its sequence (`positions`), which the model's RoPE uses.
+
+Shape letters: T tokens · N query heads · K kv heads · H head size.
+"""
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from .._compat import register_pytree_dataclass
+from ..masks import attention_mask
+from ..params import LayerAttentionParams, check_params, resolve_sm_scale
+
+__all__ = ["AttentionCache", "DenseAttention", "dense_attention"]
+
+
+class AttentionCache(Protocol):
+    """The attention a decoder's layers call: `positions` of this call's tokens, and `attend` per layer."""
+
+    @property
+    def positions(self) -> Int[Array, "T"]: ...
+
+    def attend(
+        self,
+        layer: int,
+        q: Float[Array, "T N H"],
+        k: Float[Array, "T K H"],
+        v: Float[Array, "T K H"],
+        *,
+        params: LayerAttentionParams,
+        sinks: Float[Array, "N"] | None = None,
+    ) -> tuple[Float[Array, "T N H"], "AttentionCache"]:
+        """Layer `layer`'s attention of this call's queries over its keys (this call's and any cached ones)."""
+        ...
+
+
+def dense_attention(
+    q: Float[Array, "T N H"],
+    k: Float[Array, "T K H"],
+    v: Float[Array, "T K H"],
+    *,
+    params: LayerAttentionParams,
+    sinks: Float[Array, "N"] | None = None,
+) -> Float[Array, "T N H"]:
+    """Attention of one sequence of T tokens at positions 0..T-1 over its own keys, in float32 (q's dtype out).
+
+    The masks are `jax_hybrid_attn.masks.attention_mask` (causality, window, chunk); the soft cap applies before
+    masking; a sink adds ``exp(sink)`` to the softmax denominator of its query head."""
+    check_params(params)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    positions = jnp.arange(num_tokens)
+    allowed = attention_mask(positions[:, None], positions[None, :], num_tokens, params=params)  # [T, T]
+    qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("tkgh,skh->kgts", qf, k.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    logits = logits * resolve_sm_scale(params.sm_scale, head_dim)
+    if params.logits_soft_cap is not None:
+        logits = params.logits_soft_cap * jnp.tanh(logits / params.logits_soft_cap)
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    if sinks is not None:  # one more logit per query head, in the denominator only
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(num_kv_heads, group, 1, 1), (*logits.shape[:3], 1))
+        weights = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        weights = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("kgts,skh->tkgh", weights, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseAttention:
+    """One sequence, all of its tokens in one call, nothing cached: `attend` is `dense_attention`.
+
+    Attributes:
+      num_tokens: T, the sequence's length (static).
+    """
+
+    num_tokens: int
+
+    @property
+    def positions(self) -> Int[Array, "T"]:
+        return jnp.arange(self.num_tokens, dtype=jnp.int32)
+
+    def attend(self, layer, q, k, v, *, params, sinks=None):
+        del layer  # every layer sees the same sequence
+        return dense_attention(q, k, v, params=params, sinks=sinks), self
+
+
+register_pytree_dataclass(DenseAttention, data_fields=[], meta_fields=["num_tokens"])
