@@ -160,6 +160,36 @@ class KVCacheManager:
             jnp.array([tokens.shape[1]]),
         )
 
+    def append_row_token_ids(self, request_ids: Sequence[Hashable | None], token_ids: jax.Array) -> None:
+        """Append ``token_ids[r]`` to ``request_ids[r]`` for every row whose id is not None, on the device: the
+        tokens a step sampled go back to the allocator without a host round trip.
+
+        Checked on the host first (a rejected call changes nothing): known, distinct ids; `token_ids` an int
+        array of one token per row, at least ``len(request_ids)`` rows. Not checked, as that would read the
+        device: a row that would pass ``max_model_len`` is ignored (the caller stops a request at that length)."""
+        if not isinstance(token_ids, (jax.Array, np.ndarray)) or token_ids.ndim != 1:
+            raise ValueError(f"token_ids must be a [R] jax or numpy array, got {type(token_ids).__name__}")
+        if not jnp.issubdtype(token_ids.dtype, jnp.integer) or token_ids.shape[0] < len(request_ids):
+            raise ValueError(
+                f"token_ids ({token_ids.dtype}, {token_ids.shape[0]} rows) must be integers, one per request "
+                f"({len(request_ids)})"
+            )
+        named = [request_id for request_id in request_ids if request_id is not None]
+        if len(set(named)) != len(named):
+            raise ValueError(f"request_ids={list(request_ids)!r} must be distinct")
+        slots = np.full(token_ids.shape[0], -1, np.int32)
+        for row, request_id in enumerate(request_ids):
+            if request_id is None:
+                continue
+            slots[row] = self._slot(request_id)
+        self.state = request_ops.append_token_ids(
+            self.config,
+            self.state,
+            jnp.asarray(slots),
+            jnp.asarray(token_ids, jnp.int32)[:, None],
+            jnp.asarray(slots >= 0, jnp.int32),
+        )
+
     def num_tokens(self, request_id: Hashable) -> int:
         return int(RequestRows(self.state.requests.rows, self._slot(request_id)).num_tokens)
 
