@@ -1,5 +1,20 @@
 """Decoder models in Flax NNX whose layers take their attention type from the checkpoint's config."""
 
 from .attention_cache import AttentionCache, DenseAttention, dense_attention
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .decoder import Decoder
+from .loading import checkpoint_tensor_names, load_model, random_model
+from .rope import RopeParameters
 
-__all__ = ["AttentionCache", "DenseAttention", "dense_attention"]
+__all__ = [
+    "AttentionCache",
+    "DenseAttention",
+    "dense_attention",
+    "SUPPORTED_ARCHITECTURES",
+    "ModelConfig",
+    "RopeParameters",
+    "Decoder",
+    "load_model",
+    "random_model",
+    "checkpoint_tensor_names",
+]

@@ -1,0 +1,374 @@
+"""The decoder of every supported family, in Flax NNX, op by op as transformers 5.17 computes it.
+
+One `Decoder` class reads its `ModelConfig` for what differs between families (norm placement and dtype
+casts, q/k norms, RoPE layout and per-layer bases, sinks, biases, dense or MoE MLPs, soft caps). Its
+parameters carry transformers' names and layouts (``model.layers.3.self_attn.q_proj.weight``, a Linear's
+weight ``[out, in]``), so that loading a checkpoint is one name-for-name copy (`loading.py`).
+
+Each layer calls ``cache.attend(layer, q, k, v, params=config.layer_params(layer), sinks=...)`` once; RoPE
+uses ``cache.positions``. The layers are a Python loop: their static parameters differ.
+
+Shape letters: T tokens · R rows kept for the LM head · N query heads · K kv heads · H head size ·
+D hidden size · I MLP width · E experts · k experts per token · V vocabulary.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from .attention_cache import AttentionCache
+from .config import ModelConfig
+from .rope import RopeParameters, apply_rope
+
+__all__ = ["Decoder"]
+
+_PRECISION = jax.lax.Precision.HIGHEST
+"""float32 products at full precision on every backend (a GPU would use TF32 otherwise); bf16 is unaffected."""
+
+_INIT_STD = 0.02
+"""transformers' `initializer_range` default: the random weights' standard deviation."""
+
+
+def _normal(rngs: nnx.Rngs, shape, param_dtype) -> nnx.Param:
+    return nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype) * jnp.asarray(_INIT_STD, param_dtype))
+
+
+def _matmul(x, w_t):
+    """``x @ w_t`` at full float32 precision."""
+    return jnp.matmul(x, w_t, precision=_PRECISION)
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_freq(rope: RopeParameters, head_dim: int) -> tuple[np.ndarray, float]:
+    return rope.inv_freq(head_dim)
+
+
+class Linear(nnx.Module):
+    """``x @ weight.T + bias`` with transformers' ``[out, in]`` weight."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, rngs, dtype, param_dtype):
+        self.weight = _normal(rngs, (out_features, in_features), param_dtype)
+        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
+        self.dtype = dtype
+
+    def __call__(self, x):
+        y = _matmul(x, self.weight[...].astype(self.dtype).T)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis, with each family's weight form and dtype casts.
+
+    style "llama" (Mistral, Llama 4): ``w * normed(x_f32).astype(dtype)``;
+    style "gemma": ``(normed(x_f32) * (1 + w_f32)).astype(dtype)`` (weights initialised at 0);
+    style "f32": gpt-oss, ``(w * normed(x_f32)).astype(dtype)``."""
+
+    def __init__(self, dim: int, *, eps: float, style: str, param_dtype):
+        init = jnp.zeros if style == "gemma" else jnp.ones
+        self.weight = nnx.Param(init((dim,), param_dtype))
+        self.eps = eps
+        self.style = style
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        w = self.weight[...]
+        if self.style == "gemma":
+            return (normed * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+        if self.style == "f32":
+            return (w * normed).astype(x.dtype)
+        return w.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def _l2_norm(x, eps: float):
+    """Llama 4's weightless qk norm: ``normed(x_f32).astype(dtype)``."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def _activation(name: str):
+    if name == "silu":
+        return jax.nn.silu
+    return functools.partial(jax.nn.gelu, approximate=True)  # gelu_pytorch_tanh
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, *, rngs, param_dtype):
+        self.weight = _normal(rngs, (vocab_size, hidden_size), param_dtype)
+
+
+class Attention(nnx.Module):
+    """One layer's q/k/v projections, q/k norms, RoPE, the cache's attention and the output projection."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs, dtype, param_dtype):
+        d, n, kv, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        bias = config.attention_bias
+        common = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = Linear(d, n * h, bias=bias, **common)
+        self.k_proj = Linear(d, kv * h, bias=bias, **common)
+        self.v_proj = Linear(d, kv * h, bias=bias, **common)
+        self.o_proj = Linear(n * h, d, bias=bias, **common)
+        if config.architecture == "gemma3_text":
+            self.q_norm = RMSNorm(h, eps=config.rms_norm_eps, style="gemma", param_dtype=param_dtype)
+            self.k_norm = RMSNorm(h, eps=config.rms_norm_eps, style="gemma", param_dtype=param_dtype)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+        self.sinks = _normal(rngs, (n,), param_dtype) if config.layer_has_sinks(layer) else None
+        self.layer = layer
+        self.config = config
+
+    def __call__(self, x: Float[Array, "T D"], cache: AttentionCache) -> tuple[Float[Array, "T D"], AttentionCache]:
+        config, layer = self.config, self.layer
+        num_tokens = x.shape[0]
+        h = config.head_dim
+        q = self.q_proj(x).reshape(num_tokens, config.num_heads, h)
+        k = self.k_proj(x).reshape(num_tokens, config.num_kv_heads, h)
+        v = self.v_proj(x).reshape(num_tokens, config.num_kv_heads, h)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        positions = cache.positions
+        rope = config.layer_rope(layer)
+        if rope is not None:
+            inv_freq, scaling = _inv_freq(rope, h)
+            q = apply_rope(q, positions, inv_freq, scaling, interleaved=config.rope_interleaved)
+            k = apply_rope(k, positions, inv_freq, scaling, interleaved=config.rope_interleaved)
+            if config.use_qk_norm:  # Llama 4: after RoPE, on RoPE layers only
+                q, k = _l2_norm(q, config.rms_norm_eps), _l2_norm(k, config.rms_norm_eps)
+        elif config.attn_temperature_tuning:  # Llama 4's NoPE layers
+            scales = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / config.floor_scale))
+            scales = scales * config.attn_scale + 1.0
+            q = (q * scales[:, None, None]).astype(q.dtype)
+        sinks = None if self.sinks is None else self.sinks[...]
+        out, cache = cache.attend(layer, q, k, v, params=config.layer_params(layer), sinks=sinks)
+        return self.o_proj(out.reshape(num_tokens, config.num_heads * h).astype(x.dtype)), cache
+
+
+class GatedMLP(nnx.Module):
+    """``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int, *, rngs, dtype, param_dtype):
+        d = config.hidden_size
+        common = dict(bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear(d, intermediate_size, **common)
+        self.up_proj = Linear(d, intermediate_size, **common)
+        self.down_proj = Linear(intermediate_size, d, **common)
+        self.act = config.hidden_act
+
+    def __call__(self, x):
+        return self.down_proj(_activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _grouped(x, expert_ids, num_experts: int):
+    """The token-expert pairs sorted by expert: the order, each pair's token row, and the group sizes."""
+    flat = expert_ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    return order, flat[order], group_sizes
+
+
+def _ragged(lhs, rhs, group_sizes):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=_PRECISION)
+
+
+class GptOssRouter(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
+        self.weight = _normal(rngs, (config.num_experts, config.hidden_size), param_dtype)
+        self.bias = _normal(rngs, (config.num_experts,), param_dtype)
+
+
+class GptOssExperts(nnx.Module):
+    """Experts with interleaved ``gate_up_proj [E, D, 2I]`` (gate at even columns), biases, clamped SwiGLU."""
+
+    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
+        e, d, i = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = _normal(rngs, (e, d, 2 * i), param_dtype)
+        self.gate_up_proj_bias = nnx.Param(jnp.zeros((e, 2 * i), param_dtype))
+        self.down_proj = _normal(rngs, (e, i, d), param_dtype)
+        self.down_proj_bias = nnx.Param(jnp.zeros((e, d), param_dtype))
+
+
+class GptOssMLP(nnx.Module):
+    """gpt-oss's MoE: router logits ``x @ W.T + b``, top-k, softmax over the k, weighted sum of the experts."""
+
+    alpha = 1.702
+    limit = 7.0
+
+    def __init__(self, config: ModelConfig, *, rngs, dtype, param_dtype):
+        self.router = GptOssRouter(config, rngs=rngs, param_dtype=param_dtype)
+        self.experts = GptOssExperts(config, rngs=rngs, param_dtype=param_dtype)
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.dtype = dtype
+
+    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        dt = self.dtype
+        logits = _matmul(x, self.router.weight[...].astype(dt).T) + self.router.bias[...].astype(dt)
+        top_values, top_ids = jax.lax.top_k(logits, self.top_k)  # [T, k]
+        scores = jax.nn.softmax(top_values, axis=-1).astype(dt)
+        order, experts, group_sizes = _grouped(x, top_ids, self.num_experts)
+        rows = order // self.top_k
+        e = self.experts
+        gate_up = _ragged(x[rows], e.gate_up_proj[...].astype(dt), group_sizes)
+        gate_up = gate_up + e.gate_up_proj_bias[...].astype(dt)[experts]
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        glu = gate * jax.nn.sigmoid(gate * self.alpha)
+        out = _ragged((up + 1) * glu, e.down_proj[...].astype(dt), group_sizes)
+        out = out + e.down_proj_bias[...].astype(dt)[experts]
+        out = out * scores.reshape(-1)[order][:, None]
+        return jnp.zeros_like(x).at[rows].add(out.astype(x.dtype))
+
+
+class Llama4Router(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
+        self.weight = _normal(rngs, (config.num_experts, config.hidden_size), param_dtype)
+
+
+class Llama4Experts(nnx.Module):
+    """Experts with ``gate_up_proj [E, D, 2I]`` (gate the first half) and ``down_proj [E, I, D]``, no biases."""
+
+    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
+        e, d, i = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = _normal(rngs, (e, d, 2 * i), param_dtype)
+        self.down_proj = _normal(rngs, (e, i, d), param_dtype)
+
+
+class Llama4MoE(nnx.Module):
+    """Llama 4's MoE: the top-k experts' inputs are scaled by ``sigmoid(router logit)`` (before the expert,
+    not after), plus a shared expert. transformers runs every expert on every token with the others' inputs
+    scaled to 0, which gives exactly 0 without biases; only the top k are computed here."""
+
+    def __init__(self, config: ModelConfig, *, rngs, dtype, param_dtype):
+        self.experts = Llama4Experts(config, rngs=rngs, param_dtype=param_dtype)
+        self.router = Llama4Router(config, rngs=rngs, param_dtype=param_dtype)
+        self.shared_expert = GatedMLP(config, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.act = config.hidden_act
+        self.dtype = dtype
+
+    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        dt = self.dtype
+        logits = _matmul(x, self.router.weight[...].astype(dt).T)
+        top_values, top_ids = jax.lax.top_k(logits, self.top_k)
+        scores = jax.nn.sigmoid(top_values.astype(jnp.float32)).astype(dt)  # [T, k]
+        order, _, group_sizes = _grouped(x, top_ids, self.num_experts)
+        rows = order // self.top_k
+        routed_in = x[rows] * scores.reshape(-1)[order][:, None]
+        gate_up = _ragged(routed_in, self.experts.gate_up_proj[...].astype(dt), group_sizes)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        out = _ragged(up * _activation(self.act)(gate), self.experts.down_proj[...].astype(dt), group_sizes)
+        routed = jnp.zeros_like(x).at[rows].add(out.astype(x.dtype))
+        return self.shared_expert(x) + routed
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm attention and MLP with residuals; Gemma adds a norm after each (four norms per layer)."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs, dtype, param_dtype):
+        common = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        gemma = config.architecture in ("gemma2", "gemma3_text")
+        style = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}.get(config.architecture, "llama")
+        norm = lambda: RMSNorm(config.hidden_size, eps=config.rms_norm_eps, style=style, param_dtype=param_dtype)  # noqa: E731
+        self.self_attn = Attention(config, layer, **common)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if gemma else None
+        self.post_feedforward_layernorm = norm() if gemma else None
+        if config.architecture == "gpt_oss":
+            mlp = GptOssMLP(config, **common)
+        elif config.architecture == "llama4_text" and config.layer_is_moe(layer):
+            mlp = Llama4MoE(config, **common)
+        elif config.architecture == "llama4_text":
+            mlp = GatedMLP(config, config.intermediate_size_mlp, **common)
+        else:
+            mlp = GatedMLP(config, config.intermediate_size, **common)
+        # transformers' name: Llama 4's `feed_forward`, the others' `mlp`
+        llama4 = config.architecture == "llama4_text"
+        self.mlp = None if llama4 else mlp
+        self.feed_forward = mlp if llama4 else None
+        self.sandwich = gemma
+
+    def __call__(self, x, cache):
+        residual = x
+        h, cache = self.self_attn(self.input_layernorm(x), cache)
+        if self.sandwich:
+            x = residual + self.post_attention_layernorm(h)
+            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x + h, cache
+        x = residual + h
+        mlp = self.mlp if self.mlp is not None else self.feed_forward
+        return x + mlp(self.post_attention_layernorm(x)), cache
+
+
+class TextModel(nnx.Module):
+    """transformers' ``model``: the embedding, the layers and the final norm."""
+
+    def __init__(self, config: ModelConfig, *, rngs, dtype, param_dtype):
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
+        self.layers = nnx.List(
+            [DecoderLayer(config, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype) for i in range(config.num_layers)]
+        )
+        style = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}.get(config.architecture, "llama")
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, style=style, param_dtype=param_dtype)
+
+
+class Decoder(nnx.Module):
+    """A causal LM of any supported family (`ModelConfig.architecture`), with transformers' parameter names.
+
+    ``Decoder(config, rngs=nnx.Rngs(0))`` has random weights (normal, std 0.02; norms at their identity);
+    `jax_hybrid_attn.models.load_model` fills them from a checkpoint. `dtype` is the activations' dtype,
+    `param_dtype` the stored weights'.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config={config!r} must be a ModelConfig")
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.model = TextModel(config, rngs=rngs, dtype=self.dtype, param_dtype=param_dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, bias=False, rngs=rngs, dtype=self.dtype,
+                        param_dtype=param_dtype)
+        )
+
+    def __call__(
+        self,
+        token_ids: Int[Array, "T"],
+        cache: AttentionCache,
+        *,
+        logits_indices: Int[Array, "R"] | None = None,
+    ) -> tuple[Float[Array, "R V"], AttentionCache]:
+        """Float32 logits of the rows `logits_indices` of this call's T tokens (all T when None), and the cache.
+
+        The rows are gathered after the final norm and before the LM head, so a serving step computes the
+        logits of the rows it samples only."""
+        config, dt = self.config, self.dtype
+        x = self.model.embed_tokens.weight[...][token_ids].astype(dt)
+        if config.architecture in ("gemma2", "gemma3_text"):
+            x = x * jnp.asarray(math.sqrt(config.hidden_size), dt)  # in the dtype, as transformers does
+        for layer in self.model.layers:
+            x, cache = layer(x, cache)
+        x = self.model.norm(x)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        if self.lm_head is None:
+            logits = _matmul(x, self.model.embed_tokens.weight[...].astype(dt).T)
+        else:
+            logits = self.lm_head(x)
+        logits = logits.astype(jnp.float32)
+        if config.final_logit_softcapping is not None:
+            cap = config.final_logit_softcapping
+            logits = cap * jnp.tanh(logits / cap)
+        return logits, cache

@@ -1,0 +1,282 @@
+"""The decoders against transformers: each family's tiny random checkpoint, saved with `save_pretrained` and
+loaded with `load_model`, gives transformers' float32 logits (eager attention) on a 40-token prompt that
+straddles its windows and chunks, and transformers' greedy tokens; bad checkpoints are refused by name.
+
+The greedy loop recomputes the whole sequence every step with `DenseAttention`, at one padded length (the
+rows after the last real token cannot reach it: every layer is causal) so that each family compiles once.
+"""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jax_hybrid_attn.models import (  # noqa: E402
+    DenseAttention,
+    ModelConfig,
+    load_model,
+)
+from jax_hybrid_attn.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+
+PROMPT_LEN = 40
+NEW_TOKENS = 8
+VOCAB = 160
+
+
+def _common(**overrides):
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )
+    kw.update(overrides)
+    return kw
+
+
+def _mistral():
+    return transformers.MistralConfig(**_common(num_hidden_layers=2, sliding_window=8, rope_theta=1000.0))
+
+
+def _gemma3():
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+    }
+    return transformers.Gemma3TextConfig(**_common(
+        num_hidden_layers=6, sliding_window=8, rope_parameters=rope, query_pre_attn_scalar=24,
+        final_logit_softcapping=5.0,
+    ))
+
+
+def _gemma2():
+    return transformers.Gemma2Config(**_common(
+        num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0, rope_theta=1000.0,
+    ))
+
+
+def _gpt_oss():
+    rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 64, "rope_theta": 10_000.0}
+    return transformers.GptOssConfig(**_common(
+        num_hidden_layers=2, intermediate_size=32, sliding_window=8, rope_parameters=rope, num_local_experts=4,
+        num_experts_per_tok=2,
+    ))
+
+
+def _llama4():
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32, "rope_theta": 500_000.0}
+    return transformers.Llama4TextConfig(**_common(
+        num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=48, no_rope_layer_interval=2,
+        attention_chunk_size=16, rope_parameters=rope, num_local_experts=4, num_experts_per_tok=2,
+        interleave_moe_layer_step=2, floor_scale=8, attn_scale=0.5,
+    ))
+
+
+FAMILIES = {
+    "mistral": (_mistral, "MistralForCausalLM"),
+    "gemma3_text": (_gemma3, "Gemma3ForCausalLM"),
+    "gemma2": (_gemma2, "Gemma2ForCausalLM"),
+    "gpt_oss": (_gpt_oss, "GptOssForCausalLM"),
+    "llama4_text": (_llama4, "Llama4ForCausalLM"),
+}
+
+
+def _hf_model(family: str, seed: int = 0):
+    """A transformers model of `family` with random weights, the ones init leaves constant perturbed."""
+    make_config, class_name = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, class_name)._from_config(make_config(), attn_implementation="eager")
+    model = model.float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.numel() == 1 or float(p.std()) == 0.0:  # norms, biases, sinks
+                p.add_(torch.randn_like(p) * 0.3)
+            if family == "gpt_oss" and name.endswith("gate_up_proj"):
+                p.mul_(4.0)  # some gate/up values beyond the clamp limit (7)
+    return model
+
+
+def _save(model, path, **kwargs):
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def _prompt(seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(3, VOCAB, size=PROMPT_LEN)
+
+
+def _jitted(model):
+    """The engine's way: split once, merge inside jit."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def forward(state, token_ids, logits_indices):
+        logits, _ = nnx.merge(graphdef, state)(
+            token_ids, DenseAttention(token_ids.shape[0]), logits_indices=logits_indices
+        )
+        return logits
+
+    return lambda token_ids, rows: forward(state, jnp.asarray(token_ids, jnp.int32), jnp.asarray(rows, jnp.int32))
+
+
+def _check_family(family, tmp_path):
+    hf = _hf_model(family)
+    config, model = load_model(_save(hf, tmp_path / family))
+    assert config.architecture == family
+    prompt = _prompt()
+    with torch.no_grad():
+        ref = hf(torch.tensor(prompt)[None]).logits[0].float().numpy()
+        generated = hf.generate(
+            torch.tensor(prompt)[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
+        )[0, PROMPT_LEN:].tolist()
+    forward = _jitted(model)
+    total = PROMPT_LEN + NEW_TOKENS
+    padded = np.zeros(total, np.int64)
+    padded[:PROMPT_LEN] = prompt
+    ours = np.asarray(forward(padded, np.arange(PROMPT_LEN)))
+    scale = float(np.abs(ref).max())
+    diff = float(np.abs(ours - ref).max())
+    assert scale > 1.0, scale  # the weights are large enough for the comparison to mean something
+    assert diff <= 1e-4 * scale, (diff, scale)
+    tokens = []
+    for step in range(NEW_TOKENS):
+        length = PROMPT_LEN + step
+        row = np.asarray(forward(padded, [length - 1]))[0]
+        padded[length] = int(np.argmax(row))
+        tokens.append(int(padded[length]))
+    assert tokens == generated
+    return config, diff, scale
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_matches_transformers(family, tmp_path):
+    config, diff, scale = _check_family(family, tmp_path)
+    print(f"{family}: max |logit diff| {diff:.2e} (logit scale {scale:.2f})")
+
+
+def test_layer_params_and_specs():
+    config = ModelConfig.from_hf(_gemma3().to_dict())
+    assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert config.layer_params(0).sliding_window == 8 and config.layer_params(5).sliding_window is None
+    assert math.isclose(config.layer_params(0).sm_scale, 24**-0.5)
+    assert config.rope[0].rope_theta == 10_000.0 and config.rope[5].rope_type == "linear"
+    spec = config.kv_cache_spec(0, block_size=4, dtype=np.float32)
+    assert isinstance(spec, SlidingWindowSpec) and spec.sliding_window == 8 and spec.num_kv_heads == 2
+    assert isinstance(config.kv_cache_spec(5, block_size=4, dtype=np.float32), FullAttentionSpec)
+    assert isinstance(config.kv_cache_spec(0, block_size=4, dtype=np.float32, hybrid=False), FullAttentionSpec)
+    llama4 = ModelConfig.from_hf(_llama4().to_dict())
+    assert llama4.layer_types == ("chunked_attention", "full_attention") * 2
+    assert llama4.rope[1] is None and llama4.moe_layers == (1, 3)
+    spec = llama4.kv_cache_spec(0, block_size=8, dtype=np.float32)
+    assert isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size == 16
+    mistral = ModelConfig.from_hf({**_mistral().to_dict(), "sliding_window": None})
+    assert mistral.layer_types == ("full_attention",) * 2
+    with pytest.raises(ValueError, match="layer=2"):
+        mistral.layer_params(2)
+
+
+def test_legacy_rope_keys():
+    """Hub files older than transformers 5: rope_theta / rope_scaling / rope_local_base_freq, no layer_types."""
+    legacy = {k: v for k, v in _gemma3().to_dict().items() if k not in ("rope_parameters", "layer_types")}
+    legacy.update(rope_theta=500_000.0, rope_local_base_freq=20_000.0, sliding_window_pattern=3,
+                  rope_scaling={"rope_type": "linear", "factor": 4.0})
+    config = ModelConfig.from_hf(legacy)
+    assert config.layer_types == ("sliding_attention", "sliding_attention", "full_attention") * 2
+    assert config.rope[0].rope_theta == 20_000.0 and config.rope[0].rope_type == "default"
+    assert config.rope[2].rope_theta == 500_000.0 and config.rope[2].factor == 4.0
+    ours = ModelConfig.from_hf(transformers.Gemma3TextConfig(**legacy).to_dict())
+    assert ours == config
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = _hf_model("mistral")
+    path = _save(hf, tmp_path / "sharded", max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file()
+    _, model = load_model(path)
+    prompt = _prompt(1)
+    with torch.no_grad():
+        ref = hf(torch.tensor(prompt)[None]).logits[0].numpy()
+    ours, _ = model(jnp.asarray(prompt), DenseAttention(PROMPT_LEN))
+    np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4 * float(np.abs(ref).max()))
+
+
+def test_bf16_checkpoint_loads(tmp_path):
+    hf = _hf_model("gemma2").to(torch.bfloat16)
+    config, model = load_model(_save(hf, tmp_path / "bf16"), dtype=jnp.bfloat16)
+    assert model.model.embed_tokens.weight[...].dtype == jnp.bfloat16
+    logits, _ = model(jnp.asarray(_prompt()), DenseAttention(PROMPT_LEN), logits_indices=jnp.array([0, 39]))
+    assert logits.shape == (2, config.vocab_size) and logits.dtype == jnp.float32
+    with torch.no_grad():
+        ref = hf(torch.tensor(_prompt())[None]).logits[0].float().numpy()[[0, 39]]
+    assert np.abs(np.asarray(logits) - ref).max() < 0.1 * np.abs(ref).max()
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ValueError, match="nowhere.*not a directory"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_no_config_json(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        load_model(tmp_path)
+
+
+def test_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 10}))
+    with pytest.raises(NotImplementedError, match="'bert'.*gemma3_text"):
+        load_model(tmp_path)
+
+
+def test_missing_config_key():
+    config = _mistral().to_dict()
+    del config["num_hidden_layers"]
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        ModelConfig.from_hf(config)
+
+
+def test_no_weights(tmp_path):
+    _mistral().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        load_model(tmp_path)
+
+
+def _rewrite(path, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor(tmp_path):
+    path = _save(_hf_model("mistral"), tmp_path / "m")
+    _rewrite(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks the tensors \['model.layers.1.mlp.up_proj.weight'\]"):
+        load_model(path)
+
+
+def test_unexpected_tensor(tmp_path):
+    path = _save(_hf_model("mistral"), tmp_path / "m")
+    _rewrite(path, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(3)}))
+    with pytest.raises(ValueError, match="model.layers.0.extra.weight"):
+        load_model(path)
+
+
+def test_misshaped_tensor(tmp_path):
+    path = _save(_hf_model("mistral"), tmp_path / "m")
+    _rewrite(path, lambda t: t.update({"model.norm.weight": torch.zeros(63)}))
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(63,\).*\(64,\)"):
+        load_model(path)
