@@ -6,6 +6,7 @@ The greedy loop recomputes the whole sequence every step with `DenseAttention`, 
 rows after the last real token cannot reach it: every layer is causal) so that each family compiles once.
 """
 
+import dataclasses
 import json
 import math
 
@@ -128,6 +129,14 @@ def _jitted(model):
     return lambda token_ids, rows: forward(state, jnp.asarray(token_ids, jnp.int32), jnp.asarray(rows, jnp.int32))
 
 
+class _WithoutLocalLayers(DenseAttention):
+    """Every layer attends to the whole prefix: no windows, no chunks (what the prompt must notice)."""
+
+    def attend(self, layer, q, k, v, *, params, sinks=None):
+        full = dataclasses.replace(params, sliding_window=None, attention_chunk_size=None)
+        return super().attend(layer, q, k, v, params=full, sinks=sinks)
+
+
 def _check_family(family, tmp_path):
     hf = _hf_model(family)
     config, model = load_model(_save(hf, tmp_path / family))
@@ -148,6 +157,9 @@ def _check_family(family, tmp_path):
     diff = float(np.abs(ours - ref).max())
     assert scale > 1.0, scale  # the weights are large enough for the comparison to mean something
     assert diff <= 1e-4 * scale, (diff, scale)
+    if any(t != "full_attention" for t in config.layer_types):  # the prompt straddles the windows / chunks
+        without, _ = model(jnp.asarray(prompt), _WithoutLocalLayers(PROMPT_LEN))
+        assert np.abs(np.asarray(without) - ref).max() > 1e-2 * scale
     tokens = []
     for step in range(NEW_TOKENS):
         length = PROMPT_LEN + step
