@@ -3,8 +3,10 @@
 from .attention_cache import AttentionCache, DenseAttention, dense_attention
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import Decoder
+from .embedded import EMBEDDED_HF_CONFIG, embedded_config
 from .loading import checkpoint_tensor_names, load_model, random_model
 from .rope import RopeParameters
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "AttentionCache",
@@ -17,4 +19,10 @@ __all__ = [
     "load_model",
     "random_model",
     "checkpoint_tensor_names",
+    "EMBEDDED_HF_CONFIG",
+    "embedded_config",
+    "Tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
 ]
