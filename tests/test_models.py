@@ -292,3 +292,61 @@ def test_misshaped_tensor(tmp_path):
     _rewrite(path, lambda t: t.update({"model.norm.weight": torch.zeros(63)}))
     with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(63,\).*\(64,\)"):
         load_model(path)
+
+
+# --- a second call that continues a cached prefix (positions from the cache, not from 0) ---------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _PrefixCache:
+    """Each layer's k/v of the first `start` tokens, kept by a first call; a second call's tokens sit at
+    positions start.. and attend over the kept keys and their own (masks of `jax_hybrid_attn.masks`)."""
+
+    start: int
+    num_tokens: int
+    keys: tuple = ()
+    values: tuple = ()
+
+    @property
+    def positions(self):
+        return jnp.arange(self.start, self.start + self.num_tokens, dtype=jnp.int32)
+
+    def attend(self, layer, q, k, v, *, params, sinks=None):
+        from jax_hybrid_attn.masks import attention_mask
+
+        if self.start:
+            k_all, v_all = jnp.concatenate([self.keys[layer], k]), jnp.concatenate([self.values[layer], v])
+        else:
+            k_all, v_all = k, v
+        seq_len = self.start + self.num_tokens
+        allowed = attention_mask(self.positions[:, None], jnp.arange(seq_len)[None, :], seq_len, params=params)
+        group = q.shape[1] // k.shape[1]
+        kr, vr = jnp.repeat(k_all, group, axis=1), jnp.repeat(v_all, group, axis=1)
+        logits = jnp.einsum("tnh,snh->nts", q, kr, precision="highest") * params.sm_scale
+        if params.logits_soft_cap is not None:
+            logits = params.logits_soft_cap * jnp.tanh(logits / params.logits_soft_cap)
+        logits = jnp.where(allowed[None], logits, -jnp.inf)
+        if sinks is not None:
+            sink = jnp.broadcast_to(sinks[:, None, None], (*logits.shape[:2], 1))
+            weights = jax.nn.softmax(jnp.concatenate([logits, sink], -1), -1)[..., :-1]
+        else:
+            weights = jax.nn.softmax(logits, -1)
+        out = jnp.einsum("nts,snh->tnh", weights, vr, precision="highest")
+        written = dataclasses.replace(self, keys=self.keys + (k,), values=self.values + (v,)) if not self.start else self
+        return out, written
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text"])
+def test_continuation_uses_cache_positions(family, tmp_path):
+    """The prompt's first 40 tokens in one call, the next 8 in a second call at positions 40..47: the same
+    logits as transformers' 48-token forward (RoPE, Llama 4's temperature tuning and chunks from positions)."""
+    hf = _hf_model(family)
+    _, model = load_model(_save(hf, tmp_path / family))
+    tokens = np.random.RandomState(2).randint(3, VOCAB, size=PROMPT_LEN + NEW_TOKENS)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens)[None]).logits[0].numpy()
+    _, prefix = model(jnp.asarray(tokens[:PROMPT_LEN]), _PrefixCache(0, PROMPT_LEN), logits_indices=jnp.array([0]))
+    cache = _PrefixCache(PROMPT_LEN, NEW_TOKENS, prefix.keys, prefix.values)
+    logits, _ = model(jnp.asarray(tokens[PROMPT_LEN:]), cache)
+    scale = float(np.abs(ref).max())
+    assert np.abs(np.asarray(logits) - ref[PROMPT_LEN:]).max() <= 1e-4 * scale
