@@ -350,3 +350,35 @@ def test_continuation_uses_cache_positions(family, tmp_path):
     logits, _ = model(jnp.asarray(tokens[PROMPT_LEN:]), cache)
     scale = float(np.abs(ref).max())
     assert np.abs(np.asarray(logits) - ref[PROMPT_LEN:]).max() <= 1e-4 * scale
+
+
+def test_mxfp4_experts_dequantized_as_transformers_does(tmp_path):
+    """gpt-oss checkpoints store the experts as MXFP4 blocks and scales: `load_model` dequantizes them as
+    transformers' `convert_moe_packed_tensors` does, and the model then gives transformers' logits."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf = _hf_model("gpt_oss")
+    path = _save(hf, tmp_path / "mxfp4")
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj")) and ".experts." in n]:
+        e, d_in, d_out = tensors.pop(name).shape
+        blocks = torch.randint(0, 256, (e, d_out, d_in // 32, 16), dtype=torch.uint8, generator=gen)
+        scales = torch.randint(122, 127, (e, d_out, d_in // 32), dtype=torch.uint8, generator=gen)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        with torch.no_grad():  # the reference model gets transformers' dequantized weights
+            hf.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales).float())
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config_json = json.loads((path / "config.json").read_text())
+    config_json["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (path / "config.json").write_text(json.dumps(config_json))
+    config, model = load_model(path)
+    assert config.quantization == "mxfp4"
+    expected = hf.get_parameter("model.layers.1.mlp.experts.down_proj").detach().numpy()
+    np.testing.assert_array_equal(np.asarray(model.model.layers[1].mlp.experts.down_proj[...]), expected)
+    prompt = _prompt()
+    with torch.no_grad():
+        ref = hf(torch.tensor(prompt)[None]).logits[0].numpy()
+    ours, _ = model(jnp.asarray(prompt), DenseAttention(PROMPT_LEN))
+    assert np.abs(np.asarray(ours) - ref).max() <= 1e-4 * float(np.abs(ref).max())

@@ -10,7 +10,8 @@ Supported ``model_type`` values (transformers' causal LM classes):
                      expert or dense MLPs per layer.
 The multimodal wrappers (``gemma3``, ``llama4``: a config with a ``text_config``) are refused with
 `NotImplementedError`: their weights live under other names (``language_model...``); load a text-only
-checkpoint. A quantized checkpoint (``quantization_config``, e.g. gpt-oss's MXFP4) is refused likewise.
+checkpoint. A quantized checkpoint (``quantization_config``) is refused likewise, except gpt-oss's MXFP4
+experts, which `load_model` dequantizes.
 
 Where a key is absent the default of the transformers 5.17 config class applies (as `from_pretrained` would
 do), and legacy spellings are read as transformers reads them (``rope_theta`` / ``rope_scaling`` beside or
@@ -116,6 +117,8 @@ class ModelConfig:
       use_qk_norm: Llama 4's L2 norm of q and k on its RoPE layers.
       attn_temperature_tuning, floor_scale, attn_scale: Llama 4's query scaling on its NoPE layers.
       bos_token_id, eos_token_ids, pad_token_id: the special token ids from config.json.
+      quantization: how the checkpoint stores some weights: None, or "mxfp4" (gpt-oss's experts as
+        ``*_blocks`` and ``*_scales``, dequantized on load as transformers does).
     """
 
     architecture: str
@@ -151,6 +154,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -214,10 +218,15 @@ class ModelConfig:
             raise NotImplementedError(
                 f"model_type={architecture!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
             )
+        quantization = None
         if config.get("quantization_config"):
-            method = config["quantization_config"].get("quant_method")
-            raise NotImplementedError(f"quantization_config (quant_method={method!r}) is not supported")
-        return _READERS[architecture](config)
+            quantization = config["quantization_config"].get("quant_method")
+            if (architecture, quantization) != ("gpt_oss", "mxfp4"):
+                raise NotImplementedError(
+                    f"quantization_config (quant_method={quantization!r}) is not supported for "
+                    f"model_type={architecture!r} (only gpt_oss's mxfp4 experts, dequantized on load)"
+                )
+        return dataclasses.replace(_READERS[architecture](config), quantization=quantization)
 
     # --- per layer ------------------------------------------------------------------------------------
 

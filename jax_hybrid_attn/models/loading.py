@@ -4,7 +4,8 @@ A checkpoint directory holds ``config.json`` and safetensors weights with transf
 ``model.safetensors``, or shards listed by ``model.safetensors.index.json``. The `Decoder`'s parameters carry
 the same names and shapes, so loading is a name-for-name copy: every parameter must be in the files with its
 shape, and every tensor in the files must be a parameter (tensors transformers ignores too are skipped: the
-LM head of a tied model, RoPE buffers). Tensors are read with ``safetensors``' flax reader (bf16 included) and
+LM head of a tied model, RoPE buffers). gpt-oss's MXFP4 experts (``*_blocks``, ``*_scales``) are
+dequantized as transformers does. Tensors are read with ``safetensors``' flax reader (bf16 included) and
 cast to `dtype`.
 """
 
@@ -13,13 +14,14 @@ import os
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from ..integers import check_int
 from .config import ModelConfig
 from .decoder import Decoder
 
-__all__ = ["load_model", "random_model", "checkpoint_tensor_names"]
+__all__ = ["load_model", "random_model", "checkpoint_tensor_names", "dequantize_mxfp4"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -84,28 +86,69 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.float32) -> tuple[ModelConf
     graphdef, abstract_state = nnx.split(_abstract(config, dtype))
     flat = list(nnx.to_flat_state(abstract_state))
     wanted = {".".join(str(part) for part in p): (p, v) for p, v in flat}
-    missing = sorted(set(wanted) - set(files))
+    packed = {}  # parameter name -> its (blocks, scales) tensor names, for MXFP4 checkpoints
+    if config.quantization == "mxfp4":
+        for name in wanted:
+            blocks, scales = f"{name}_blocks", f"{name}_scales"
+            if name not in files and blocks in files and scales in files:
+                packed[name] = (blocks, scales)
+    stored = (set(files) - {n for pair in packed.values() for n in pair}) | set(packed)
+    missing = sorted(set(wanted) - stored)
     if missing:
         raise ValueError(f"the checkpoint in {str(path)!r} lacks the tensors {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing)")
-    unexpected = sorted(name for name in files if name not in wanted and not _ignored(name, config))
+    unexpected = sorted(name for name in stored if name not in wanted and not _ignored(name, config))
     if unexpected:
         raise ValueError(f"the checkpoint in {str(path)!r} has tensors the model does not: {unexpected[:8]}"
                          f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} unexpected)")
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
-        by_file.setdefault(files[name], []).append(name)
-    values = {}
+        for stored_name in packed.get(name, (name,)):
+            by_file.setdefault(files[stored_name], []).append(stored_name)
+    raw = {}
     for file, names in by_file.items():
         with safe_open(file, framework="flax") as f:
             for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
-                expected = tuple(wanted[name][1].shape)
-                if shape != expected:
-                    raise ValueError(f"tensor {name!r} has shape {shape}, the model expects {expected}")
-                values[name] = jnp.asarray(f.get_tensor(name), dtype=dtype)
+                if name in wanted:
+                    shape = tuple(f.get_slice(name).get_shape())
+                    expected = tuple(wanted[name][1].shape)
+                    if shape != expected:
+                        raise ValueError(f"tensor {name!r} has shape {shape}, the model expects {expected}")
+                raw[name] = f.get_tensor(name)
+    values = {}
+    for name, (_, variable) in wanted.items():
+        if name in packed:
+            value = dequantize_mxfp4(np.asarray(raw.pop(packed[name][0])), np.asarray(raw.pop(packed[name][1])))
+            if value.shape != tuple(variable.shape):
+                raise ValueError(f"tensor {name!r} dequantizes to shape {value.shape}, the model expects "
+                                 f"{tuple(variable.shape)}")
+        else:
+            value = raw.pop(name)
+        values[name] = jnp.asarray(value, dtype=dtype)
     state = nnx.from_flat_state([(p, v.replace(values[name])) for name, (p, v) in wanted.items()])
     return config, nnx.merge(graphdef, state)
+
+
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+"""The 16 values of an FP4 (e2m1) code."""
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 experts as transformers' `convert_moe_packed_tensors` dequantizes them, in float32 (exact).
+
+    `blocks` ``[E, R, G, 16]`` uint8 hold two FP4 codes a byte (low nibble first) for 32 values a group,
+    `scales` ``[E, R, G]`` uint8 each group's power of two plus 127; the result is ``[E, G * 32, R]``
+    (the ``[E, in, out]`` layout of `gate_up_proj` and `down_proj`)."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {blocks.dtype}{blocks.shape} and scales {scales.dtype}{scales.shape} "
+                         "must be uint8 [E, R, G, B] and [E, R, G]")
+    *prefix, groups, width = blocks.shape
+    values = np.empty((*prefix, groups, width * 2), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None])
+    return values.reshape(*prefix, groups * width * 2).swapaxes(1, 2)
 
 
 def random_model(config: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> Decoder:
