@@ -68,10 +68,13 @@ class RMSNorm(nnx.Module):
 
     style "llama" (Mistral, Llama 4): ``w * normed(x_f32).astype(dtype)``;
     style "gemma": ``(normed(x_f32) * (1 + w_f32)).astype(dtype)`` (weights initialised at 0);
-    style "f32": gpt-oss, ``(w * normed(x_f32)).astype(dtype)``."""
+    style "f32": gpt-oss, ``(w * normed(x_f32)).astype(dtype)``, the weight stored in float32 whatever
+    `param_dtype` (transformers keeps these norms in float32)."""
 
     def __init__(self, dim: int, *, eps: float, style: str, param_dtype):
         init = jnp.zeros if style == "gemma" else jnp.ones
+        if style == "f32":  # gpt-oss keeps its norms in float32 (transformers' _keep_in_fp32_modules)
+            param_dtype = jnp.float32
         self.weight = nnx.Param(init((dim,), param_dtype))
         self.eps = eps
         self.style = style

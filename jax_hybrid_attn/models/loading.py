@@ -124,7 +124,7 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.float32) -> tuple[ModelConf
                                  f"{tuple(variable.shape)}")
         else:
             value = raw.pop(name)
-        values[name] = jnp.asarray(value, dtype=dtype)
+        values[name] = jnp.asarray(value, dtype=variable.dtype)
     state = nnx.from_flat_state([(p, v.replace(values[name])) for name, (p, v) in wanted.items()])
     return config, nnx.merge(graphdef, state)
 
