@@ -382,3 +382,36 @@ def test_mxfp4_experts_dequantized_as_transformers_does(tmp_path):
         ref = hf(torch.tensor(prompt)[None]).logits[0].numpy()
     ours, _ = model(jnp.asarray(prompt), DenseAttention(PROMPT_LEN))
     assert np.abs(np.asarray(ours) - ref).max() <= 1e-4 * float(np.abs(ref).max())
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 10_000.0},
+        {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        # Llama 4 Scout's (high == low: no medium band) and Llama 3.1's
+        {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+         "original_max_position_embeddings": 8192, "rope_theta": 500_000.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 8192, "rope_theta": 500_000.0},
+        # gpt-oss's, and YaRN with truncation and explicit mscale
+        {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+         "original_max_position_embeddings": 4096, "rope_theta": 150_000.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "rope_theta": 10_000.0,
+         "mscale": 1.0, "mscale_all_dim": 0.5},
+    ],
+)
+def test_rope_frequencies_match_transformers(rope):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jax_hybrid_attn.models import RopeParameters
+
+    hf_config = transformers.LlamaConfig(head_dim=64, hidden_size=256, num_attention_heads=4,
+                                         max_position_embeddings=131_072, rope_parameters=dict(rope))
+    if rope["rope_type"] == "default":
+        expected = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 64, 2, dtype=torch.float) / 64)), 1.0
+    else:
+        expected = ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_config, "cpu")
+    inv_freq, scaling = RopeParameters.from_hf(rope, max_position_embeddings=131_072).inv_freq(64)
+    np.testing.assert_allclose(inv_freq, expected[0].numpy(), rtol=1e-6)
+    assert math.isclose(scaling, expected[1], rel_tol=1e-7)

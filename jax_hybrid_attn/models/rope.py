@@ -97,8 +97,9 @@ class RopeParameters:
         high_freq_wavelen = old_context_len / high
         wavelen = (np.float32(2 * math.pi) / inv_freq).astype(np.float32)
         scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
-        smooth = ((np.float32(old_context_len) / wavelen - np.float32(low)) / np.float32(high - low)).astype(np.float32)
-        smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):  # high == low (Llama 4 Scout): no medium band
+            smooth = ((np.float32(old_context_len) / wavelen - np.float32(low)) / np.float32(high - low))
+            smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
         medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
 
