@@ -19,12 +19,12 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jax_hybrid_attn.models import (  # noqa: E402
+from jax_hybrid_attn.models import (
     DenseAttention,
     ModelConfig,
     load_model,
 )
-from jax_hybrid_attn.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec  # noqa: E402
+from jax_hybrid_attn.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 PROMPT_LEN = 40
 NEW_TOKENS = 8
@@ -33,8 +33,16 @@ VOCAB = 160
 
 def _common(**overrides):
     kw = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, max_position_embeddings=256, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
         pad_token_id=0,
     )
     kw.update(overrides)
@@ -50,36 +58,76 @@ def _gemma3():
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
     }
-    return transformers.Gemma3TextConfig(**_common(
-        num_hidden_layers=6, sliding_window=8, rope_parameters=rope, query_pre_attn_scalar=24,
-        final_logit_softcapping=5.0,
-    ))
+    return transformers.Gemma3TextConfig(
+        **_common(
+            num_hidden_layers=6,
+            sliding_window=8,
+            rope_parameters=rope,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=5.0,
+        )
+    )
 
 
 def _gemma2():
-    return transformers.Gemma2Config(**_common(
-        num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
-        final_logit_softcapping=3.0, rope_theta=1000.0,
-    ))
+    return transformers.Gemma2Config(
+        **_common(
+            num_hidden_layers=4,
+            sliding_window=8,
+            query_pre_attn_scalar=32,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+            rope_theta=1000.0,
+        )
+    )
 
 
 def _gpt_oss():
-    rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-            "original_max_position_embeddings": 64, "rope_theta": 10_000.0}
-    return transformers.GptOssConfig(**_common(
-        num_hidden_layers=2, intermediate_size=32, sliding_window=8, rope_parameters=rope, num_local_experts=4,
-        num_experts_per_tok=2,
-    ))
+    rope = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 10_000.0,
+    }
+    return transformers.GptOssConfig(
+        **_common(
+            num_hidden_layers=2,
+            intermediate_size=32,
+            sliding_window=8,
+            rope_parameters=rope,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    )
 
 
 def _llama4():
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32, "rope_theta": 500_000.0}
-    return transformers.Llama4TextConfig(**_common(
-        num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=48, no_rope_layer_interval=2,
-        attention_chunk_size=16, rope_parameters=rope, num_local_experts=4, num_experts_per_tok=2,
-        interleave_moe_layer_step=2, floor_scale=8, attn_scale=0.5,
-    ))
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "rope_theta": 500_000.0,
+    }
+    return transformers.Llama4TextConfig(
+        **_common(
+            num_hidden_layers=4,
+            intermediate_size=32,
+            intermediate_size_mlp=48,
+            no_rope_layer_interval=2,
+            attention_chunk_size=16,
+            rope_parameters=rope,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            interleave_moe_layer_step=2,
+            floor_scale=8,
+            attn_scale=0.5,
+        )
+    )
 
 
 FAMILIES = {
@@ -126,7 +174,9 @@ def _jitted(model):
         )
         return logits
 
-    return lambda token_ids, rows: forward(state, jnp.asarray(token_ids, jnp.int32), jnp.asarray(rows, jnp.int32))
+    return lambda token_ids, rows: forward(
+        state, jnp.asarray(token_ids, jnp.int32), jnp.asarray(rows, jnp.int32)
+    )
 
 
 class _WithoutLocalLayers(DenseAttention):
@@ -145,7 +195,10 @@ def _check_family(family, tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor(prompt)[None]).logits[0].float().numpy()
         generated = hf.generate(
-            torch.tensor(prompt)[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+            torch.tensor(prompt)[None],
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
             pad_token_id=0,
         )[0, PROMPT_LEN:].tolist()
     forward = _jitted(model)
@@ -172,7 +225,7 @@ def _check_family(family, tmp_path):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_transformers(family, tmp_path):
-    config, diff, scale = _check_family(family, tmp_path)
+    _, diff, scale = _check_family(family, tmp_path)
     print(f"{family}: max |logit diff| {diff:.2e} (logit scale {scale:.2f})")
 
 
@@ -185,7 +238,9 @@ def test_layer_params_and_specs():
     spec = config.kv_cache_spec(0, block_size=4, dtype=np.float32)
     assert isinstance(spec, SlidingWindowSpec) and spec.sliding_window == 8 and spec.num_kv_heads == 2
     assert isinstance(config.kv_cache_spec(5, block_size=4, dtype=np.float32), FullAttentionSpec)
-    assert isinstance(config.kv_cache_spec(0, block_size=4, dtype=np.float32, hybrid=False), FullAttentionSpec)
+    assert isinstance(
+        config.kv_cache_spec(0, block_size=4, dtype=np.float32, hybrid=False), FullAttentionSpec
+    )
     llama4 = ModelConfig.from_hf(_llama4().to_dict())
     assert llama4.layer_types == ("chunked_attention", "full_attention") * 2
     assert llama4.rope[1] is None and llama4.moe_layers == (1, 3)
@@ -200,8 +255,12 @@ def test_layer_params_and_specs():
 def test_legacy_rope_keys():
     """Hub files older than transformers 5: rope_theta / rope_scaling / rope_local_base_freq, no layer_types."""
     legacy = {k: v for k, v in _gemma3().to_dict().items() if k not in ("rope_parameters", "layer_types")}
-    legacy.update(rope_theta=500_000.0, rope_local_base_freq=20_000.0, sliding_window_pattern=3,
-                  rope_scaling={"rope_type": "linear", "factor": 4.0})
+    legacy.update(
+        rope_theta=500_000.0,
+        rope_local_base_freq=20_000.0,
+        sliding_window_pattern=3,
+        rope_scaling={"rope_type": "linear", "factor": 4.0},
+    )
     config = ModelConfig.from_hf(legacy)
     assert config.layer_types == ("sliding_attention", "sliding_attention", "full_attention") * 2
     assert config.rope[0].rope_theta == 20_000.0 and config.rope[0].rope_type == "default"
@@ -319,7 +378,9 @@ class _PrefixCache:
         else:
             k_all, v_all = k, v
         seq_len = self.start + self.num_tokens
-        allowed = attention_mask(self.positions[:, None], jnp.arange(seq_len)[None, :], seq_len, params=params)
+        allowed = attention_mask(
+            self.positions[:, None], jnp.arange(seq_len)[None, :], seq_len, params=params
+        )
         group = q.shape[1] // k.shape[1]
         kr, vr = jnp.repeat(k_all, group, axis=1), jnp.repeat(v_all, group, axis=1)
         logits = jnp.einsum("tnh,snh->nts", q, kr, precision="highest") * params.sm_scale
@@ -332,7 +393,11 @@ class _PrefixCache:
         else:
             weights = jax.nn.softmax(logits, -1)
         out = jnp.einsum("nts,snh->tnh", weights, vr, precision="highest")
-        written = dataclasses.replace(self, keys=self.keys + (k,), values=self.values + (v,)) if not self.start else self
+        written = (
+            dataclasses.replace(self, keys=self.keys + (k,), values=self.values + (v,))
+            if not self.start
+            else self
+        )
         return out, written
 
 
@@ -345,7 +410,9 @@ def test_continuation_uses_cache_positions(family, tmp_path):
     tokens = np.random.RandomState(2).randint(3, VOCAB, size=PROMPT_LEN + NEW_TOKENS)
     with torch.no_grad():
         ref = hf(torch.tensor(tokens)[None]).logits[0].numpy()
-    _, prefix = model(jnp.asarray(tokens[:PROMPT_LEN]), _PrefixCache(0, PROMPT_LEN), logits_indices=jnp.array([0]))
+    _, prefix = model(
+        jnp.asarray(tokens[:PROMPT_LEN]), _PrefixCache(0, PROMPT_LEN), logits_indices=jnp.array([0])
+    )
     cache = _PrefixCache(PROMPT_LEN, NEW_TOKENS, prefix.keys, prefix.values)
     logits, _ = model(jnp.asarray(tokens[PROMPT_LEN:]), cache)
     scale = float(np.abs(ref).max())
@@ -371,7 +438,10 @@ def test_mxfp4_experts_dequantized_as_transformers_does(tmp_path):
             hf.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales).float())
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     config_json = json.loads((path / "config.json").read_text())
-    config_json["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config_json["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
     (path / "config.json").write_text(json.dumps(config_json))
     config, model = load_model(path)
     assert config.quantization == "mxfp4"
@@ -390,15 +460,40 @@ def test_mxfp4_experts_dequantized_as_transformers_does(tmp_path):
         {"rope_type": "default", "rope_theta": 10_000.0},
         {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
         # Llama 4 Scout's (high == low: no medium band) and Llama 3.1's
-        {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
-         "original_max_position_embeddings": 8192, "rope_theta": 500_000.0},
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 8192, "rope_theta": 500_000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 16.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 500_000.0,
+        },
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_theta": 500_000.0,
+        },
         # gpt-oss's, and YaRN with truncation and explicit mscale
-        {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-         "original_max_position_embeddings": 4096, "rope_theta": 150_000.0},
-        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "rope_theta": 10_000.0,
-         "mscale": 1.0, "mscale_all_dim": 0.5},
+        {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+            "rope_theta": 150_000.0,
+        },
+        {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 2048,
+            "rope_theta": 10_000.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.5,
+        },
     ],
 )
 def test_rope_frequencies_match_transformers(rope):
@@ -406,8 +501,13 @@ def test_rope_frequencies_match_transformers(rope):
 
     from jax_hybrid_attn.models import RopeParameters
 
-    hf_config = transformers.LlamaConfig(head_dim=64, hidden_size=256, num_attention_heads=4,
-                                         max_position_embeddings=131_072, rope_parameters=dict(rope))
+    hf_config = transformers.LlamaConfig(
+        head_dim=64,
+        hidden_size=256,
+        num_attention_heads=4,
+        max_position_embeddings=131_072,
+        rope_parameters=dict(rope),
+    )
     if rope["rope_type"] == "default":
         expected = 1.0 / (rope["rope_theta"] ** (torch.arange(0, 64, 2, dtype=torch.float) / 64)), 1.0
     else:
@@ -415,3 +515,166 @@ def test_rope_frequencies_match_transformers(rope):
     inv_freq, scaling = RopeParameters.from_hf(rope, max_position_embeddings=131_072).inv_freq(64)
     np.testing.assert_allclose(inv_freq, expected[0].numpy(), rtol=1e-6)
     assert math.isclose(scaling, expected[1], rel_tol=1e-7)
+
+
+_ALTERNATING_24 = ["sliding_attention", "full_attention"] * 12
+HUB_CONFIGS = {  # config.json files as published (pre-transformers-5 keys), abridged to what the readers use
+    "gemma-3-1b-it": (
+        "Gemma3TextConfig",
+        {
+            "model_type": "gemma3_text",
+            "attn_logit_softcapping": None,
+            "bos_token_id": 2,
+            "eos_token_id": [1, 106],
+            "final_logit_softcapping": None,
+            "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 1152,
+            "intermediate_size": 6912,
+            "max_position_embeddings": 32768,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 26,
+            "num_key_value_heads": 1,
+            "pad_token_id": 0,
+            "query_pre_attn_scalar": 256,
+            "rms_norm_eps": 1e-06,
+            "rope_local_base_freq": 10000,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,
+            "vocab_size": 262144,
+        },
+    ),
+    "gemma-2-2b": (
+        "Gemma2Config",
+        {
+            "model_type": "gemma2",
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "head_dim": 256,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "max_position_embeddings": 8192,
+            "num_attention_heads": 8,
+            "num_hidden_layers": 26,
+            "num_key_value_heads": 4,
+            "query_pre_attn_scalar": 256,
+            "rms_norm_eps": 1e-06,
+            "rope_theta": 10000.0,
+            "sliding_window": 4096,
+            "vocab_size": 256000,
+            "eos_token_id": [1, 107],
+        },
+    ),
+    "Mistral-7B-v0.1": (
+        "MistralConfig",
+        {
+            "model_type": "mistral",
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 32768,
+            "num_attention_heads": 32,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 10000.0,
+            "sliding_window": 4096,
+            "tie_word_embeddings": False,
+            "vocab_size": 32000,
+        },
+    ),
+    "gpt-oss-20b": (
+        "GptOssConfig",
+        {
+            "model_type": "gpt_oss",
+            "attention_bias": True,
+            "eos_token_id": 200002,
+            "head_dim": 64,
+            "hidden_act": "silu",
+            "hidden_size": 2880,
+            "intermediate_size": 2880,
+            "layer_types": _ALTERNATING_24,
+            "max_position_embeddings": 131072,
+            "num_attention_heads": 64,
+            "num_experts_per_tok": 4,
+            "num_hidden_layers": 24,
+            "num_key_value_heads": 8,
+            "num_local_experts": 32,
+            "pad_token_id": 199999,
+            "quantization_config": {
+                "modules_to_not_convert": [
+                    "model.layers.*.self_attn",
+                    "model.layers.*.mlp.router",
+                    "model.embed_tokens",
+                    "lm_head",
+                ],
+                "quant_method": "mxfp4",
+            },
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "rope_type": "yarn",
+                "truncate": False,
+            },
+            "rope_theta": 150000,
+            "sliding_window": 128,
+            "tie_word_embeddings": False,
+            "vocab_size": 201088,
+        },
+    ),
+    "Llama-4-Scout (text_config)": (
+        "Llama4TextConfig",
+        {
+            "model_type": "llama4_text",
+            "attention_bias": False,
+            "attention_chunk_size": 8192,
+            "attn_scale": 0.1,
+            "attn_temperature_tuning": True,
+            "floor_scale": 8192,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 5120,
+            "interleave_moe_layer_step": 1,
+            "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384,
+            "max_position_embeddings": 10485760,
+            "no_rope_layers": [],
+            "num_attention_heads": 40,
+            "num_experts_per_tok": 1,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 8,
+            "num_local_experts": 16,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": {
+                "factor": 16.0,
+                "high_freq_factor": 1.0,
+                "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            "rope_theta": 500000.0,
+            "use_qk_norm": True,
+            "vocab_size": 202048,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(HUB_CONFIGS))
+def test_hub_config_read_as_transformers_reads_it(name):
+    """A published config.json gives the same `ModelConfig` as transformers' normalized `to_dict()` of it."""
+    class_name, config_json = HUB_CONFIGS[name]
+    ours = ModelConfig.from_hf(config_json)
+    via_transformers = ModelConfig.from_hf(getattr(transformers, class_name)(**config_json).to_dict())
+    assert ours == via_transformers
+    assert ours.kv_cache_spec(0, block_size=16, dtype=np.float16).num_kv_heads == ours.num_kv_heads
+    if name == "Llama-4-Scout (text_config)":
+        assert ours.layer_types[:4] == ("chunked_attention",) * 3 + ("full_attention",)
+        assert ours.rope[3] is None and len(ours.moe_layers) == 48

@@ -72,7 +72,9 @@ def test_embedded_model_runs():
     assert config.layer_params(0).sliding_window == 32 and config.layer_params(5).sliding_window is None
     model = random_model(config, seed=0)
     tokens = jnp.asarray(ByteTokenizer().encode("hello there"), jnp.int32)
-    logits, _ = nnx.jit(lambda m, t: m(t, DenseAttention(t.shape[0]), logits_indices=jnp.array([0, 5])))(model, tokens)
+    logits, _ = nnx.jit(lambda m, t: m(t, DenseAttention(t.shape[0]), logits_indices=jnp.array([0, 5])))(
+        model, tokens
+    )
     assert logits.shape == (2, config.vocab_size) and logits.dtype == jnp.float32
     assert np.isfinite(np.asarray(logits)).all()
     again = Decoder(config, rngs=nnx.Rngs(0))

@@ -40,32 +40,85 @@ _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # The transformers 5.17 config classes' defaults for the keys a config.json may leave out.
 _DEFAULTS = {
     "mistral": dict(
-        hidden_act="silu", max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        sliding_window=4096, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+        hidden_act="silu",
+        max_position_embeddings=4096 * 32,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        sliding_window=4096,
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
     ),
     "gemma2": dict(
-        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, sliding_window=4096, rope_theta=10000.0, query_pre_attn_scalar=256,
-        final_logit_softcapping=30.0, attn_logit_softcapping=50.0, attention_bias=False,
-        bos_token_id=2, eos_token_id=1, pad_token_id=0, head_dim=256, num_key_value_heads=4,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        sliding_window=4096,
+        rope_theta=10000.0,
+        query_pre_attn_scalar=256,
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+        attention_bias=False,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        head_dim=256,
+        num_key_value_heads=4,
     ),
     "gemma3_text": dict(
-        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, sliding_window=4096, query_pre_attn_scalar=256, final_logit_softcapping=None,
-        attn_logit_softcapping=None, attention_bias=False, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-        head_dim=256, num_key_value_heads=4,
+        hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=131_072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        sliding_window=4096,
+        query_pre_attn_scalar=256,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        attention_bias=False,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        head_dim=256,
+        num_key_value_heads=4,
     ),
     "gpt_oss": dict(
-        hidden_act="silu", max_position_embeddings=131_072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        sliding_window=128, rope_theta=150000.0, attention_bias=True, num_experts_per_tok=4, head_dim=64,
-        num_key_value_heads=8, num_local_experts=128, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        hidden_act="silu",
+        max_position_embeddings=131_072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=128,
+        rope_theta=150000.0,
+        attention_bias=True,
+        num_experts_per_tok=4,
+        head_dim=64,
+        num_key_value_heads=8,
+        num_local_experts=128,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     ),
     "llama4_text": dict(
-        hidden_act="silu", max_position_embeddings=4096 * 32, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_theta=500000.0, attention_bias=False, num_experts_per_tok=1, num_local_experts=16,
-        interleave_moe_layer_step=1, use_qk_norm=True, no_rope_layer_interval=4, attention_chunk_size=8192,
-        attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, bos_token_id=1, eos_token_id=2,
-        pad_token_id=None, intermediate_size_mlp=16384,
+        hidden_act="silu",
+        max_position_embeddings=4096 * 32,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        attention_bias=False,
+        num_experts_per_tok=1,
+        num_local_experts=16,
+        interleave_moe_layer_step=1,
+        use_qk_norm=True,
+        no_rope_layer_interval=4,
+        attention_chunk_size=8192,
+        attn_temperature_tuning=True,
+        floor_scale=8192,
+        attn_scale=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+        intermediate_size_mlp=16384,
     ),
 }
 
@@ -161,22 +214,38 @@ class ModelConfig:
             raise NotImplementedError(
                 f"architecture={self.architecture!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             check_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
         if self.hidden_act not in _ACTIVATIONS:
-            raise NotImplementedError(f"hidden_act={self.hidden_act!r} is not supported (supported: {_ACTIVATIONS})")
+            raise NotImplementedError(
+                f"hidden_act={self.hidden_act!r} is not supported (supported: {_ACTIVATIONS})"
+            )
         if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types={self.layer_types!r} must have num_layers={self.num_layers} entries")
+            raise ValueError(
+                f"layer_types={self.layer_types!r} must have num_layers={self.num_layers} entries"
+            )
         if len(self.rope) != self.num_layers:
             raise ValueError(f"rope has {len(self.rope)} entries, not num_layers={self.num_layers}")
         for layer_type in self.layer_types:
             if layer_type not in LAYER_TYPES:
-                raise NotImplementedError(f"layer type {layer_type!r} is not supported (supported: {LAYER_TYPES})")
+                raise NotImplementedError(
+                    f"layer type {layer_type!r} is not supported (supported: {LAYER_TYPES})"
+                )
         if "sliding_attention" in self.layer_types:
             check_int("sliding_window", self.sliding_window)
         if "chunked_attention" in self.layer_types:
@@ -253,7 +322,9 @@ class ModelConfig:
         """Layer `layer`'s KV-cache spec: sliding and chunked layers keep only their window or chunk
         (``hybrid=False``: every layer is a `FullAttentionSpec`, the non-hybrid baseline)."""
         layer_type = self.layer_types[self._check_layer(layer)]
-        common = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_dim, dtype=dtype)
+        common = dict(
+            block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_dim, dtype=dtype
+        )
         if not hybrid or layer_type == "full_attention":
             return FullAttentionSpec(**common)
         if layer_type == "sliding_attention":
@@ -279,7 +350,7 @@ class ModelConfig:
 
 def _common(config: dict, architecture: str) -> dict:
     """The keys every family shares."""
-    get = lambda key, **kw: _get(config, key, architecture, **kw)  # noqa: E731
+    get = lambda key, **kw: _get(config, key, architecture, **kw)
     num_heads = get("num_attention_heads", required=True)
     hidden = get("hidden_size", required=True)
     num_kv_heads = config.get("num_key_value_heads")
@@ -320,7 +391,9 @@ def _global_rope(config: dict, architecture: str, default: dict | None = None) -
     params = config.get("rope_scaling") or config.get("rope_parameters") or default or {}
     params = dict(params)
     params.setdefault("rope_theta", config.get("rope_theta", _DEFAULTS[architecture]["rope_theta"]))
-    return RopeParameters.from_hf(params, max_position_embeddings=_get(config, "max_position_embeddings", architecture))
+    return RopeParameters.from_hf(
+        params, max_position_embeddings=_get(config, "max_position_embeddings", architecture)
+    )
 
 
 def _alternating(num_layers: int, pattern: int) -> tuple[str, ...]:
@@ -333,7 +406,9 @@ def _layer_types(config: dict, num_layers: int, default: tuple[str, ...]) -> tup
     if layer_types is None:
         return default
     if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers:
-        raise ValueError(f"layer_types={layer_types!r} must be a list of num_hidden_layers={num_layers} entries")
+        raise ValueError(
+            f"layer_types={layer_types!r} must be a list of num_hidden_layers={num_layers} entries"
+        )
     return tuple(layer_types)
 
 
@@ -356,7 +431,7 @@ def _read_gemma(config: dict, architecture: str) -> ModelConfig:
     num_layers = common["num_layers"]
     if config.get("use_bidirectional_attention"):
         raise NotImplementedError("use_bidirectional_attention=True (an encoder) is not supported")
-    get = lambda key: _get(config, key, architecture)  # noqa: E731
+    get = lambda key: _get(config, key, architecture)
     max_pos = get("max_position_embeddings")
     if architecture == "gemma2":
         layer_types = _layer_types(config, num_layers, _alternating(num_layers, 2))
@@ -369,7 +444,10 @@ def _read_gemma(config: dict, architecture: str) -> ModelConfig:
         # global layers, rope_theta (default 1e6) to the global ones, rope_local_base_freq (1e4) to the local.
         per_type = {k: dict(v) if v else None for k, v in (config.get("rope_parameters") or {}).items()}
         if not per_type or set(per_type).isdisjoint(LAYER_TYPES):
-            per_type = {"sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "default"}}
+            per_type = {
+                "sliding_attention": {"rope_type": "default"},
+                "full_attention": {"rope_type": "default"},
+            }
         if config.get("rope_scaling"):
             per_type.setdefault("full_attention", {"rope_type": "default"})
             per_type["full_attention"].update(config["rope_scaling"])
@@ -404,10 +482,16 @@ def _read_gemma(config: dict, architecture: str) -> ModelConfig:
 def _read_gpt_oss(config: dict) -> ModelConfig:
     common = _common(config, "gpt_oss")
     num_layers = common["num_layers"]
-    get = lambda key: _get(config, key, "gpt_oss")  # noqa: E731
+    get = lambda key: _get(config, key, "gpt_oss")
     layer_types = _layer_types(config, num_layers, _alternating(num_layers, 2))
-    default_rope = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                        original_max_position_embeddings=4096)
+    default_rope = dict(
+        rope_type="yarn",
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=4096,
+    )
     rope = _global_rope(config, "gpt_oss", default_rope)
     num_experts = get("num_local_experts")
     return ModelConfig(
@@ -427,14 +511,18 @@ def _read_gpt_oss(config: dict) -> ModelConfig:
 def _read_llama4(config: dict) -> ModelConfig:
     common = _common(config, "llama4_text")
     num_layers = common["num_layers"]
-    get = lambda key: _get(config, key, "llama4_text")  # noqa: E731
+    get = lambda key: _get(config, key, "llama4_text")
     # Llama4TextConfig.__post_init__: no_rope_layers[i] == 1 means layer i USES RoPE; the default puts a
     # NoPE layer every no_rope_layer_interval layers; layer_types defaults to chunked for RoPE layers.
     interval = get("no_rope_layer_interval")
     no_rope_layers = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
     if len(no_rope_layers) != num_layers:
-        raise ValueError(f"no_rope_layers={no_rope_layers!r} must have num_hidden_layers={num_layers} entries")
-    default_types = tuple("chunked_attention" if use_rope else "full_attention" for use_rope in no_rope_layers)
+        raise ValueError(
+            f"no_rope_layers={no_rope_layers!r} must have num_hidden_layers={num_layers} entries"
+        )
+    default_types = tuple(
+        "chunked_attention" if use_rope else "full_attention" for use_rope in no_rope_layers
+    )
     layer_types = _layer_types(config, num_layers, default_types)
     step = get("interleave_moe_layer_step")
     moe_layers = config.get("moe_layers")

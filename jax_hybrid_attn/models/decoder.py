@@ -35,7 +35,9 @@ _INIT_STD = 0.02
 
 
 def _normal(rngs: nnx.Rngs, shape, param_dtype) -> nnx.Param:
-    return nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype) * jnp.asarray(_INIT_STD, param_dtype))
+    return nnx.Param(
+        jax.random.normal(rngs.params(), shape, param_dtype) * jnp.asarray(_INIT_STD, param_dtype)
+    )
 
 
 def _matmul(x, w_t):
@@ -43,7 +45,7 @@ def _matmul(x, w_t):
     return jnp.matmul(x, w_t, precision=_PRECISION)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _inv_freq(rope: RopeParameters, head_dim: int) -> tuple[np.ndarray, float]:
     return rope.inv_freq(head_dim)
 
@@ -128,7 +130,9 @@ class Attention(nnx.Module):
         self.layer = layer
         self.config = config
 
-    def __call__(self, x: Float[Array, "T D"], cache: AttentionCache) -> tuple[Float[Array, "T D"], AttentionCache]:
+    def __call__(
+        self, x: Float[Array, "T D"], cache: AttentionCache
+    ) -> tuple[Float[Array, "T D"], AttentionCache]:
         config, layer = self.config, self.layer
         num_tokens = x.shape[0]
         h = config.head_dim
@@ -169,7 +173,7 @@ class GatedMLP(nnx.Module):
         return self.down_proj(_activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _grouped(x, expert_ids, num_experts: int):
+def _grouped(expert_ids, num_experts: int):
     """The token-expert pairs sorted by expert: the order, each pair's token row, and the group sizes."""
     flat = expert_ids.reshape(-1)
     order = jnp.argsort(flat, stable=True)
@@ -216,7 +220,7 @@ class GptOssMLP(nnx.Module):
         logits = _matmul(x, self.router.weight[...].astype(dt).T) + self.router.bias[...].astype(dt)
         top_values, top_ids = jax.lax.top_k(logits, self.top_k)  # [T, k]
         scores = jax.nn.softmax(top_values, axis=-1).astype(dt)
-        order, experts, group_sizes = _grouped(x, top_ids, self.num_experts)
+        order, experts, group_sizes = _grouped(top_ids, self.num_experts)
         rows = order // self.top_k
         e = self.experts
         gate_up = _ragged(x[rows], e.gate_up_proj[...].astype(dt), group_sizes)
@@ -253,7 +257,9 @@ class Llama4MoE(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs, dtype, param_dtype):
         self.experts = Llama4Experts(config, rngs=rngs, param_dtype=param_dtype)
         self.router = Llama4Router(config, rngs=rngs, param_dtype=param_dtype)
-        self.shared_expert = GatedMLP(config, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.shared_expert = GatedMLP(
+            config, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
+        )
         self.top_k = config.num_experts_per_tok
         self.num_experts = config.num_experts
         self.act = config.hidden_act
@@ -264,7 +270,7 @@ class Llama4MoE(nnx.Module):
         logits = _matmul(x, self.router.weight[...].astype(dt).T)
         top_values, top_ids = jax.lax.top_k(logits, self.top_k)
         scores = jax.nn.sigmoid(top_values.astype(jnp.float32)).astype(dt)  # [T, k]
-        order, _, group_sizes = _grouped(x, top_ids, self.num_experts)
+        order, _, group_sizes = _grouped(top_ids, self.num_experts)
         rows = order // self.top_k
         routed_in = x[rows] * scores.reshape(-1)[order][:, None]
         gate_up = _ragged(routed_in, self.experts.gate_up_proj[...].astype(dt), group_sizes)
@@ -280,8 +286,12 @@ class DecoderLayer(nnx.Module):
     def __init__(self, config: ModelConfig, layer: int, *, rngs, dtype, param_dtype):
         common = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         gemma = config.architecture in ("gemma2", "gemma3_text")
-        style = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}.get(config.architecture, "llama")
-        norm = lambda: RMSNorm(config.hidden_size, eps=config.rms_norm_eps, style=style, param_dtype=param_dtype)  # noqa: E731
+        style = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}.get(
+            config.architecture, "llama"
+        )
+        norm = lambda: RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, style=style, param_dtype=param_dtype
+        )
         self.self_attn = Attention(config, layer, **common)
         self.input_layernorm = norm()
         self.post_attention_layernorm = norm()
@@ -317,11 +327,18 @@ class TextModel(nnx.Module):
     """transformers' ``model``: the embedding, the layers and the final norm."""
 
     def __init__(self, config: ModelConfig, *, rngs, dtype, param_dtype):
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype)
-        self.layers = nnx.List(
-            [DecoderLayer(config, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype) for i in range(config.num_layers)]
+        self.embed_tokens = Embedding(
+            config.vocab_size, config.hidden_size, rngs=rngs, param_dtype=param_dtype
         )
-        style = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}.get(config.architecture, "llama")
+        self.layers = nnx.List(
+            [
+                DecoderLayer(config, i, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+                for i in range(config.num_layers)
+            ]
+        )
+        style = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}.get(
+            config.architecture, "llama"
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, style=style, param_dtype=param_dtype)
 
 
@@ -342,8 +359,14 @@ class Decoder(nnx.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, bias=False, rngs=rngs, dtype=self.dtype,
-                        param_dtype=param_dtype)
+            else Linear(
+                config.hidden_size,
+                config.vocab_size,
+                bias=False,
+                rngs=rngs,
+                dtype=self.dtype,
+                param_dtype=param_dtype,
+            )
         )
 
     def __call__(

@@ -40,13 +40,17 @@ def _weight_files(path: Path) -> dict[str, Path]:
         files = {name: path / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():
-                raise ValueError(f"{str(index)!r} names the shard {file.name!r}, which is not in {str(path)!r}")
+                raise ValueError(
+                    f"{str(index)!r} names the shard {file.name!r}, which is not in {str(path)!r}"
+                )
         return files
     single = path / _SINGLE
     if not single.is_file():
         others = sorted(p.name for p in path.glob("*.safetensors"))
         if len(others) != 1:
-            raise ValueError(f"path={str(path)!r} has no {_SINGLE} nor {_INDEX} (safetensors files: {others})")
+            raise ValueError(
+                f"path={str(path)!r} has no {_SINGLE} nor {_INDEX} (safetensors files: {others})"
+            )
         single = path / others[0]
     with safe_open(single, framework="flax") as f:
         return {name: single for name in f.keys()}
@@ -95,12 +99,16 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.float32) -> tuple[ModelConf
     stored = (set(files) - {n for pair in packed.values() for n in pair}) | set(packed)
     missing = sorted(set(wanted) - stored)
     if missing:
-        raise ValueError(f"the checkpoint in {str(path)!r} lacks the tensors {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing)")
+        raise ValueError(
+            f"the checkpoint in {str(path)!r} lacks the tensors {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing)"
+        )
     unexpected = sorted(name for name in stored if name not in wanted and not _ignored(name, config))
     if unexpected:
-        raise ValueError(f"the checkpoint in {str(path)!r} has tensors the model does not: {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} unexpected)")
+        raise ValueError(
+            f"the checkpoint in {str(path)!r} has tensors the model does not: {unexpected[:8]}"
+            f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} unexpected)"
+        )
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         for stored_name in packed.get(name, (name,)):
@@ -118,10 +126,14 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.float32) -> tuple[ModelConf
     values = {}
     for name, (_, variable) in wanted.items():
         if name in packed:
-            value = dequantize_mxfp4(np.asarray(raw.pop(packed[name][0])), np.asarray(raw.pop(packed[name][1])))
+            value = dequantize_mxfp4(
+                np.asarray(raw.pop(packed[name][0])), np.asarray(raw.pop(packed[name][1]))
+            )
             if value.shape != tuple(variable.shape):
-                raise ValueError(f"tensor {name!r} dequantizes to shape {value.shape}, the model expects "
-                                 f"{tuple(variable.shape)}")
+                raise ValueError(
+                    f"tensor {name!r} dequantizes to shape {value.shape}, the model expects "
+                    f"{tuple(variable.shape)}"
+                )
         else:
             value = raw.pop(name)
         values[name] = jnp.asarray(value, dtype=variable.dtype)
@@ -129,8 +141,9 @@ def load_model(path: str | os.PathLike, *, dtype=jnp.float32) -> tuple[ModelConf
     return config, nnx.merge(graphdef, state)
 
 
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
 """The 16 values of an FP4 (e2m1) code."""
 
 
@@ -141,8 +154,10 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     `scales` ``[E, R, G]`` uint8 each group's power of two plus 127; the result is ``[E, G * 32, R]``
     (the ``[E, in, out]`` layout of `gate_up_proj` and `down_proj`)."""
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {blocks.dtype}{blocks.shape} and scales {scales.dtype}{scales.shape} "
-                         "must be uint8 [E, R, G, B] and [E, R, G]")
+        raise ValueError(
+            f"MXFP4 blocks {blocks.dtype}{blocks.shape} and scales {scales.dtype}{scales.shape} "
+            "must be uint8 [E, R, G, B] and [E, R, G]"
+        )
     *prefix, groups, width = blocks.shape
     values = np.empty((*prefix, groups, width * 2), np.float32)
     values[..., 0::2] = FP4_VALUES[blocks & 0x0F]

@@ -96,9 +96,11 @@ class RopeParameters:
         low_freq_wavelen = old_context_len / low
         high_freq_wavelen = old_context_len / high
         wavelen = (np.float32(2 * math.pi) / inv_freq).astype(np.float32)
-        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq).astype(np.float32)
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / np.float32(factor), inv_freq).astype(
+            np.float32
+        )
         with np.errstate(divide="ignore", invalid="ignore"):  # high == low (Llama 4 Scout): no medium band
-            smooth = ((np.float32(old_context_len) / wavelen - np.float32(low)) / np.float32(high - low))
+            smooth = (np.float32(old_context_len) / wavelen - np.float32(low)) / np.float32(high - low)
             smoothed = ((1 - smooth) * scaled / np.float32(factor) + smooth * scaled).astype(np.float32)
         medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
@@ -116,7 +118,9 @@ class RopeParameters:
         attention_factor = self.attention_factor
         if attention_factor is None:
             if self.mscale and self.mscale_all_dim:
-                attention_factor = float(get_mscale(factor, self.mscale) / get_mscale(factor, self.mscale_all_dim))
+                attention_factor = float(
+                    get_mscale(factor, self.mscale) / get_mscale(factor, self.mscale_all_dim)
+                )
             else:
                 attention_factor = get_mscale(factor)
         beta_fast = self.beta_fast or 32
@@ -131,10 +135,14 @@ class RopeParameters:
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
-        pos_freqs = (np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))).astype(np.float32)
+        pos_freqs = (np.float32(base) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))).astype(
+            np.float32
+        )
         extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
         interpolation = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
-        ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+        ramp = np.clip(
+            (np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1
+        )
         extrapolation_factor = (1 - ramp).astype(np.float32)
         inv_freq = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
         return inv_freq.astype(np.float32), float(attention_factor)

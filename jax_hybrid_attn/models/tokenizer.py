@@ -11,7 +11,8 @@
 import json
 import os
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
+from collections.abc import Sequence
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 
