@@ -59,10 +59,12 @@ class EngineConfig:
         `DEFAULT_MAX_MODEL_LEN`).
       max_num_batched_tokens: the token budget of one step (prefill chunks and decodes together).
       num_blocks, kv_memory: the KV pool, in blocks or bytes (at most one; neither: room for `max_num_seqs`
-        requests of `max_model_len` tokens with full attention).
+        requests of `max_model_len` tokens at once, in this layout).
       hybrid: allocate sliding-window and chunked layers as such (False: every layer as full attention).
       kv_cache_dtype: the cache's dtype (None: the model's).
       enable_prefix_caching: share cached prompt blocks across requests.
+      sliding_window_in_window_only: clip prefill chunks so that sliding-window groups never allocate a block
+        that is freed a step later (`AllocatorConfig`): a lower peak, but windows of W tokens then cap the chunks.
       seed: seeds requests that give none (request i gets ``seed + i``).
       implementation, interpret: as `paged_attention` (default: the kernels on a GPU, the reference elsewhere).
     """
@@ -76,6 +78,7 @@ class EngineConfig:
     hybrid: bool = True
     kv_cache_dtype: object = None
     enable_prefix_caching: bool = True
+    sliding_window_in_window_only: bool = False
     seed: int = 0
     implementation: str | None = None
     interpret: bool = False
@@ -88,24 +91,37 @@ class EngineConfig:
                 object.__setattr__(self, name, check_int(name, getattr(self, name), maximum=None))
         if self.num_blocks is not None and self.kv_memory is not None:
             raise ValueError(f"give at most one of num_blocks={self.num_blocks} and kv_memory={self.kv_memory}")
-        for name in ("hybrid", "enable_prefix_caching"):
+        for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, maximum=2**32 - 1))
 
 
 @dataclasses.dataclass
 class EngineStats:
-    """Counters since the engine started (host time, in seconds)."""
+    """Counters since the engine started (host wall time of whole steps, in seconds)."""
 
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    timed_prefill_tokens: int = 0  # in steps that did not compile, over prefill_time
+    timed_decode_tokens: int = 0  # in decode-only steps that did not compile, over decode_time
     prefill_time: float = 0.0
     decode_time: float = 0.0
     cached_prompt_tokens: int = 0
     prompt_tokens: int = 0
     preemptions: int = 0
+    compile_steps: int = 0  # steps whose shape ran for the first time (compiled): not in the prefill/decode times
+    compile_time: float = 0.0
     peak_blocks_in_use: int = 0
+    peak_blocks_full_attention: int = 0  # what the same requests would hold with every group as full attention
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        return self.timed_prefill_tokens / self.prefill_time if self.prefill_time else None
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        return self.timed_decode_tokens / self.decode_time if self.decode_time else None
 
 
 class Engine:
@@ -139,19 +155,16 @@ class Engine:
             )
         self.max_model_len = max_model_len
         graphdef, state = nnx.split(model)
-        dtype = config.kv_cache_dtype or jax.tree.leaves(state)[0].dtype
-        num_blocks, kv_memory = config.num_blocks, config.kv_memory
-        if num_blocks is None and kv_memory is None:
-            num_blocks = 1 + config.max_num_seqs * cdiv(max_model_len, config.block_size)
+        dtype = config.kv_cache_dtype or model.dtype  # the activations' dtype: k and v are written in it
         self.layout = KVCacheLayout.for_model(
             model_config, block_size=config.block_size, max_model_len=max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype, num_blocks=num_blocks,
-            kv_memory=kv_memory, hybrid=config.hybrid,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs, dtype=dtype,
+            num_blocks=config.num_blocks, kv_memory=config.kv_memory, hybrid=config.hybrid,
         )  # fmt: skip
         self.allocator_config = self.layout.allocator_config(
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, enable_caching=config.enable_prefix_caching,
-            sliding_window_in_window_only=True,
+            sliding_window_in_window_only=config.sliding_window_in_window_only,
         )  # fmt: skip
         self.manager = KVCacheManager(self.allocator_config)
         self.kv_caches = self.layout.allocate()
@@ -162,6 +175,7 @@ class Engine:
             donate_argnames=("kv_caches",),
         )
         self.stats = EngineStats()
+        self._shapes: set[tuple[int, int]] = set()  # step shapes run so far (compiled)
         self._waiting: collections.deque[Request] = collections.deque()
         self._admitted: list[Request] = []  # hold a request slot, in arrival order
         self._ids: set[Hashable] = set()
@@ -198,6 +212,13 @@ class Engine:
         self._next_index += 1
         return request_id
 
+    def reset(self) -> None:
+        """Forget the prefix cache and the counters (compiled step shapes stay); refused while requests run."""
+        if self.has_unfinished_requests():
+            raise ValueError(f"reset() with {self.num_unfinished_requests} unfinished requests")
+        self.manager.reset_prefix_cache()
+        self.stats = EngineStats()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._admitted)
 
@@ -223,19 +244,25 @@ class Engine:
         sampled_rows = [
             i for i, (request, _) in enumerate(rows) if success[i] and seq_lens[i] == request.num_tokens and num_tokens
         ]
-        tokens = None
+        tokens, shape = None, None
         if num_tokens:
-            tokens, self.kv_caches = self._run(
-                self._weights, self.kv_caches, out, self._sampling_arrays(rows),
+            max_query_len = int(np.diff(query_start_loc).max())
+            shape = dict(  # few static shapes: a power of two of tokens, and decode-only or not
                 num_tokens=min(_bucket(num_tokens, minimum=8), self.config.max_num_batched_tokens),
-                max_query_len=_bucket(int(np.diff(query_start_loc).max())),
-            )  # fmt: skip
+                max_query_len=1 if max_query_len == 1 else self.config.max_num_batched_tokens,
+            )
+            tokens, self.kv_caches = self._run(
+                self._weights, self.kv_caches, out, self._sampling_arrays(rows), **shape
+            )
             by_row = [rows[i][0].request_id if i in sampled_rows else None for i in range(len(rows))]
             if sampled_rows:
                 self.manager.append_row_token_ids(by_row, tokens)
             tokens = np.asarray(tokens)
         now = time.perf_counter()
-        self._account(rows, success, seq_lens, hits, num_tokens, now - started)
+        compiled = shape is not None and tuple(shape.values()) not in self._shapes
+        if compiled:
+            self._shapes.add(tuple(shape.values()))
+        self._account(rows, success, seq_lens, hits, num_tokens, now - started, compiled=compiled)
         finished = []
         for i in sampled_rows:
             request = rows[i][0]
@@ -327,9 +354,11 @@ class Engine:
         self._ids.discard(request.request_id)
         return RequestOutput.of(request)
 
-    def _account(self, rows, success, seq_lens, hits, num_tokens, seconds) -> None:
+    def _account(self, rows, success, seq_lens, hits, num_tokens, seconds, *, compiled: bool) -> None:
         stats = self.stats
         stats.steps += 1
+        stats.compile_steps += compiled
+        stats.compile_time += seconds if compiled else 0.0
         decode_tokens = 0
         for i, (request, _) in enumerate(rows):
             if not success[i]:
@@ -344,11 +373,19 @@ class Engine:
             request.num_computed_tokens = int(seq_lens[i])
         stats.decode_tokens += decode_tokens
         stats.prefill_tokens += num_tokens - decode_tokens
-        if num_tokens > decode_tokens:
-            stats.prefill_time += seconds
-        else:
-            stats.decode_time += seconds
-        stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, self.layout.num_blocks - 1 - self.manager.num_free_blocks)
+        if not compiled:  # a step is a prefill step if it computes any prompt token
+            stats.timed_decode_tokens += decode_tokens
+            stats.timed_prefill_tokens += num_tokens - decode_tokens
+            if num_tokens > decode_tokens:
+                stats.prefill_time += seconds
+            else:
+                stats.decode_time += seconds
+        in_use = self.layout.num_blocks - 1 - self.manager.num_free_blocks
+        full = self.allocator_config.num_groups * sum(
+            cdiv(r.num_computed_tokens, self.config.block_size) for r in self._admitted
+        )
+        stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, in_use)
+        stats.peak_blocks_full_attention = max(stats.peak_blocks_full_attention, full)
 
     def _preempt_for(self, rows, success) -> None:
         """Each running request that got no blocks preempts the newest running request (possibly itself)."""

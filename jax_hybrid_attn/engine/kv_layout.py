@@ -14,7 +14,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from ..allocator import AllocatorConfig, KVCacheConfig, get_kv_cache_config
+from ..allocator import AllocatorConfig, KVCacheConfig, blocks_per_request, get_kv_cache_config, get_kv_cache_groups
 from ..integers import check_int
 from ..layout import get_kv_cache_shape
 from ..models.config import ModelConfig
@@ -52,22 +52,31 @@ class KVCacheLayout:
         block_size: int,
         max_model_len: int,
         max_num_batched_tokens: int,
+        max_num_seqs: int = 1,
         dtype=jnp.bfloat16,
         num_blocks: int | None = None,
         kv_memory: int | None = None,
         hybrid: bool = True,
     ) -> "KVCacheLayout":
         """Size the cache by `num_blocks` (blocks in the pool, the null block included) or by `kv_memory` bytes
-        (exactly one of them); `ValueError` when a request of `max_model_len` tokens would not fit."""
+        (at most one of them; neither: room for `max_num_seqs` requests of `max_model_len` tokens at once).
+        `ValueError` when a request of `max_model_len` tokens would not fit."""
         check_int("block_size", block_size)
-        if (num_blocks is None) == (kv_memory is None):
-            raise ValueError(f"give exactly one of num_blocks={num_blocks!r} and kv_memory={kv_memory!r}")
+        if num_blocks is not None and kv_memory is not None:
+            raise ValueError(f"give at most one of num_blocks={num_blocks!r} and kv_memory={kv_memory!r}")
         specs = {
             layer_name(i): config.kv_cache_spec(i, block_size=block_size, dtype=dtype, hybrid=hybrid)
             for i in range(config.num_layers)
         }
         if kv_memory is not None:
             check_int("kv_memory", kv_memory, maximum=None)
+        elif num_blocks is None:
+            groups = get_kv_cache_groups(specs)
+            per_request = blocks_per_request(
+                [g.kv_cache_spec for g in groups], max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )  # fmt: skip
+            num_blocks = 1 + check_int("max_num_seqs", max_num_seqs) * per_request
         kv_config = get_kv_cache_config(
             specs,
             available_memory=0 if kv_memory is None else kv_memory,

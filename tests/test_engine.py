@@ -1,0 +1,165 @@
+"""The engine against the dense forward: for every family, greedy tokens through the allocator, chunked prefill,
+prefix hits and preemption equal a plain dense JAX forward of the same model, token for token, in float32.
+
+The dense forward recomputes the whole sequence for every token (`DenseAttention` over a fixed padded length:
+causal layers never look at the padding), with no cache, allocator or metadata: nothing it shares with the
+engine but the model's weights.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
+from jax_hybrid_attn.models import Decoder, DenseAttention, ModelConfig
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=256)  # fmt: skip
+FAMILIES = {
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(
+        **COMMON, num_hidden_layers=3, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16),  # fmt: skip
+    "gemma2": lambda: transformers.Gemma2Config(
+        **COMMON, num_hidden_layers=2, sliding_window=8, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+        query_pre_attn_scalar=16),  # fmt: skip
+    "mistral": lambda: transformers.MistralConfig(**COMMON, num_hidden_layers=2, sliding_window=12),
+    "llama4_text": lambda: transformers.Llama4TextConfig(
+        **COMMON, num_hidden_layers=2, attention_chunk_size=16, intermediate_size_mlp=64, num_local_experts=2,
+        interleave_moe_layer_step=2, no_rope_layers=[1, 0]),  # fmt: skip
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **COMMON, num_hidden_layers=2, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"]),  # fmt: skip
+}
+SHARED = [5, 9, 2, 7, 1, 3, 8, 6] * 4  # 32 tokens: two full blocks of 16 that a later prompt hits
+PROMPTS = [
+    list(range(3, 8)),  # 5 tokens
+    SHARED + [11, 12, 13],  # 35: crosses two blocks, and the windows and chunks
+    [40 + i % 17 for i in range(23)],
+    SHARED + [21, 22],  # a prefix hit on SHARED's two blocks
+    [60, 61],
+]
+MAX_TOKENS = 7
+
+
+def tiny_model(family: str, seed: int = 0):
+    config = ModelConfig.from_hf(FAMILIES[family]().to_dict())
+    model = Decoder(config, rngs=nnx.Rngs(seed))
+    # Norm weights start at one (or zero), biases and sinks at zero: perturb every parameter so each one matters
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    leaves = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    return config, nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+
+def dense_greedy(model, prompt: list[int], num_tokens: int, *, length: int = 64) -> list[int]:
+    """Greedy tokens by the dense forward: the whole (padded) sequence every time, the logits at its end."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def next_token(state, tokens, last):
+        logits, _ = nnx.merge(graphdef, state)(tokens, DenseAttention(length), logits_indices=last[None])
+        return jnp.argmax(logits[0])
+
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        padded = jnp.asarray(tokens + [0] * (length - len(tokens)), jnp.int32)
+        tokens.append(int(next_token(state, padded, jnp.int32(len(tokens) - 1))))
+    return tokens[len(prompt) :]
+
+
+def tightest_engine(model, config, **options) -> Engine:
+    """The engine with the smallest pool that still fits one request of `max_model_len` tokens."""
+    for num_blocks in range(4, 256):
+        try:
+            return Engine(model, config, EngineConfig(num_blocks=num_blocks, **options))
+        except ValueError as error:
+            assert "max_model_len" in str(error)
+    raise AssertionError("no pool fits")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_greedy_equals_the_dense_forward_through_chunks_hits_and_preemption(family):
+    config, model = tiny_model(family)
+    want = [dense_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    # An 8-token budget: every prompt but the last is prefilled in chunks. The smallest pool that fits one request
+    # of max_model_len tokens: four requests of up to 42 tokens run out of it, and running ones are preempted
+    engine = tightest_engine(model, config, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    got = [o.output_token_ids for o in outputs]
+    assert got == want
+    assert engine.stats.cached_prompt_tokens > 0, "the shared prefix was not hit"
+    assert engine.stats.preemptions > 0, "nothing was preempted"
+    assert not engine.has_unfinished_requests() and engine.manager.num_free_blocks == engine.layout.num_blocks - 1
+
+
+def test_preemption_happens_and_does_not_change_sampled_outputs():
+    config, model = tiny_model("gemma3_text")
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.9)
+    roomy = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=5, max_num_batched_tokens=64, max_model_len=64))
+    tight = tightest_engine(model, config, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
+    want = [o.output_token_ids for o in roomy.generate(PROMPTS, sampling)]
+    got = tight.generate(PROMPTS, sampling)
+    assert tight.stats.preemptions > 0 and roomy.stats.preemptions == 0
+    assert [o.output_token_ids for o in got] == want
+    assert sum(o.num_preemptions for o in got) == tight.stats.preemptions
+
+
+def test_hybrid_allocation_holds_less_kv_memory_with_the_same_tokens():
+    config, model = tiny_model("gemma3_text")
+    long_prompts = [[(7 * i + j) % 90 + 1 for j in range(48)] for i in range(3)]
+    runs = {}
+    for hybrid in (True, False):
+        engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=3, max_num_batched_tokens=16,
+                                                    max_model_len=64, hybrid=hybrid))  # fmt: skip
+        outputs = engine.generate(long_prompts, SamplingParams(max_tokens=4, temperature=0.0))
+        runs[hybrid] = (outputs, engine.stats, engine.layout)
+    assert [o.output_token_ids for o in runs[True][0]] == [o.output_token_ids for o in runs[False][0]]
+    hybrid_bytes, full_bytes = (runs[h][1].peak_blocks_in_use * runs[h][2].block_bytes for h in (True, False))
+    # 2 of 3 layers keep a window of 8 tokens (and the blocks of one 16-token chunk) of the 52
+    assert hybrid_bytes < 0.7 * full_bytes, (hybrid_bytes, full_bytes)
+
+
+def test_a_bad_request_is_refused_while_the_others_run_and_tokens_stream():
+    config, model = tiny_model("mistral")
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32))
+    streamed = []
+    prompts = [[1, 2, 3], list(range(40)), [5, 500], [4, 5]]  # too long; a token outside the vocabulary
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0),
+                              on_token=lambda rid, tok: streamed.append((rid, tok)))  # fmt: skip
+    assert [o.error is None for o in outputs] == [True, False, False, True]
+    assert "max_model_len=32" in outputs[1].error and "prompt_token_ids" in outputs[2].error
+    for o in (outputs[0], outputs[3]):
+        assert len(o.output_token_ids) == 3 and o.finish_reason == "length"
+        assert [tok for rid, tok in streamed if rid == o.request_id] == o.output_token_ids
+        assert o.time_to_first_token > 0 and len(o.inter_token_latencies) == 2
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request([1, 2], SamplingParams(top_p=2.0))
+
+
+def test_stop_tokens_and_eos_end_a_request():
+    config, model = tiny_model("mistral")
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32))
+    free_run = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0.0))[0].output_token_ids
+    stop = free_run[2]
+    stopped = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop]))[0]
+    assert stopped.output_token_ids == free_run[: free_run.index(stop) + 1] and stopped.finish_reason == "stop"
+    eos_engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                                                    max_model_len=32), eos_token_ids=[stop])  # fmt: skip
+    assert eos_engine.generate([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0.0))[0].finish_reason == "stop"
+    ignoring = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert eos_engine.generate([[1, 2, 3]], ignoring)[0].output_token_ids == free_run
+
+
+def test_engine_config_names_what_is_wrong():
+    for kwargs, name in [(dict(block_size=0), "block_size"), (dict(num_blocks=4, kv_memory=10**6), "kv_memory"),
+                         (dict(hybrid="yes"), "hybrid"), (dict(max_num_seqs=1.5), "max_num_seqs")]:  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            EngineConfig(**kwargs)
+    config, model = tiny_model("mistral")
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model, config, EngineConfig(block_size=4, max_model_len=64, num_blocks=3))
