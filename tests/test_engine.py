@@ -163,3 +163,17 @@ def test_engine_config_names_what_is_wrong():
     config, model = tiny_model("mistral")
     with pytest.raises(ValueError, match="max_model_len"):
         Engine(model, config, EngineConfig(block_size=4, max_model_len=64, num_blocks=3))
+
+
+def test_the_kernel_path_in_interpret_mode_gives_the_reference_paths_tokens():
+    """The Mosaic GPU kernels (interpreted on the CPU) inside the engine: bf16, head size 64 as the kernels need."""
+    config = ModelConfig.from_hf(dict(FAMILIES["gemma3_text"]().to_dict(), head_dim=64, query_pre_attn_scalar=64))
+    model = Decoder(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    prompts = [PROMPTS[1], PROMPTS[4]]
+    tokens = {}
+    for implementation, interpret in (("reference", False), ("kernel", True)):
+        engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=2, max_num_batched_tokens=32,
+                                                    max_model_len=64, implementation=implementation,
+                                                    interpret=interpret))  # fmt: skip
+        tokens[implementation] = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))]
+    assert tokens["kernel"] == tokens["reference"]

@@ -1,6 +1,7 @@
 """The embedded default model: a small Gemma-3-like hybrid decoder with random weights, so that ``jha
 generate`` without ``--model`` downloads nothing. Six layers (five with a sliding window of 32, one full),
-hidden size 64, 4 query heads and 1 kv head of size 16, and the `ByteTokenizer`'s vocabulary."""
+hidden size 128, 2 query heads and 1 kv head of size 64 (the smallest head the GPU kernels take), and the
+`ByteTokenizer`'s vocabulary."""
 
 from .config import ModelConfig
 from .tokenizer import ByteTokenizer
@@ -11,12 +12,12 @@ EMBEDDED_HF_CONFIG = {
     "model_type": "gemma3_text",
     "architectures": ["Gemma3ForCausalLM"],
     "vocab_size": ByteTokenizer.vocab_size,
-    "hidden_size": 64,
-    "intermediate_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 256,
     "num_hidden_layers": 6,
-    "num_attention_heads": 4,
+    "num_attention_heads": 2,
     "num_key_value_heads": 1,
-    "head_dim": 16,
+    "head_dim": 64,
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6,
     "hidden_activation": "gelu_pytorch_tanh",
@@ -26,7 +27,7 @@ EMBEDDED_HF_CONFIG = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
     },
-    "query_pre_attn_scalar": 16,
+    "query_pre_attn_scalar": 64,
     "final_logit_softcapping": None,
     "attn_logit_softcapping": None,
     "tie_word_embeddings": True,

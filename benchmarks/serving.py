@@ -1,0 +1,215 @@
+"""Serving benchmarks: how many 32k sequences fit (hybrid against full-attention allocation), the engine's
+kernel path against its reference path, and throughput beside transformers' continuous batching.
+
+Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sections capacity,parity,throughput]
+
+  capacity    (CPU is enough) at equal KV memory, concurrent 32,768-token sequences with hybrid allocation and
+              with every layer allocated as full attention (`--no-hybrid`), for each family's published shape;
+  parity      (GPU) the engine's greedy tokens with the Mosaic GPU kernels against its jnp reference path, bf16;
+  throughput  (GPU) a Gemma-3-1B-shaped model with random bf16 weights, 256 prompts of 128-1,024 random tokens,
+              64 greedy tokens each: ours (a cold run, compiles included, then a warm one) and transformers'
+              `generate_batch` with `paged|sdpa` on the same weights and prompts, in the same process.
+
+Prints one line per measurement and a summary table last.
+"""
+
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # transformers shares the GPU
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_hybrid_attn.allocator import KVCacheManager, max_concurrency
+from jax_hybrid_attn.engine import Engine, EngineConfig, KVCacheLayout, SamplingParams
+from jax_hybrid_attn.models import ModelConfig, embedded_config, load_model, random_model
+
+CAPACITY_LEN = 32_768
+CAPACITY_MEMORY = 40 * 2**30
+GEMMA3_1B = dict(
+    model_type="gemma3_text", vocab_size=262_144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+    num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512, max_position_embeddings=32_768,
+    query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                     "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+)  # fmt: skip
+SHAPES = {  # published text configs (layer pattern, window or chunk, heads, head size)
+    "gemma3 1B (5 sliding 512 : 1 full)": GEMMA3_1B,
+    "gemma2 2B (1 sliding 4096 : 1 full)": dict(
+        model_type="gemma2", vocab_size=256_000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=4096,
+        max_position_embeddings=32_768, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6),  # fmt: skip
+    "mistral 7B (sliding 4096 everywhere)": dict(
+        model_type="mistral", vocab_size=32_000, hidden_size=4096, intermediate_size=14_336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=4096,
+        max_position_embeddings=32_768, rms_norm_eps=1e-5, hidden_act="silu"),  # fmt: skip
+    "gpt-oss 20B (1 sliding 128 : 1 full)": dict(
+        model_type="gpt_oss", vocab_size=201_088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128, num_local_experts=32,
+        num_experts_per_tok=4, max_position_embeddings=131_072, rms_norm_eps=1e-5,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}),  # fmt: skip
+    "llama4 Scout text (3 chunked 8192 : 1 full)": dict(
+        model_type="llama4_text", vocab_size=202_048, hidden_size=5120, intermediate_size=8192,
+        intermediate_size_mlp=16_384, num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+        head_dim=128, attention_chunk_size=8192, max_position_embeddings=262_144, num_local_experts=16,
+        num_experts_per_tok=1, interleave_moe_layer_step=1, rms_norm_eps=1e-5, use_qk_norm=True,
+        no_rope_layers=[1, 1, 1, 0] * 12, rope_theta=500_000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192}),  # fmt: skip
+}
+
+
+def resident_sequences(layout: KVCacheLayout, *, budget: int, in_window_only: bool) -> int:
+    """Counted on the engine's allocator: requests of a 32,767-token prompt are prefilled one after another in
+    chunks of `budget` tokens, then decode their 32,768th token (which frees what left the window) and stay
+    resident, until one no longer fits; returns how many were resident at once."""
+    max_seqs = 1024
+    manager = KVCacheManager(layout.allocator_config(
+        max_num_seqs=max_seqs, max_model_len=CAPACITY_LEN, max_num_batched_tokens=budget, enable_caching=False,
+        sliding_window_in_window_only=in_window_only))  # fmt: skip
+    for i in range(max_seqs):
+        manager.add_request(i, [0] * (CAPACITY_LEN - 1))
+        while (left := CAPACITY_LEN - 1 - manager.num_computed_tokens(i)) > 0:
+            if not bool(manager.schedule([(i, min(budget, left))]).success[0]):
+                return i
+        manager.append_token_ids(i, [0])
+        if not bool(manager.schedule([(i, 1)]).success[0]):
+            return i
+    return max_seqs
+
+
+def capacity(rows: list, *, budget: int = 2048) -> None:
+    """Concurrent 32k sequences at equal KV memory (40 GiB, bf16, block 16), hybrid against every layer
+    allocated as full attention: counted on the allocator, and vLLM's startup bound (free blocks over the most
+    blocks one request holds, its prefill chunk included)."""
+    for name, hf in SHAPES.items():
+        config = ModelConfig.from_hf(hf)
+        counted, bound = {}, {}
+        for hybrid in (True, False):
+            layout = KVCacheLayout.for_model(
+                config, block_size=16, max_model_len=CAPACITY_LEN, max_num_batched_tokens=budget,
+                dtype=jnp.bfloat16, kv_memory=CAPACITY_MEMORY, hybrid=hybrid,
+            )  # fmt: skip
+            bound[hybrid] = max_concurrency(layout.kv_config, max_model_len=CAPACITY_LEN, max_num_batched_tokens=budget)
+            counted[hybrid] = resident_sequences(layout, budget=budget, in_window_only=False)
+        line = (f"{name} | counted {counted[True]} vs {counted[False]}: {counted[True] / counted[False]:.2f}x | "
+                f"vLLM's bound {bound[True]:.1f} vs {bound[False]:.1f}: {bound[True] / bound[False]:.2f}x")  # fmt: skip
+        print("capacity", line, flush=True)
+        rows.append(("capacity", line))
+
+
+def greedy(engine: Engine, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
+    started = time.perf_counter()
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.output_token_ids for o in outputs], time.perf_counter() - started
+
+
+def parity(rows: list) -> None:
+    """Kernels against the reference inside the engine, bf16: the share of greedy tokens that agree."""
+    rng = np.random.default_rng(0)
+    for name, config in (("embedded", embedded_config()), ("gemma3 1B shape", ModelConfig.from_hf(GEMMA3_1B))):
+        model = random_model(config, seed=0, dtype=jnp.bfloat16)
+        prompts = [rng.integers(1, config.vocab_size, int(n)).tolist() for n in rng.integers(20, 700, 12)]
+        tokens = {}
+        for implementation in ("kernel", "reference"):
+            engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=12, max_num_batched_tokens=1024,
+                                                        max_model_len=1024, implementation=implementation))  # fmt: skip
+            tokens[implementation], seconds = greedy(engine, prompts, 16)
+        same = np.mean([a == b for ka, kb in zip(tokens["kernel"], tokens["reference"]) for a, b in zip(ka, kb)])
+        first = np.mean([ka[0] == kb[0] for ka, kb in zip(tokens["kernel"], tokens["reference"])])
+        line = f"{name} | first tokens equal {first:.0%} | all tokens equal {same:.0%}"
+        print("parity", line, flush=True)
+        rows.append(("parity", line))
+
+
+def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: dict) -> None:
+    import torch
+    import transformers
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, shape["vocab_size"], int(n)).tolist() for n in rng.integers(128, 1025, num_prompts)]
+    prompt_tokens = sum(map(len, prompts))
+    max_tokens = 64
+    with tempfile.TemporaryDirectory() as directory:
+        torch.manual_seed(0)
+        hf_config = transformers.Gemma3TextConfig(**{k: v for k, v in shape.items() if k != "model_type"})
+        hf_model = transformers.Gemma3ForCausalLM(hf_config).to(torch.bfloat16)
+        hf_model.save_pretrained(directory)
+        config, model = load_model(directory, dtype=jnp.bfloat16)
+        results = {}
+        if transformers_too:
+            hf_model = hf_model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+            hf_model.set_attn_implementation("paged|sdpa")
+            generation = transformers.GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=-1,
+                                                       pad_token_id=0)  # fmt: skip
+            batching = transformers.ContinuousBatchingConfig(use_cuda_graph=False, use_async_batching=False,
+                                                             num_blocks=(prompt_tokens + 64 * len(prompts)) // 256 + 16,
+                                                             max_batch_tokens=8192)  # fmt: skip  # its blocks: 256 tokens
+            started = time.perf_counter()
+            out = hf_model.generate_batch(prompts, generation_config=generation, continuous_batching_config=batching)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            hf_tokens = [list(out[k].generated_tokens) for k in sorted(out, key=lambda k: int(str(k).split("_")[-1]))]
+            results["transformers generate_batch paged|sdpa"] = (hf_tokens, seconds)
+            del hf_model, out
+            torch.cuda.empty_cache()
+        engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
+                                                    max_model_len=2048))  # fmt: skip
+        results["ours, cold (compiles included)"] = greedy(engine, prompts, max_tokens)
+        stats_cold = engine.stats
+        engine.reset()
+        results["ours, warm"] = greedy(engine, prompts, max_tokens)
+        stats = engine.stats
+    reference = results.get("transformers generate_batch paged|sdpa", (None, None))[0]
+    for name, (tokens, seconds) in results.items():
+        output = sum(map(len, tokens))
+        agree = "" if reference is None else f" | greedy tokens equal to transformers' {np.mean([a == b for x, y in zip(tokens, reference) for a, b in zip(x, y)]):.0%}"
+        line = (f"{name} | {seconds:.1f} s | total {(prompt_tokens + output) / seconds:,.0f} tok/s | "
+                f"output {output / seconds:,.0f} tok/s{agree}")  # fmt: skip
+        print("throughput", line, flush=True)
+        rows.append(("throughput", line))
+    line = (f"ours warm: {stats.steps} steps, prefill {stats.prefill_tokens_per_s or 0:,.0f} tok/s, decode "
+            f"{stats.decode_tokens_per_s or 0:,.0f} tok/s; cold run compiled {stats_cold.compile_steps} shapes in "
+            f"{stats_cold.compile_time:.0f} s")  # fmt: skip
+    print("throughput", line, flush=True)
+    rows.append(("throughput", line))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="capacity,parity,throughput")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 1B shape (a dry run on a CPU)")
+    args = parser.parse_args()
+    rows: list = []
+    print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+    for section in args.sections.split(","):
+        started = time.perf_counter()
+        if section == "capacity":
+            capacity(rows)
+        elif section == "parity":
+            parity(rows)
+        elif section == "throughput":
+            shape = dict(GEMMA3_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=64,
+                         vocab_size=512, layer_types=GEMMA3_1B["layer_types"][:6]) if args.tiny else GEMMA3_1B  # fmt: skip
+            throughput(rows, num_prompts=args.num_prompts, transformers_too=not args.no_transformers, shape=shape)
+        else:
+            raise SystemExit(f"unknown section {section!r}")
+        print(f"{section}: {time.perf_counter() - started:.0f} s", flush=True)
+    print("\n== summary ==")
+    for section, line in rows:
+        print(f"{section} | {line}")
+
+
+if __name__ == "__main__":
+    main()
