@@ -7,7 +7,7 @@ a CPU, the Mosaic GPU kernels on a GPU). Per step it prints the blocks each KV-c
 holds what full attention needs), the prefix hits, and the largest difference from dense attention over each
 request's own keys and values.
 
-Run: scripts/demo  (or python -m jax_hybrid_attn.demo --help)
+Run: python -m jax_hybrid_attn.demo --help  (scripts/demo runs the serving engine, `jha generate`)
 """
 
 import argparse
