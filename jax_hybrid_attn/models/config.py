@@ -37,6 +37,20 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
+_GEMMA_DEFAULTS = dict(  # what Gemma 2 and Gemma 3 text share
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    sliding_window=4096,
+    query_pre_attn_scalar=256,
+    attention_bias=False,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+    head_dim=256,
+    num_key_value_heads=4,
+)
+
 # The transformers 5.17 config classes' defaults for the keys a config.json may leave out.
 _DEFAULTS = {
     "mistral": dict(
@@ -51,37 +65,17 @@ _DEFAULTS = {
         pad_token_id=None,
     ),
     "gemma2": dict(
-        hidden_activation="gelu_pytorch_tanh",
+        **_GEMMA_DEFAULTS,
         max_position_embeddings=8192,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        sliding_window=4096,
         rope_theta=10000.0,
-        query_pre_attn_scalar=256,
         final_logit_softcapping=30.0,
         attn_logit_softcapping=50.0,
-        attention_bias=False,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-        head_dim=256,
-        num_key_value_heads=4,
     ),
     "gemma3_text": dict(
-        hidden_activation="gelu_pytorch_tanh",
+        **_GEMMA_DEFAULTS,
         max_position_embeddings=131_072,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        sliding_window=4096,
-        query_pre_attn_scalar=256,
         final_logit_softcapping=None,
         attn_logit_softcapping=None,
-        attention_bias=False,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-        head_dim=256,
-        num_key_value_heads=4,
     ),
     "gpt_oss": dict(
         hidden_act="silu",
