@@ -194,3 +194,16 @@ def test_schedule_checks_each_per_request_option_before_anything_changes():
         assert_same(before, snapshot(m))
     out = m.schedule([("kept", np.int64(3))], num_lookahead_tokens=[np.int64(0)], full_sequence_must_fit=[np.bool_(0)])
     assert bool(out.success[0])
+
+
+def test_a_schedule_that_does_not_wait_must_be_recorded_before_the_next():
+    m = manager()
+    m.add_request("kept", [5, 6, 7])
+    out = m.schedule([("kept", 3)], wait=False)
+    assert m.num_computed_tokens("kept") == 0  # nothing read back yet
+    with pytest.raises(RuntimeError, match="record_step"):
+        m.schedule([("kept", 1)])
+    with pytest.raises(ValueError, match="request_ids"):
+        m.record_step(["other"], np.asarray(out.success), np.asarray(out.seq_lens))
+    m.record_step(["kept"], np.asarray(out.success), np.asarray(out.seq_lens))
+    assert m.num_computed_tokens("kept") == 3

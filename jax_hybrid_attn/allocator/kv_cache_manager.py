@@ -91,6 +91,7 @@ class KVCacheManager:
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._num_computed: dict[Hashable, int] = {}
+        self._unrecorded: list[Hashable] = []  # the rows of a schedule(wait=False) until record_step
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -160,9 +161,12 @@ class KVCacheManager:
             jnp.array([tokens.shape[1]]),
         )
 
-    def append_row_token_ids(self, request_ids: Sequence[Hashable | None], token_ids: jax.Array) -> None:
-        """Append ``token_ids[r]`` to ``request_ids[r]`` for every row whose id is not None, on the device: the
-        tokens a step sampled go back to the allocator without a host round trip.
+    def append_row_token_ids(
+        self, request_ids: Sequence[Hashable | None], token_ids: jax.Array, *, mask: jax.Array | None = None
+    ) -> None:
+        """Append ``token_ids[r]`` to ``request_ids[r]`` for every row whose id is not None (and, with `mask`, a
+        device [R] bool array, whose mask is set), on the device: the tokens a step sampled go back to the
+        allocator without a host round trip.
 
         Checked on the host first (a rejected call changes nothing): known, distinct ids; `token_ids` an int
         array of one token per row, at least ``len(request_ids)`` rows. Not checked, as that would read the
@@ -187,7 +191,7 @@ class KVCacheManager:
             self.state,
             jnp.asarray(slots),
             jnp.asarray(token_ids, jnp.int32)[:, None],
-            jnp.asarray(slots >= 0, jnp.int32),
+            jnp.asarray(slots >= 0, jnp.int32) * (1 if mask is None else jnp.asarray(mask, jnp.int32)),
         )
 
     def num_tokens(self, request_id: Hashable) -> int:
@@ -205,10 +209,17 @@ class KVCacheManager:
         *,
         num_lookahead_tokens: Sequence[int] | None = None,
         full_sequence_must_fit: Sequence[bool] | None = None,
+        wait: bool = True,
     ) -> step_ops.StepOutput:
         """One `allocate_slots` call for a batch of ``(request_id, num_new_tokens)``, in row order (vLLM's: running
-        requests, then new ones). Rows are padded to ``max_num_seqs``; T is ``max_num_batched_tokens``."""
+        requests, then new ones). Rows are padded to ``max_num_seqs``; T is ``max_num_batched_tokens``.
+
+        With ``wait=False`` nothing is read back: the step's output stays on the device for the caller's next
+        computations, and the caller reports the rows' `success` and `seq_lens` with `record_step` (as host
+        arrays, read together with its own results) before the next `schedule`."""
         config = self.config
+        if self._unrecorded:
+            raise RuntimeError(f"record_step(...) for the rows {self._unrecorded!r} of the last schedule(wait=False)")
         if not isinstance(new_tokens, Sequence) or not all(
             isinstance(pair, Sequence) and not isinstance(pair, str) and len(pair) == 2 for pair in new_tokens
         ):
@@ -253,12 +264,19 @@ class KVCacheManager:
         self.state = output_state
         if self.reuse_output_buffers:
             self._last_output = out
-        success = np.asarray(out.success)
-        done = np.asarray(out.seq_lens)
-        for row, request_id in enumerate(ids):
-            if success[row]:
-                self._num_computed[request_id] = int(done[row])
+        self._unrecorded = ids
+        if check_bool("wait", wait):
+            self.record_step(ids, np.asarray(out.success), np.asarray(out.seq_lens))
         return out
+
+    def record_step(self, request_ids: Sequence[Hashable], success: np.ndarray, seq_lens: np.ndarray) -> None:
+        """After ``schedule(..., wait=False)``: its rows' `success` and `seq_lens`, read back by the caller."""
+        if list(request_ids) != list(self._unrecorded):
+            raise ValueError(f"request_ids={list(request_ids)!r} must be the last schedule's {self._unrecorded!r}")
+        for row, request_id in enumerate(request_ids):
+            if success[row]:
+                self._num_computed[request_id] = int(seq_lens[row])
+        self._unrecorded = []
 
     def allocate_slots(
         self,

@@ -235,31 +235,29 @@ class Engine:
         if not rows:
             return []
         started = time.perf_counter()
-        out = self.manager.schedule([(request.request_id, budget) for request, budget in rows])
-        success = np.asarray(out.success)
-        seq_lens = np.asarray(out.seq_lens)
-        hits = np.asarray(out.num_new_computed_tokens)
-        query_start_loc = np.asarray(out.query_start_loc)
+        ids = [request.request_id for request, _ in rows]
+        budgets = [budget for _, budget in rows]
+        out = self.manager.schedule(list(zip(ids, budgets)), wait=False)
+        # The static shape comes from the plan (an upper bound: prefix hits only lower what is computed), so the
+        # model is dispatched without reading the allocator's result; everything is read once, after sampling
+        shape = dict(
+            num_tokens=min(_bucket(sum(budgets), minimum=8), self.config.max_num_batched_tokens),
+            max_query_len=1 if max(budgets) == 1 else self.config.max_num_batched_tokens,
+        )
+        known = np.zeros(self.config.max_num_seqs, np.int32)
+        known[: len(rows)] = [request.num_tokens for request, _ in rows]
+        tokens, sampled, self.kv_caches = self._run(
+            self._weights, self.kv_caches, out, self._sampling_arrays(rows), jnp.asarray(known), **shape
+        )
+        self.manager.append_row_token_ids(ids, tokens, mask=sampled)
+        success, seq_lens, hits, query_start_loc, tokens, sampled = jax.device_get(
+            (out.success, out.seq_lens, out.num_new_computed_tokens, out.query_start_loc, tokens, sampled)
+        )
+        self.manager.record_step(ids, success, seq_lens)
         num_tokens = int(query_start_loc[-1])
-        sampled_rows = [
-            i for i, (request, _) in enumerate(rows) if success[i] and seq_lens[i] == request.num_tokens and num_tokens
-        ]
-        tokens, shape = None, None
-        if num_tokens:
-            max_query_len = int(np.diff(query_start_loc).max())
-            shape = dict(  # few static shapes: a power of two of tokens, and decode-only or not
-                num_tokens=min(_bucket(num_tokens, minimum=8), self.config.max_num_batched_tokens),
-                max_query_len=1 if max_query_len == 1 else self.config.max_num_batched_tokens,
-            )
-            tokens, self.kv_caches = self._run(
-                self._weights, self.kv_caches, out, self._sampling_arrays(rows), **shape
-            )
-            by_row = [rows[i][0].request_id if i in sampled_rows else None for i in range(len(rows))]
-            if sampled_rows:
-                self.manager.append_row_token_ids(by_row, tokens)
-            tokens = np.asarray(tokens)
+        sampled_rows = [i for i in range(len(rows)) if sampled[i]]
         now = time.perf_counter()
-        compiled = shape is not None and tuple(shape.values()) not in self._shapes
+        compiled = tuple(shape.values()) not in self._shapes
         if compiled:
             self._shapes.add(tuple(shape.values()))
         self._account(rows, success, seq_lens, hits, num_tokens, now - started, compiled=compiled)
@@ -403,10 +401,13 @@ class Engine:
 
 def _run_step(
     graphdef, allocator_config, layout, implementation, interpret, weights, kv_caches, out: StepOutput, sampling,
-    *, num_tokens: int, max_query_len: int,
+    known_tokens, *, num_tokens: int, max_query_len: int,
 ):  # fmt: skip
     """The device half of a step, one jitted call: metadata per group, the model's forward over the paged caches,
-    the logits of each row's last token, and sampling. Returns ([R] sampled tokens, the updated caches)."""
+    the logits of each row's last token, and sampling.
+
+    A row samples when it got its blocks and its sequence now covers every token known for it (`known_tokens`,
+    [R]): its prompt is complete, or it decoded. Returns ([R] tokens, [R] whether the row sampled, the caches)."""
     model = nnx.merge(graphdef, weights)
     metadata = tuple(
         metadata_from_step(allocator_config, out, group, max_query_len=max_query_len).replace(
@@ -421,4 +422,5 @@ def _run_step(
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
     logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token)
-    return sample_tokens(logits, **sampling), cache.tensors
+    sampled = out.success & (out.seq_lens == known_tokens) & (out.num_scheduled_tokens > 0)
+    return sample_tokens(logits, **sampling), sampled, cache.tensors
