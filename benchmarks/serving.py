@@ -1,14 +1,15 @@
 """Serving benchmarks: how many 32k sequences fit (hybrid against full-attention allocation), the engine's
 kernel path against its reference path, and throughput beside transformers' continuous batching.
 
-Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sections capacity,parity,throughput]
+Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sections capacity,parity,throughput,busy]
 
   capacity    (CPU is enough) at equal KV memory, concurrent 32,768-token sequences with hybrid allocation and
               with every layer allocated as full attention (`--no-hybrid`), for each family's published shape;
   parity      (GPU) the engine's greedy tokens with the Mosaic GPU kernels against its jnp reference path, bf16;
   throughput  (GPU) a Gemma-3-1B-shaped model with random bf16 weights, 256 prompts of 128-1,024 random tokens,
               64 greedy tokens each: ours (a cold run, compiles included, then a warm one) and transformers'
-              `generate_batch` with `paged|sdpa` on the same weights and prompts, in the same process.
+              `generate_batch` with `paged|sdpa` on the same weights and prompts, in the same process;
+  busy        (GPU) the share of a 256-request decode step's wall time that the GPU is busy.
 
 Prints one line per measurement and a summary table last.
 """
@@ -38,6 +39,8 @@ GEMMA3_1B = dict(
     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
                      "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
 )  # fmt: skip
+TINY = dict(GEMMA3_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=64, vocab_size=512,
+            layer_types=GEMMA3_1B["layer_types"][:6])  # --tiny: a dry run of the GPU sections on a CPU
 SHAPES = {  # published text configs (layer pattern, window or chunk, heads, head size)
     "gemma3 1B (5 sliding 512 : 1 full)": GEMMA3_1B,
     "gemma2 2B (1 sliding 4096 : 1 full)": dict(
@@ -184,9 +187,51 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
     rows.append(("throughput", line))
 
 
+def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20) -> None:
+    """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together;
+    the engine's step (host scheduling, the allocator, the model, sampling, the read-back) against the same
+    jitted model call repeated back to back on its last inputs (device-bound: no host work in between)."""
+    config = ModelConfig.from_hf(shape)
+    model = random_model(config, seed=0, dtype=jnp.bfloat16)
+    engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=num_requests, max_num_batched_tokens=8192,
+                                                max_model_len=2048))  # fmt: skip
+    rng = np.random.default_rng(0)
+    sampling = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for n in rng.integers(128, 1025, num_requests):
+        engine.add_request(rng.integers(1, config.vocab_size, int(n)).tolist(), sampling)
+    while engine.stats.decode_tokens < 3 * num_requests:  # prefill everything, then a few decode steps (compiled)
+        engine.step()
+    recorded = {}
+    run = engine._run
+
+    def recording(*args, **kwargs):
+        recorded["args"], recorded["kwargs"] = args, kwargs
+        return run(*args, **kwargs)
+
+    engine._run = recording
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_time = (time.perf_counter() - started) / steps
+    engine._run = run
+    weights, _, *rest = recorded["args"]  # its caches were donated: the engine's current ones stand in
+    caches = engine.kv_caches
+    tokens, _, caches = run(weights, caches, *rest, **recorded["kwargs"])
+    jax.block_until_ready(tokens)
+    started = time.perf_counter()
+    for _ in range(steps):
+        tokens, _, caches = run(weights, caches, *rest, **recorded["kwargs"])
+    jax.block_until_ready(tokens)
+    device_time = (time.perf_counter() - started) / steps
+    line = (f"decode step of {num_requests} requests: engine {step_time * 1e3:.2f} ms, the jitted model call back to "
+            f"back {device_time * 1e3:.2f} ms: GPU busy {device_time / step_time:.0%} of the step")  # fmt: skip
+    print("busy", line, flush=True)
+    rows.append(("busy", line))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="capacity,parity,throughput")
+    parser.add_argument("--sections", default="capacity,parity,throughput,busy")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 1B shape (a dry run on a CPU)")
@@ -199,9 +244,10 @@ def main():
             capacity(rows)
         elif section == "parity":
             parity(rows)
+        elif section == "busy":
+            busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256)
         elif section == "throughput":
-            shape = dict(GEMMA3_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=64,
-                         vocab_size=512, layer_types=GEMMA3_1B["layer_types"][:6]) if args.tiny else GEMMA3_1B  # fmt: skip
+            shape = TINY if args.tiny else GEMMA3_1B
             throughput(rows, num_prompts=args.num_prompts, transformers_too=not args.no_transformers, shape=shape)
         else:
             raise SystemExit(f"unknown section {section!r}")
