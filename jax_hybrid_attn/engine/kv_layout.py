@@ -14,7 +14,13 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from ..allocator import AllocatorConfig, KVCacheConfig, blocks_per_request, get_kv_cache_config, get_kv_cache_groups
+from ..allocator import (
+    AllocatorConfig,
+    KVCacheConfig,
+    blocks_per_request,
+    get_kv_cache_config,
+    get_kv_cache_groups,
+)
 from ..integers import check_int
 from ..layout import get_kv_cache_shape
 from ..models.config import ModelConfig
@@ -124,7 +130,9 @@ class KVCacheLayout:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block id across every tensor (what one block of the pool costs)."""
-        return self.kv_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes * len(self.kv_config.kv_cache_tensors)
+        return self.kv_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes * len(
+            self.kv_config.kv_cache_tensors
+        )
 
     @property
     def total_bytes(self) -> int:

@@ -1,139 +1,20 @@
-"""A decoder's configuration, read from a transformers ``config.json``: sizes, each layer's attention type,
-RoPE, norms, soft caps, sinks and MoE sizes, all from the file (nothing per checkpoint is hard-coded).
-
-Supported ``model_type`` values (transformers' causal LM classes):
-  * ``mistral``      MistralForCausalLM: a sliding window on every layer (``sliding_window``; null: full);
-  * ``gemma2``       Gemma2ForCausalLM: sliding/full per ``layer_types``, attention and final logit soft caps;
-  * ``gemma3_text``  Gemma3ForCausalLM: sliding/full per ``layer_types``, a RoPE per layer type, q/k norms;
-  * ``gpt_oss``      GptOssForCausalLM: sliding/full, learned sinks, YaRN RoPE, a top-k MoE MLP;
-  * ``llama4_text``  Llama4ForCausalLM: chunked-local RoPE layers and global NoPE layers, MoE with a shared
-                     expert or dense MLPs per layer.
-The multimodal wrappers (``gemma3``, ``llama4``: a config with a ``text_config``) are refused with
-`NotImplementedError`: their weights live under other names (``language_model...``); load a text-only
-checkpoint. A quantized checkpoint (``quantization_config``) is refused likewise, except gpt-oss's MXFP4
-experts, which `load_model` dequantizes.
-
-Where a key is absent the default of the transformers 5.17 config class applies (as `from_pretrained` would
-do), and legacy spellings are read as transformers reads them (``rope_theta`` / ``rope_scaling`` beside or
-instead of ``rope_parameters``, Gemma 3's ``rope_local_base_freq`` and ``sliding_window_pattern``).
+"""A decoder's configuration: sizes, each layer's attention type, RoPE, norms, soft caps, sinks and MoE sizes,
+and what each layer's attention and KV cache are (`layer_params`, `kv_cache_spec`). `ModelConfig.from_hf` and
+`from_dir` read it from a transformers ``config.json`` (`hf_config`: nothing per checkpoint is hard-coded).
 """
 
 import dataclasses
-import json
 import os
-from pathlib import Path
 
 from ..integers import check_int
 from ..params import LayerAttentionParams
 from ..spec import AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from .hf_config import LAYER_TYPES, SUPPORTED_ARCHITECTURES, read_config_dir, read_hf_config
 from .rope import RopeParameters
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LAYER_TYPES", "ModelConfig"]
 
-SUPPORTED_ARCHITECTURES = ("mistral", "gemma2", "gemma3_text", "gpt_oss", "llama4_text")
-"""The transformers ``model_type`` values `ModelConfig.from_hf` reads."""
-
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-
-_GEMMA_DEFAULTS = dict(  # what Gemma 2 and Gemma 3 text share
-    hidden_activation="gelu_pytorch_tanh",
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    sliding_window=4096,
-    query_pre_attn_scalar=256,
-    attention_bias=False,
-    bos_token_id=2,
-    eos_token_id=1,
-    pad_token_id=0,
-    head_dim=256,
-    num_key_value_heads=4,
-)
-
-# The transformers 5.17 config classes' defaults for the keys a config.json may leave out.
-_DEFAULTS = {
-    "mistral": dict(
-        hidden_act="silu",
-        max_position_embeddings=4096 * 32,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        sliding_window=4096,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=None,
-    ),
-    "gemma2": dict(
-        **_GEMMA_DEFAULTS,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        final_logit_softcapping=30.0,
-        attn_logit_softcapping=50.0,
-    ),
-    "gemma3_text": dict(
-        **_GEMMA_DEFAULTS,
-        max_position_embeddings=131_072,
-        final_logit_softcapping=None,
-        attn_logit_softcapping=None,
-    ),
-    "gpt_oss": dict(
-        hidden_act="silu",
-        max_position_embeddings=131_072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=128,
-        rope_theta=150000.0,
-        attention_bias=True,
-        num_experts_per_tok=4,
-        head_dim=64,
-        num_key_value_heads=8,
-        num_local_experts=128,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    ),
-    "llama4_text": dict(
-        hidden_act="silu",
-        max_position_embeddings=4096 * 32,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        attention_bias=False,
-        num_experts_per_tok=1,
-        num_local_experts=16,
-        interleave_moe_layer_step=1,
-        use_qk_norm=True,
-        no_rope_layer_interval=4,
-        attention_chunk_size=8192,
-        attn_temperature_tuning=True,
-        floor_scale=8192,
-        attn_scale=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=None,
-        intermediate_size_mlp=16384,
-    ),
-}
-
-
-def _get(config: dict, key: str, architecture: str, *, required: bool = False):
-    """`config[key]`, else the family default; `ValueError` naming `key` when it is required and absent."""
-    if key in config:
-        return config[key]
-    defaults = _DEFAULTS[architecture]
-    if required or key not in defaults:
-        raise ValueError(f"config.json has no {key!r}, which model_type={architecture!r} needs")
-    return defaults[key]
-
-
-def _token_ids(value) -> tuple[int, ...]:
-    """An ``eos_token_id``-like value (None, an int or a list of ints) as a tuple."""
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -252,44 +133,17 @@ class ModelConfig:
 
     # --- reading config.json ---------------------------------------------------------------------------
 
+    # --- reading config.json (`hf_config`) ------------------------------------------------------------
+
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> "ModelConfig":
         """The config of the checkpoint directory `path` (its ``config.json``)."""
-        path = Path(path)
-        if not path.is_dir():
-            raise ValueError(f"path={str(path)!r} is not a directory")
-        file = path / "config.json"
-        if not file.is_file():
-            raise ValueError(f"path={str(path)!r} has no config.json")
-        with open(file) as f:
-            return cls.from_hf(json.load(f))
+        return cls(**read_config_dir(path))
 
     @classmethod
     def from_hf(cls, config: dict) -> "ModelConfig":
         """Read a transformers config dict (``config.json`` or ``PretrainedConfig.to_dict()``)."""
-        if not isinstance(config, dict):
-            raise ValueError(f"config={config!r} must be a dict")
-        if "model_type" not in config:
-            raise ValueError("config.json has no 'model_type'")
-        architecture = config["model_type"]
-        if "text_config" in config or architecture in ("gemma3", "llama4"):
-            raise NotImplementedError(
-                f"model_type={architecture!r} is a multimodal wrapper (a text_config and weights under "
-                f"language_model.*): not supported; supported: {SUPPORTED_ARCHITECTURES}"
-            )
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise NotImplementedError(
-                f"model_type={architecture!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
-            )
-        quantization = None
-        if config.get("quantization_config"):
-            quantization = config["quantization_config"].get("quant_method")
-            if (architecture, quantization) != ("gpt_oss", "mxfp4"):
-                raise NotImplementedError(
-                    f"quantization_config (quant_method={quantization!r}) is not supported for "
-                    f"model_type={architecture!r} (only gpt_oss's mxfp4 experts, dequantized on load)"
-                )
-        return dataclasses.replace(_READERS[architecture](config), quantization=quantization)
+        return cls(**read_hf_config(config))
 
     # --- per layer ------------------------------------------------------------------------------------
 
@@ -340,215 +194,3 @@ class ModelConfig:
 
 
 # --- the readers, one per family ----------------------------------------------------------------------
-
-
-def _common(config: dict, architecture: str) -> dict:
-    """The keys every family shares."""
-    get = lambda key, **kw: _get(config, key, architecture, **kw)
-    num_heads = get("num_attention_heads", required=True)
-    hidden = get("hidden_size", required=True)
-    num_kv_heads = config.get("num_key_value_heads")
-    if num_kv_heads is None:
-        num_kv_heads = _DEFAULTS[architecture].get("num_key_value_heads", num_heads)
-    head_dim = config.get("head_dim")
-    if head_dim is None:
-        head_dim = _DEFAULTS[architecture].get("head_dim") or hidden // num_heads
-    eos = config.get("eos_token_id", _DEFAULTS[architecture]["eos_token_id"])
-    return dict(
-        architecture=architecture,
-        vocab_size=get("vocab_size", required=True),
-        hidden_size=hidden,
-        intermediate_size=get("intermediate_size", required=True),
-        num_layers=get("num_hidden_layers", required=True),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=get("max_position_embeddings"),
-        rms_norm_eps=float(get("rms_norm_eps")),
-        tie_word_embeddings=bool(get("tie_word_embeddings")),
-        bos_token_id=config.get("bos_token_id", _DEFAULTS[architecture]["bos_token_id"]),
-        eos_token_ids=_token_ids(eos),
-        pad_token_id=config.get("pad_token_id", _DEFAULTS[architecture]["pad_token_id"]),
-    )
-
-
-def _activation(config: dict, architecture: str) -> str:
-    """Gemma's ``hidden_activation`` (older files: ``hidden_act``), the others' ``hidden_act``."""
-    if architecture in ("gemma2", "gemma3_text"):
-        return config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
-    return _get(config, "hidden_act", architecture)
-
-
-def _global_rope(config: dict, architecture: str, default: dict | None = None) -> RopeParameters:
-    """One RoPE for every layer, as `RotaryEmbeddingConfigMixin.convert_rope_params_to_dict` reads it:
-    ``rope_scaling`` before ``rope_parameters``, then ``rope_theta`` and the family's default theta."""
-    params = config.get("rope_scaling") or config.get("rope_parameters") or default or {}
-    params = dict(params)
-    params.setdefault("rope_theta", config.get("rope_theta", _DEFAULTS[architecture]["rope_theta"]))
-    return RopeParameters.from_hf(
-        params, max_position_embeddings=_get(config, "max_position_embeddings", architecture)
-    )
-
-
-def _alternating(num_layers: int, pattern: int) -> tuple[str, ...]:
-    """transformers' default ``layer_types``: every `pattern`-th layer full, the others sliding."""
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
-
-
-def _layer_types(config: dict, num_layers: int, default: tuple[str, ...]) -> tuple[str, ...]:
-    layer_types = config.get("layer_types")
-    if layer_types is None:
-        return default
-    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers:
-        raise ValueError(
-            f"layer_types={layer_types!r} must be a list of num_hidden_layers={num_layers} entries"
-        )
-    return tuple(layer_types)
-
-
-def _read_mistral(config: dict) -> ModelConfig:
-    common = _common(config, "mistral")
-    sliding_window = _get(config, "sliding_window", "mistral")
-    layer_type = "full_attention" if sliding_window is None else "sliding_attention"
-    rope = _global_rope(config, "mistral")
-    return ModelConfig(
-        **common,
-        hidden_act=_activation(config, "mistral"),
-        layer_types=(layer_type,) * common["num_layers"],
-        sliding_window=sliding_window,
-        rope=(rope,) * common["num_layers"],
-    )
-
-
-def _read_gemma(config: dict, architecture: str) -> ModelConfig:
-    common = _common(config, architecture)
-    num_layers = common["num_layers"]
-    if config.get("use_bidirectional_attention"):
-        raise NotImplementedError("use_bidirectional_attention=True (an encoder) is not supported")
-    get = lambda key: _get(config, key, architecture)
-    max_pos = get("max_position_embeddings")
-    if architecture == "gemma2":
-        layer_types = _layer_types(config, num_layers, _alternating(num_layers, 2))
-        rope = (_global_rope(config, architecture),) * num_layers
-        attn_softcap = get("attn_logit_softcapping")
-    else:
-        pattern = config.get("sliding_window_pattern", 6)
-        layer_types = _layer_types(config, num_layers, _alternating(num_layers, pattern))
-        # Gemma3TextConfig.convert_rope_params_to_dict: one dict per layer type; rope_scaling goes to the
-        # global layers, rope_theta (default 1e6) to the global ones, rope_local_base_freq (1e4) to the local.
-        per_type = {k: dict(v) if v else None for k, v in (config.get("rope_parameters") or {}).items()}
-        if not per_type or set(per_type).isdisjoint(LAYER_TYPES):
-            per_type = {
-                "sliding_attention": {"rope_type": "default"},
-                "full_attention": {"rope_type": "default"},
-            }
-        if config.get("rope_scaling"):
-            per_type.setdefault("full_attention", {"rope_type": "default"})
-            per_type["full_attention"].update(config["rope_scaling"])
-        if per_type.get("full_attention") is None:
-            per_type["full_attention"] = {"rope_type": "default"}
-        per_type["full_attention"].setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
-        if per_type.get("sliding_attention") is None:
-            per_type["sliding_attention"] = {"rope_type": "default"}
-        per_type["sliding_attention"].setdefault("rope_theta", config.get("rope_local_base_freq", 10_000.0))
-        ropes = {k: RopeParameters.from_hf(v, max_position_embeddings=max_pos) for k, v in per_type.items()}
-        missing = sorted(set(layer_types) - set(ropes))
-        if missing:
-            raise ValueError(f"rope_parameters has no entry for layer types {missing}")
-        rope = tuple(ropes[t] for t in layer_types)
-        # Gemma3Attention never passes attn_logit_softcapping to its attention (transformers 5.17): not applied.
-        attn_softcap = None
-    if "chunked_attention" in layer_types:
-        raise ValueError(f"layer_types={layer_types!r}: model_type={architecture!r} has no chunked layers")
-    return ModelConfig(
-        **common,
-        hidden_act=_activation(config, architecture),
-        layer_types=layer_types,
-        sliding_window=get("sliding_window") if "sliding_attention" in layer_types else None,
-        rope=rope,
-        query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
-        attn_logit_softcapping=attn_softcap,
-        final_logit_softcapping=get("final_logit_softcapping"),
-        attention_bias=bool(get("attention_bias")),
-    )
-
-
-def _read_gpt_oss(config: dict) -> ModelConfig:
-    common = _common(config, "gpt_oss")
-    num_layers = common["num_layers"]
-    get = lambda key: _get(config, key, "gpt_oss")
-    layer_types = _layer_types(config, num_layers, _alternating(num_layers, 2))
-    default_rope = dict(
-        rope_type="yarn",
-        factor=32.0,
-        beta_fast=32.0,
-        beta_slow=1.0,
-        truncate=False,
-        original_max_position_embeddings=4096,
-    )
-    rope = _global_rope(config, "gpt_oss", default_rope)
-    num_experts = get("num_local_experts")
-    return ModelConfig(
-        **common,
-        hidden_act=_activation(config, "gpt_oss"),
-        layer_types=layer_types,
-        sliding_window=get("sliding_window") if "sliding_attention" in layer_types else None,
-        rope=(rope,) * num_layers,
-        attention_bias=bool(get("attention_bias")),
-        attention_sinks=True,
-        num_experts=num_experts,
-        num_experts_per_tok=get("num_experts_per_tok"),
-        moe_layers=tuple(range(num_layers)),
-    )
-
-
-def _read_llama4(config: dict) -> ModelConfig:
-    common = _common(config, "llama4_text")
-    num_layers = common["num_layers"]
-    get = lambda key: _get(config, key, "llama4_text")
-    # Llama4TextConfig.__post_init__: no_rope_layers[i] == 1 means layer i USES RoPE; the default puts a
-    # NoPE layer every no_rope_layer_interval layers; layer_types defaults to chunked for RoPE layers.
-    interval = get("no_rope_layer_interval")
-    no_rope_layers = config.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
-    if len(no_rope_layers) != num_layers:
-        raise ValueError(
-            f"no_rope_layers={no_rope_layers!r} must have num_hidden_layers={num_layers} entries"
-        )
-    default_types = tuple(
-        "chunked_attention" if use_rope else "full_attention" for use_rope in no_rope_layers
-    )
-    layer_types = _layer_types(config, num_layers, default_types)
-    step = get("interleave_moe_layer_step")
-    moe_layers = config.get("moe_layers")
-    if moe_layers is None:
-        moe_layers = list(range(step - 1, num_layers, step))
-    rope = _global_rope(config, "llama4_text")
-    chunk = get("attention_chunk_size")
-    if "sliding_attention" in layer_types:
-        raise ValueError(f"layer_types={layer_types!r}: model_type='llama4_text' has no sliding layers")
-    return ModelConfig(
-        **common,
-        hidden_act=_activation(config, "llama4_text"),
-        layer_types=layer_types,
-        attention_chunk_size=chunk if "chunked_attention" in layer_types else None,
-        rope=tuple(rope if use_rope else None for use_rope in no_rope_layers),
-        rope_interleaved=True,
-        attention_bias=bool(get("attention_bias")),
-        num_experts=get("num_local_experts"),
-        num_experts_per_tok=get("num_experts_per_tok"),
-        moe_layers=tuple(sorted(int(i) for i in moe_layers)),
-        intermediate_size_mlp=get("intermediate_size_mlp"),
-        use_qk_norm=bool(get("use_qk_norm")),
-        attn_temperature_tuning=bool(get("attn_temperature_tuning")),
-        floor_scale=float(get("floor_scale")),
-        attn_scale=float(get("attn_scale")),
-    )
-
-
-_READERS = {
-    "mistral": _read_mistral,
-    "gemma2": lambda config: _read_gemma(config, "gemma2"),
-    "gemma3_text": lambda config: _read_gemma(config, "gemma3_text"),
-    "gpt_oss": _read_gpt_oss,
-    "llama4_text": _read_llama4,
-}

@@ -10,9 +10,9 @@
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
-from collections.abc import Sequence
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 
