@@ -66,3 +66,11 @@ def test_malformed_token_ids_are_refused_by_the_parser(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--prompt-token-ids", "[[1, 'a']]"])
     assert "--prompt-token-ids" in capsys.readouterr().err
+
+
+def test_memory_sizes_parse_with_units():
+    from jax_hybrid_attn.cli import memory_size
+
+    assert [memory_size(t) for t in ("2GiB", "512MB", "1e9", "4096")] == [2 * 2**30, 512 * 10**6, 10**9, 4096]
+    with pytest.raises(Exception, match="kv-memory"):
+        memory_size("lots")

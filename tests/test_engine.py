@@ -177,3 +177,14 @@ def test_the_kernel_path_in_interpret_mode_gives_the_reference_paths_tokens():
                                                     interpret=interpret))  # fmt: skip
         tokens[implementation] = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))]
     assert tokens["kernel"] == tokens["reference"]
+
+
+def test_the_pool_can_be_sized_in_bytes():
+    config, model = tiny_model("gemma3_text")
+    budget = 200_000
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
+                                                max_model_len=64, kv_memory=budget))  # fmt: skip
+    assert budget - engine.layout.block_bytes < engine.layout.total_bytes <= budget
+    assert sum(x.nbytes for x in engine.kv_caches) == engine.layout.total_bytes
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model, config, EngineConfig(block_size=4, max_model_len=64, kv_memory=4_000))
