@@ -16,6 +16,9 @@ TOLERANCES = {
     torch.float16: 4e-3,
     torch.bfloat16: 2e-2,
 }  # jax_hybrid_attn.testing's table
+ON_CPU = dict(implementation="reference")
+"""These tests are of the bridge, on CPU tensors: the reference path, on a GPU machine too (the kernels take
+bf16/fp16 and heads of 64 or more; their test through the backend is the interpret-mode one below)."""
 BLOCK_SIZE = 8
 QUERY_LENS = (1, 9, 3, 1, 0)  # a decode, a prefill across a block edge, a short extend, a decode, an idle row
 SEQ_LENS = (17, 9, 24, 8, 5)  # straddling the block (8) and chunk (8, 16) boundaries
@@ -131,7 +134,7 @@ def test_run_matches_the_torch_reference_and_updates_the_torch_cache(name, dtype
     layer = AttentionLayer(**options)
     step, (cache,), q, k, v = make_step(dtype=dtype, num_kv_heads=options["num_kv_heads"])
     wanted, wanted_cache = expected(layer, step, cache, q, k, v)
-    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU)
     backend.plan(**step, causal=layer.causal)
     out = backend.run("layer", q, k, v, cache)
     assert out.shape == q.shape and out.dtype == dtype
@@ -149,7 +152,7 @@ def test_fp8_and_hnd_caches(kv_dtype, kv_layout):
         dtype=torch.bfloat16, kv_dtype=kv_dtype, kv_layout=kv_layout, **scales
     )
     wanted, wanted_cache = expected(layer, step, cache, q, k, v, kv_layout=kv_layout)
-    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, kv_layout=kv_layout)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU, kv_layout=kv_layout)
     backend.plan(**step)
     assert_close(backend.run("layer", q, k, v, cache), wanted)
     torch.testing.assert_close(cache.float(), wanted_cache.float(), equal_nan=True, atol=0, rtol=0)
@@ -167,7 +170,7 @@ def test_layers_with_different_windows_share_one_plan_over_two_kv_cache_groups()
         ),
     }
     step, caches, q, k, v = make_step(num_groups=2)
-    backend = PagedAttentionBackend(layers, block_size=BLOCK_SIZE)
+    backend = PagedAttentionBackend(layers, block_size=BLOCK_SIZE, **ON_CPU)
     assert len(backend.metadata_groups()) == 3
     backend.plan(**step)
     for name, layer in layers.items():
@@ -179,7 +182,7 @@ def test_layers_with_different_windows_share_one_plan_over_two_kv_cache_groups()
 def test_jax_owned_cache_is_updated_and_exported_for_inspection_only():
     layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sliding_window=5)
     step, (cache,), q, k, v = make_step()
-    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, cache_owner="jax")
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU, cache_owner="jax")
     backend.allocate_kv_caches(cache.shape[0], dtype=torch.float32)
     view = backend.kv_cache_as_torch("layer")
     view.copy_(cache)  # the test's context, written through the zero-copy view
@@ -199,7 +202,7 @@ def test_out_argument_flat_shapes_and_a_layer_sharing_another_cache():
     layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
     step, (cache,), q, k, v = make_step()
     wanted, wanted_cache = expected(layer, step, cache, q, k, v)
-    backend = PagedAttentionBackend({"writer": layer, "reader": layer}, block_size=BLOCK_SIZE)
+    backend = PagedAttentionBackend({"writer": layer, "reader": layer}, block_size=BLOCK_SIZE, **ON_CPU)
     backend.plan(**step)
     out = torch.empty(q.shape[0], 4 * 16)
     result = backend.run(
@@ -220,7 +223,7 @@ def test_out_argument_flat_shapes_and_a_layer_sharing_another_cache():
 def test_the_output_shares_memory_with_jax():
     layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
     step, (cache,), q, k, v = make_step()
-    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU)
     backend.plan(**step)
     import jax_hybrid_attn_torch.backend as backend_module
 
@@ -265,7 +268,7 @@ def test_get_kv_cache_shape_is_vllms():
 def test_bad_input_is_named():
     layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
     step, (cache,), q, k, v = make_step()
-    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU)
     with pytest.raises(RuntimeError, match=r"call plan\(...\)"):
         backend.run("layer", q, k, v, cache)
     backend.plan(**step)
@@ -294,7 +297,8 @@ def test_bad_input_is_named():
 
 def test_plan_refuses_int64_values_beyond_int32_and_run_checks_the_out_shape():
     step, caches, q, k, v = make_step()
-    backend = PagedAttentionBackend({"l": AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)}, block_size=BLOCK_SIZE)
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
+    backend = PagedAttentionBackend({"l": layer}, block_size=BLOCK_SIZE, **ON_CPU)
     for field in ("block_tables", "seq_lens", "slot_mapping"):
         bad = dict(step, **{field: step[field].to(torch.int64).clone()})
         bad[field].view(-1)[0] = 2**31 + 5
@@ -307,7 +311,8 @@ def test_plan_refuses_int64_values_beyond_int32_and_run_checks_the_out_shape():
 
 def test_a_checked_plan_refuses_what_the_kernels_cannot_serve_and_keeps_the_previous_plan():
     step, caches, q, k, v = make_step()
-    backend = PagedAttentionBackend({"l": AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)}, block_size=BLOCK_SIZE)
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
+    backend = PagedAttentionBackend({"l": layer}, block_size=BLOCK_SIZE, **ON_CPU)
     backend.plan(**step, checked=True)
     planned = (backend._packed, backend._layout)
     slots, qsl = step["slot_mapping"], step["query_start_loc"]
