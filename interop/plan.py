@@ -151,7 +151,7 @@ def _check_values(fields: list[torch.Tensor], layout: PlanLayout, *, block_size:
             causal=layout.causal,
         )
         check_metadata_values(metadata, num_blocks=None, block_size=block_size)
-        highest_slot = max(slot_mapping[group].max(initial=PAD_SLOT_ID), PAD_SLOT_ID)
+        highest_slot = int(slot_mapping[group].max(initial=PAD_SLOT_ID))
         needed.append(max(int(block_tables[group].max(initial=0)), highest_slot // block_size) + 1)
     return tuple(needed)
 

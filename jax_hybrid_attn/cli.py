@@ -169,7 +169,7 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
 
 
 def load(args):
-    """(model config, model, tokenizer, eos ids) from ``--model`` or the embedded default."""
+    """(model config, model, tokenizer) from ``--model`` or the embedded default."""
     import jax
     import jax.numpy as jnp
     from flax import nnx

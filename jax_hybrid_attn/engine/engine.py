@@ -390,7 +390,7 @@ class Engine:
         failed = [request for i, (request, _) in enumerate(rows) if not success[i] and request.num_computed_tokens]
         for request in failed:
             running = [r for r in self._admitted if r.num_computed_tokens > 0 and not r.finished]
-            if request not in running or not running:
+            if request not in running:  # preempted already, as an earlier row's victim
                 continue
             victim = max(running, key=lambda r: r.index)
             self.manager.preempt(victim.request_id)
