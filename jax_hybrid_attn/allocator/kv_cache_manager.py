@@ -194,6 +194,10 @@ class KVCacheManager:
             jnp.asarray(slots >= 0, jnp.int32) * (1 if mask is None else jnp.asarray(mask, jnp.int32)),
         )
 
+    def slot(self, request_id: Hashable) -> int:
+        """The request's row in the state's request table (for callers that run the jitted functions)."""
+        return self._slot(request_id)
+
     def num_tokens(self, request_id: Hashable) -> int:
         return int(RequestRows(self.state.requests.rows, self._slot(request_id)).num_tokens)
 

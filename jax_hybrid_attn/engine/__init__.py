@@ -1,8 +1,9 @@
 """Serving: a continuous-batching engine over the hybrid allocator and the paged kernels.
 
-Data flow of one step: `Engine.step` schedules (host) → `KVCacheManager.schedule` allocates (device) →
-`metadata_from_step` per KV-cache group → the model's forward through `PagedCache` → `layer_attention` → the
-kernels; then sampling, all in one jitted call.
+Data flow of one step: `Engine.step` plans (host) → `device_step.allocate` (the allocator's `allocate_slots`) →
+`device_step.run_model`: `metadata_from_step` per KV-cache group → the model's forward through `PagedCache` →
+`layer_attention` → the kernels; then sampling, and the sampled tokens back into the allocator. The host reads a
+step back while the next one runs.
 """
 
 from .engine import Engine, EngineConfig, EngineStats

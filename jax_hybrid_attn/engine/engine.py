@@ -1,18 +1,21 @@
 """The continuous-batching engine: requests in, tokens out, on the hybrid allocator and the paged kernels.
 
 One `Engine.step`:
-  1. schedule (host): the admitted requests in arrival order, then new ones while request slots are free, each
+  1. plan (host): the admitted requests in arrival order, then new ones while request slots are free, each
      with as many tokens as it still needs (its prompt in chunks, or one decode token) within the token budget;
-  2. allocate (device): `KVCacheManager.schedule` finds prefix hits and hands out blocks in every KV-cache group
-     (`StepOutput`);
-  3. run (device, one jitted call): `metadata_from_step` per group, the model's forward through `PagedCache`
-     (each layer writes its K/V by slot and attends, `layer_attention`), logits of each row's last token only,
-     and sampling (`sample_tokens`);
-  4. the sampled tokens go back to the allocator on the device (for prefix hashing), then to the host, the
-     only read of the step: each request that finished its prompt or decoded gets its token, stops at
-     an end or stop token, `max_tokens` or `max_model_len`, and frees its blocks;
-  5. a running request that got no blocks preempts the newest running request (its blocks are freed; it is
-     recomputed later, from its prompt and outputs, with prefix hits on what is still cached).
+  2. send the plan to the device (`device_step`, two jitted calls, nothing read back): the allocator finds prefix
+     hits and hands out blocks in every KV-cache group; then `metadata_from_step` per group, the model's forward through
+     `PagedCache` (each layer writes its K/V by slot and attends, `layer_attention`), the logits of each row's
+     last token, sampling, and the sampled tokens back into the allocator (for prefix hashing);
+  3. read the previous step's results back (the one read of a step) while this one runs: each request that
+     finished its prompt or decoded gets its token, stops at an end or stop token, `max_tokens` or
+     `max_model_len`, and frees its blocks; a running request that got no blocks preempts the newest running
+     request (its blocks are freed; it is recomputed later, from its prompt and outputs, with prefix hits on
+     what is still cached).
+
+The host plans step n+1 before it has read step n, assuming step n goes as planned; the device computes step n+1
+from what step n really did (`device_step`), so a request that got no blocks in step n simply retries. What the
+lag costs: a request that ends on a stop token computes one token more, which is dropped.
 
 Shape letters: T tokens of the step · R rows (request slots) · V vocabulary.
 """
@@ -28,14 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ..allocator import KVCacheManager, StepOutput
+from ..allocator import KVCacheManager
 from ..integers import cdiv, check_bool, check_int
-from ..metadata import metadata_from_step
 from ..models.config import ModelConfig
+from .device_step import NO_SLOT, DeviceState, StepPlan, StepResult, allocate, run_model
 from .kv_layout import KVCacheLayout
-from .paged_cache import PagedCache
-from .requests import FinishReason, Request, RequestOutput
-from .sampling import SamplingParams, sample_tokens
+from .requests import FinishReason, InFlightWork, Request, RequestOutput
+from .sampling import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
 
@@ -111,7 +113,7 @@ class EngineStats:
     prompt_tokens: int = 0
     preemptions: int = 0
     compile_steps: int = 0  # steps whose shape ran for the first time (compiled): not in the prefill/decode times
-    compile_time: float = 0.0
+    compile_time: float = 0.0  # spent in the dispatches that compiled a step shape
     peak_blocks_in_use: int = 0
     peak_blocks_full_attention: int = 0  # what the same requests would hold with every group as full attention
 
@@ -169,13 +171,18 @@ class Engine:
         self.manager = KVCacheManager(self.allocator_config)
         self.kv_caches = self.layout.allocate()
         self._weights = state
-        self._run = jax.jit(
-            partial(_run_step, graphdef, self.allocator_config, self.layout, config.implementation, config.interpret),
+        self._num_computed = jnp.zeros(config.max_num_seqs, jnp.int32)  # `DeviceState.num_computed`
+        self._allocate = jax.jit(partial(allocate, self.allocator_config), donate_argnames=("state",))
+        self._run_model = jax.jit(
+            partial(run_model, graphdef, self.allocator_config, self.layout, config.implementation, config.interpret),
             static_argnames=("num_tokens", "max_query_len"),
-            donate_argnames=("kv_caches",),
+            donate_argnames=("state",),
         )
         self.stats = EngineStats()
         self._shapes: set[tuple[int, int]] = set()  # step shapes run so far (compiled)
+        self._in_flight: _SentStep | None = None  # the step sent and not yet read back
+        self._last_read = time.perf_counter()
+        self._compile_seconds = 0.0  # of the dispatches since the last read
         self._waiting: collections.deque[Request] = collections.deque()
         self._admitted: list[Request] = []  # hold a request slot, in arrival order
         self._ids: set[Hashable] = set()
@@ -229,51 +236,21 @@ class Engine:
     # ----------------------------------------------------------------------------------------------- step
 
     def step(self, on_token: Callable[[Hashable, int], None] | None = None) -> list[RequestOutput]:
-        """One scheduling step; returns the requests that finished in it. `on_token(request_id, token)` is
-        called for each token as it is sampled."""
+        """One scheduling step: send the next step to the device, then read the previous one back. Returns the
+        requests that finished in the step read back; `on_token(request_id, token)` is called for each of its
+        tokens."""
+        previous, self._in_flight = self._in_flight, None
         rows = self._schedule()
-        if not rows:
+        if rows:
+            self._in_flight = self._send(rows)
+        elif previous is None:
+            if self.has_unfinished_requests():  # every request left is either running or waiting
+                raise RuntimeError(f"no step to run for {self.num_unfinished_requests} unfinished requests")
             return []
-        started = time.perf_counter()
-        ids = [request.request_id for request, _ in rows]
-        budgets = [budget for _, budget in rows]
-        out = self.manager.schedule(list(zip(ids, budgets)), wait=False)
-        # The static shape comes from the plan (an upper bound: prefix hits only lower what is computed), so the
-        # model is dispatched without reading the allocator's result; everything is read once, after sampling
-        shape = dict(
-            num_tokens=min(_bucket(sum(budgets), minimum=8), self.config.max_num_batched_tokens),
-            max_query_len=1 if max(budgets) == 1 else self.config.max_num_batched_tokens,
-        )
-        known = np.zeros(self.config.max_num_seqs, np.int32)
-        known[: len(rows)] = [request.num_tokens for request, _ in rows]
-        tokens, sampled, self.kv_caches = self._run(
-            self._weights, self.kv_caches, out, self._sampling_arrays(rows), jnp.asarray(known), **shape
-        )
-        self.manager.append_row_token_ids(ids, tokens, mask=sampled)
-        success, seq_lens, hits, query_start_loc, tokens, sampled = jax.device_get(
-            (out.success, out.seq_lens, out.num_new_computed_tokens, out.query_start_loc, tokens, sampled)
-        )
-        self.manager.record_step(ids, success, seq_lens)
-        num_tokens = int(query_start_loc[-1])
-        sampled_rows = [i for i in range(len(rows)) if sampled[i]]
-        now = time.perf_counter()
-        compiled = tuple(shape.values()) not in self._shapes
-        if compiled:
-            self._shapes.add(tuple(shape.values()))
-        self._account(rows, success, seq_lens, hits, num_tokens, now - started, compiled=compiled)
-        finished = []
-        for i in sampled_rows:
-            request = rows[i][0]
-            token = int(tokens[i])
-            request.output_token_ids.append(token)
-            request.token_times.append(now)
-            if on_token is not None:
-                on_token(request.request_id, token)
-            reason = self._finish_reason(request, token)
-            if reason is not None:
-                request.finish_reason = reason
-                finished.append(self._release(request))
-        self._preempt_for(rows, success)
+        finished = [] if previous is None else self._read(previous, on_token)
+        if self._in_flight is not None and not self.has_unfinished_requests():
+            self._read(self._in_flight, on_token)  # only tokens past a stop token: nothing to keep
+            self._in_flight = None
         return finished
 
     def generate(
@@ -311,7 +288,8 @@ class Engine:
     # -------------------------------------------------------------------------------------------- helpers
 
     def _schedule(self) -> list[tuple[Request, int]]:
-        """This step's rows: (request, token budget), admitted requests first, in arrival order."""
+        """The next step's rows: (request, tokens to compute), admitted requests first, in arrival order. The steps
+        in flight are assumed to go as planned; a request whose last token is in flight is left out."""
         budget = self.config.max_num_batched_tokens
         while self._waiting and len(self._admitted) < self.config.max_num_seqs:
             request = self._waiting.popleft()
@@ -320,23 +298,93 @@ class Engine:
             self._admitted.append(request)
         rows = []
         for request in self._admitted:
-            need = min(request.num_tokens - request.num_computed_tokens, budget)
+            outputs = request.expected_num_outputs
+            known = len(request.prompt_token_ids) + outputs
+            if outputs > len(request.output_token_ids) and (
+                outputs >= request.sampling.max_tokens or known >= self.max_model_len
+            ):
+                continue
+            need = min(known - request.expected_num_computed_tokens, budget)
             if need > 0:
                 rows.append((request, need))
                 budget -= need
         return rows
 
-    def _sampling_arrays(self, rows) -> dict[str, jax.Array]:
+    def _send(self, rows: list[tuple[Request, int]]) -> "_SentStep":
+        """Send one step's plan to the device (nothing is read back here)."""
         width = self.config.max_num_seqs
-        arrays = dict(
-            temperature=np.zeros(width, np.float32), top_k=np.zeros(width, np.int32), top_p=np.ones(width, np.float32),
-            seeds=np.zeros(width, np.uint32), token_index=np.zeros(width, np.int32),
+        plan = StepPlan(
+            slots=np.full(width, NO_SLOT, np.int32), max_new_tokens=np.zeros(width, np.int32),
+            prompt_lens=np.zeros(width, np.int32), temperature=np.zeros(width, np.float32),
+            top_k=np.zeros(width, np.int32), top_p=np.ones(width, np.float32), seeds=np.zeros(width, np.uint32),
         )  # fmt: skip
-        for i, (request, _) in enumerate(rows):
+        for i, (request, need) in enumerate(rows):
             s = request.sampling
-            arrays["temperature"][i], arrays["top_k"][i], arrays["top_p"][i] = s.temperature, s.top_k, s.top_p
-            arrays["seeds"][i], arrays["token_index"][i] = request.seed, len(request.output_token_ids)
-        return {name: jnp.asarray(value) for name, value in arrays.items()}
+            plan.slots[i], plan.max_new_tokens[i] = self.manager.slot(request.request_id), need
+            plan.prompt_lens[i], plan.seeds[i] = len(request.prompt_token_ids), request.seed
+            plan.temperature[i], plan.top_k[i], plan.top_p[i] = s.temperature, s.top_k, s.top_p
+            computed = request.expected_num_computed_tokens
+            samples = computed + need == len(request.prompt_token_ids) + request.expected_num_outputs
+            request.in_flight.append(InFlightWork(need, samples))
+        # The static shape bounds what the device computes: prefix hits and earlier failures only lower it
+        needs = [need for _, need in rows]
+        shape = (
+            min(_bucket(sum(needs), minimum=8), self.config.max_num_batched_tokens),
+            1 if max(needs) == 1 else self.config.max_num_batched_tokens,
+        )
+        sent_at = time.perf_counter()
+        plan = jax.device_put(plan)
+        state = DeviceState(tuple(self.kv_caches), self.manager.state, self._num_computed)
+        state, out, known = self._allocate(state, plan)
+        state, result = self._run_model(
+            self._weights, state, out, known, plan, num_tokens=shape[0], max_query_len=shape[1]
+        )
+        self.kv_caches, self.manager.state = list(state.kv_caches), state.allocator
+        self._num_computed = state.num_computed
+        compiled = shape not in self._shapes
+        if compiled:  # its dispatch compiled it: not run time of the step read back next
+            self._shapes.add(shape)
+            seconds = time.perf_counter() - sent_at
+            self._compile_seconds += seconds
+            self.stats.compile_time += seconds
+        return _SentStep([(request, request.num_preemptions) for request, _ in rows], result, compiled, sent_at)
+
+    def _read(self, sent: "_SentStep", on_token) -> list[RequestOutput]:
+        """Read a step back: its tokens, finished requests, preemptions and counters."""
+        result = StepResult(*jax.device_get(tuple(sent.result)))
+        now = time.perf_counter()
+        seconds = now - max(self._last_read, sent.sent_at) - self._compile_seconds
+        self._last_read, self._compile_seconds = now, 0.0
+        finished, failed = [], []
+        decode_tokens = 0
+        for i, (request, preemptions) in enumerate(sent.rows):
+            request.in_flight.popleft()
+            if request.finished:  # it stopped in an earlier step: this one computed past its stop token
+                continue
+            current = preemptions == request.num_preemptions  # else its blocks were freed after it was sent
+            if current and result.success[i]:
+                if request.num_computed_tokens == 0:
+                    self.stats.prompt_tokens += len(request.prompt_token_ids)
+                request.num_cached_tokens += int(result.num_hits[i])
+                self.stats.cached_prompt_tokens += int(result.num_hits[i])
+                request.num_computed_tokens = int(result.seq_lens[i])
+            elif current and request.num_computed_tokens:
+                failed.append(request)
+            if result.sampled[i]:
+                decode_tokens += int(result.num_scheduled[i] == 1 and bool(request.output_token_ids))
+                token = int(result.tokens[i])
+                request.output_token_ids.append(token)
+                request.token_times.append(now)
+                if on_token is not None:
+                    on_token(request.request_id, token)
+                reason = self._finish_reason(request, token)
+                if reason is not None:
+                    request.finish_reason = reason
+                    finished.append(self._release(request))
+        self._account(int(result.num_scheduled.sum()), decode_tokens, int(result.num_free_blocks), seconds,
+                      compiled=sent.compiled)  # fmt: skip
+        self._preempt_for(failed)
+        return finished
 
     def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
         s = request.sampling
@@ -352,23 +400,10 @@ class Engine:
         self._ids.discard(request.request_id)
         return RequestOutput.of(request)
 
-    def _account(self, rows, success, seq_lens, hits, num_tokens, seconds, *, compiled: bool) -> None:
+    def _account(self, num_tokens, decode_tokens, num_free_blocks, seconds, *, compiled: bool) -> None:
         stats = self.stats
         stats.steps += 1
         stats.compile_steps += compiled
-        stats.compile_time += seconds if compiled else 0.0
-        decode_tokens = 0
-        for i, (request, _) in enumerate(rows):
-            if not success[i]:
-                continue
-            if request.num_computed_tokens == 0:
-                stats.prompt_tokens += len(request.prompt_token_ids)
-            request.num_cached_tokens += int(hits[i])
-            stats.cached_prompt_tokens += int(hits[i])
-            scheduled = int(seq_lens[i]) - request.num_computed_tokens - int(hits[i])
-            if scheduled == 1 and request.output_token_ids:
-                decode_tokens += 1
-            request.num_computed_tokens = int(seq_lens[i])
         stats.decode_tokens += decode_tokens
         stats.prefill_tokens += num_tokens - decode_tokens
         if not compiled:  # a step is a prefill step if it computes any prompt token
@@ -378,49 +413,35 @@ class Engine:
                 stats.prefill_time += seconds
             else:
                 stats.decode_time += seconds
-        in_use = self.layout.num_blocks - 1 - self.manager.num_free_blocks
+        in_use = self.layout.num_blocks - 1 - num_free_blocks
         full = self.allocator_config.num_groups * sum(
             cdiv(r.num_computed_tokens, self.config.block_size) for r in self._admitted
         )
         stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, in_use)
         stats.peak_blocks_full_attention = max(stats.peak_blocks_full_attention, full)
 
-    def _preempt_for(self, rows, success) -> None:
-        """Each running request that got no blocks preempts the newest running request (possibly itself)."""
-        failed = [request for i, (request, _) in enumerate(rows) if not success[i] and request.num_computed_tokens]
+    def _preempt_for(self, failed: list[Request]) -> None:
+        """Each running request that got no blocks preempts the newest running request (possibly itself). The
+        victim's steps in flight still sample (their blocks are freed after them), but compute nothing it keeps."""
         for request in failed:
-            running = [r for r in self._admitted if r.num_computed_tokens > 0 and not r.finished]
+            running = [r for r in self._admitted if r.num_computed_tokens > 0]
             if request not in running:  # preempted already, as an earlier row's victim
                 continue
             victim = max(running, key=lambda r: r.index)
             self.manager.preempt(victim.request_id)
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
+            for work in victim.in_flight:
+                work.num_tokens = 0
             self.stats.preemptions += 1
 
 
-def _run_step(
-    graphdef, allocator_config, layout, implementation, interpret, weights, kv_caches, out: StepOutput, sampling,
-    known_tokens, *, num_tokens: int, max_query_len: int,
-):  # fmt: skip
-    """The device half of a step, one jitted call: metadata per group, the model's forward over the paged caches,
-    the logits of each row's last token, and sampling.
+@dataclasses.dataclass
+class _SentStep:
+    """A step sent to the device: its rows (each request with its preemption count when sent), its result on the
+    device, whether its shape compiled, and when it was sent."""
 
-    A row samples when it got its blocks and its sequence now covers every token known for it (`known_tokens`,
-    [R]): its prompt is complete, or it decoded. Returns ([R] tokens, [R] whether the row sampled, the caches)."""
-    model = nnx.merge(graphdef, weights)
-    metadata = tuple(
-        metadata_from_step(allocator_config, out, group, max_query_len=max_query_len).replace(
-            slot_mapping=out.slot_mappings[group, :num_tokens]
-        )
-        for group in range(allocator_config.num_groups)
-    )
-    cache = PagedCache(
-        tensors=tuple(kv_caches), metadata=metadata, positions=out.positions[:num_tokens],
-        layer_group=layout.layer_group, layer_tensor=layout.layer_tensor, implementation=implementation,
-        interpret=interpret,
-    )  # fmt: skip
-    last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
-    logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token)
-    sampled = out.success & (out.seq_lens == known_tokens) & (out.num_scheduled_tokens > 0)
-    return sample_tokens(logits, **sampling), sampled, cache.tensors
+    rows: list[tuple[Request, int]]
+    result: StepResult
+    compiled: bool
+    sent_at: float

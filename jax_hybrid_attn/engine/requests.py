@@ -1,5 +1,6 @@
 """One request's life on the host: its tokens, its state, its outputs and its timings."""
 
+import collections
 import dataclasses
 import enum
 import time
@@ -7,12 +8,25 @@ from collections.abc import Hashable
 
 from .sampling import SamplingParams
 
-__all__ = ["FinishReason", "Request", "RequestOutput"]
+__all__ = ["FinishReason", "InFlightWork", "Request", "RequestOutput"]
 
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # an end-of-sequence or stop token
     LENGTH = "length"  # max_tokens, or the model's max_model_len
+
+
+@dataclasses.dataclass
+class InFlightWork:
+    """What one step sent to the device for a request, until the host reads the step back.
+
+    Attributes:
+      num_tokens: the tokens it computes if it gets its blocks (0 once the request is preempted: they are freed).
+      samples: whether it then draws a token.
+    """
+
+    num_tokens: int
+    samples: bool
 
 
 @dataclasses.dataclass(eq=False)
@@ -25,7 +39,8 @@ class Request:
       prompt_token_ids, output_token_ids: its tokens.
       sampling: its `SamplingParams`; seed: the resolved seed.
       admitted: it holds a request slot in the allocator (`KVCacheManager.add_request`).
-      num_computed_tokens: tokens in the cache (the allocator's count).
+      num_computed_tokens: tokens in the cache (the allocator's count), as of the last step read back.
+      in_flight: the work of the steps sent and not yet read back, oldest first.
     """
 
     request_id: Hashable
@@ -41,6 +56,7 @@ class Request:
     num_cached_tokens: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     token_times: list[float] = dataclasses.field(default_factory=list)
+    in_flight: collections.deque[InFlightWork] = dataclasses.field(default_factory=collections.deque)
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +69,16 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def expected_num_computed_tokens(self) -> int:
+        """Tokens in the cache once the steps in flight are done, if they go as planned."""
+        return self.num_computed_tokens + sum(work.num_tokens for work in self.in_flight)
+
+    @property
+    def expected_num_outputs(self) -> int:
+        """Output tokens once the steps in flight are done, if they go as planned."""
+        return len(self.output_token_ids) + sum(work.samples for work in self.in_flight)
 
 
 @dataclasses.dataclass(frozen=True)
