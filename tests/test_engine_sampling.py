@@ -31,6 +31,23 @@ def test_greedy_rows_take_the_argmax():
     np.testing.assert_array_equal(draw(logits, temperature=2.0, top_p=1e-6), logits.argmax(-1))
 
 
+def test_a_known_greedy_only_gives_the_tokens_the_device_branch_gives():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((8, 40)), jnp.float32)
+    mixed = jnp.asarray([0.0, 0.9, 0.0, 1.3, 0.0, 0.5, 0.0, 2.0], jnp.float32)
+    rows = dict(top_k=jnp.full(8, 5, jnp.int32), top_p=jnp.full(8, 0.9, jnp.float32),
+                seeds=jnp.arange(8, dtype=jnp.uint32), token_index=jnp.arange(8, dtype=jnp.int32))  # fmt: skip
+    decided = sample_tokens(logits, temperature=mixed, **rows)
+    np.testing.assert_array_equal(sample_tokens(logits, temperature=mixed, greedy_only=False, **rows), decided)
+    zeros = jnp.zeros(8, jnp.float32)
+    greedy = sample_tokens(logits, temperature=zeros, greedy_only=True, **rows)
+    np.testing.assert_array_equal(greedy, sample_tokens(logits, temperature=zeros, **rows))
+    np.testing.assert_array_equal(greedy, np.asarray(logits).argmax(-1))
+    assert not np.array_equal(decided, greedy), "the drawn rows should differ from the argmax somewhere"
+    with pytest.raises(ValueError, match="greedy_only"):
+        sample_tokens(logits, temperature=zeros, greedy_only=1, **rows)
+
+
 @pytest.mark.parametrize(
     "options, expected",
     [

@@ -119,11 +119,13 @@ def run_model(
     *,
     num_tokens: int,
     max_query_len: int,
+    greedy_only: bool,
 ) -> tuple[DeviceState, StepResult]:
-    """The rest of the step (jit it with `num_tokens` (T) and `max_query_len` static, `state` donated): each
-    group's metadata, the model's forward over the first T tokens of `out` (T bounds the sum of
-    `plan.max_new_tokens`, `max_query_len` each of them: 1 for a decode-only step), sampling, the sampled tokens
-    into the allocator and the computed counts into `state.num_computed`."""
+    """The rest of the step (jit it with `num_tokens` (T), `max_query_len` and `greedy_only` static, `state`
+    donated): each group's metadata, the model's forward over the first T tokens of `out` (T bounds the sum of
+    `plan.max_new_tokens`, `max_query_len` each of them: 1 for a decode-only step), sampling (`greedy_only`: no
+    row has a temperature), the sampled tokens into the allocator and the computed counts into
+    `state.num_computed`. Nothing in it makes the host wait for the device."""
     model = nnx.merge(graphdef, weights)
     metadata = tuple(
         metadata_from_step(allocator_config, out, group, max_query_len=max_query_len).replace(
@@ -141,7 +143,7 @@ def run_model(
     sampled = out.success & (out.seq_lens == known) & (out.num_scheduled_tokens > 0)
     tokens = sample_tokens(
         logits, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, seeds=plan.seeds,
-        token_index=known - plan.prompt_lens,
+        token_index=known - plan.prompt_lens, greedy_only=greedy_only,
     )  # fmt: skip
 
     allocator = request_ops.append_token_ids(

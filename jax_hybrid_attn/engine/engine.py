@@ -175,11 +175,11 @@ class Engine:
         self._allocate = jax.jit(partial(allocate, self.allocator_config), donate_argnames=("state",))
         self._run_model = jax.jit(
             partial(run_model, graphdef, self.allocator_config, self.layout, config.implementation, config.interpret),
-            static_argnames=("num_tokens", "max_query_len"),
+            static_argnames=("num_tokens", "max_query_len", "greedy_only"),
             donate_argnames=("state",),
         )
         self.stats = EngineStats()
-        self._shapes: set[tuple[int, int]] = set()  # step shapes run so far (compiled)
+        self._shapes: set[tuple[int, int, bool]] = set()  # step shapes run so far (compiled)
         self._in_flight: _SentStep | None = None  # the step sent and not yet read back
         self._last_read = time.perf_counter()
         self._compile_seconds = 0.0  # of the dispatches since the last read
@@ -331,13 +331,14 @@ class Engine:
         shape = (
             min(_bucket(sum(needs), minimum=8), self.config.max_num_batched_tokens),
             1 if max(needs) == 1 else self.config.max_num_batched_tokens,
+            not bool((plan.temperature > 0).any()),
         )
         sent_at = time.perf_counter()
         plan = jax.device_put(plan)
         state = DeviceState(tuple(self.kv_caches), self.manager.state, self._num_computed)
         state, out, known = self._allocate(state, plan)
         state, result = self._run_model(
-            self._weights, state, out, known, plan, num_tokens=shape[0], max_query_len=shape[1]
+            self._weights, state, out, known, plan, num_tokens=shape[0], max_query_len=shape[1], greedy_only=shape[2]
         )
         self.kv_caches, self.manager.state = list(state.kv_caches), state.allocator
         self._num_computed = state.num_computed

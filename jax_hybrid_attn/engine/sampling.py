@@ -99,10 +99,15 @@ def sample_tokens(
     top_p: Float[Array, "R"],
     seeds: Int[Array, "R"],
     token_index: Int[Array, "R"],
+    greedy_only: bool | None = None,
 ) -> Int[Array, "R"]:
     """One token per row: argmax where ``temperature == 0``, else a draw from the filtered, tempered softmax
-    with the key ``fold_in(key(seeds[r]), token_index[r])``. Traceable; the sort is skipped when every row is
-    greedy."""
+    with the key ``fold_in(key(seeds[r]), token_index[r])``. Traceable.
+
+    `greedy_only` (static): True when the caller knows every row is greedy (only the argmax is computed), False
+    when some row may draw. None decides on the device and skips the sort when every row is greedy; on a GPU that
+    branch makes the host wait for the logits before the call returns, so a caller that overlaps host work with
+    the device passes a known value."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -115,4 +120,6 @@ def sample_tokens(
         drawn = jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
         return jnp.where(temperature > 0, drawn, greedy)
 
-    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+    if greedy_only is None:
+        return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+    return greedy if check_bool("greedy_only", greedy_only) else draw(None)
