@@ -19,7 +19,7 @@ from . import reference
 from ._compat import plgpu, resolve_interpret
 from .kernels.mixed_batch import paged_attention_kernels
 from .kv_cache import write_kv
-from .layout import KVLayout
+from .layout import KVCache, KVLayout
 from .metadata import AttentionMetadata
 from .params import CAUSAL, LayerAttentionParams
 from .validation import check_paged_attention_args
@@ -40,7 +40,7 @@ def _resolve_implementation(implementation: str | None, interpret) -> str:
 
 def paged_attention(
     q: Float[Array, "T N H"],
-    kv_cache: Float[Array, "B 2 S K H"],
+    kv_cache: KVCache,
     metadata: AttentionMetadata,
     *,
     params: LayerAttentionParams = CAUSAL,
@@ -72,7 +72,7 @@ def layer_attention(
     q: Float[Array, "T N H"],
     k: Float[Array, "T K H"],
     v: Float[Array, "T K H"],
-    kv_cache: Float[Array, "B 2 S K H"],
+    kv_cache: KVCache,
     metadata: AttentionMetadata,
     *,
     params: LayerAttentionParams = CAUSAL,
@@ -82,7 +82,7 @@ def layer_attention(
     v_scale: float | None = None,
     implementation: str | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
-) -> tuple[Float[Array, "T N H"], Float[Array, "B 2 S K H"]]:
+) -> tuple[Float[Array, "T N H"], KVCache]:
     """One layer of one step: write the step's k/v into the cache at ``metadata.slot_mapping``, then attend.
 
     `kv_cache` is donated (updated in place; do not use it afterwards). Inside a jit, call it as any other
@@ -91,7 +91,8 @@ def layer_attention(
     Args:
       q: [T, N, H] this step's queries; k, v: [T, K, H] its keys and values (or both None: the layer reads a
         cache another layer wrote, nothing is written).
-      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND").
+      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), or the pair ``(k_cache, v_cache)`` of
+        [B, S, K, H] / [B, K, S, H] each (`layout`).
       metadata: the step's metadata of the layer's KV-cache group (`metadata_from_step`).
       params, sinks, kv_layout, k_scale, v_scale, implementation, interpret: as `paged_attention`.
     Returns:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from .layout import KVLayout, kv_as_nhd
+from .layout import KVCache, KVLayout, kv_halves_nhd
 from .masks import attention_mask
 from .metadata import AttentionMetadata
 from .params import CAUSAL, LayerAttentionParams
@@ -28,7 +28,7 @@ TOKENS_PER_MAP_STEP = 8  # queries computed together by lax.map; bounds the gath
 
 def paged_attention(
     q: Float[Array, "T N H"],
-    kv_cache: Float[Array, "B 2 S K H"],
+    kv_cache: KVCache,
     metadata: AttentionMetadata,
     *,
     params: LayerAttentionParams = CAUSAL,
@@ -43,7 +43,8 @@ def paged_attention(
     Args:
       q: [T, N, H] queries; token t belongs to the request r with
         ``query_start_loc[r] <= t < query_start_loc[r+1]``. Padding tokens get zeros.
-      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), same dtype as `q` or float8_e4m3fn.
+      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), or the pair ``(k_cache, v_cache)`` of
+        [B, S, K, H] / [B, K, S, H] each (`layout`); same dtype as `q` or float8_e4m3fn.
       metadata: where each request's queries and blocks are.
       params: the layer's scale, window, chunk, soft cap and causality (`LayerAttentionParams`);
         ``params.causal`` must equal ``metadata.causal``.
@@ -69,16 +70,16 @@ def paged_attention(
 @partial(jax.jit, static_argnames=("params", "kv_layout"))
 def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, kv_layout):
     num_tokens, num_q_heads, head_dim = q.shape
-    kv_cache = kv_as_nhd(kv_cache, kv_layout)
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    k_cache, v_cache = kv_halves_nhd(kv_cache, kv_layout)
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_q_heads // num_kv_heads
     num_reqs, max_blocks = metadata.block_tables.shape
 
     # Each request's keys and values, contiguous: [R, P*S, K, H].
-    keys = kv_cache[metadata.block_tables, 0].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
-    values = kv_cache[metadata.block_tables, 1].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
+    keys = k_cache[metadata.block_tables].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
+    values = v_cache[metadata.block_tables].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
     key_positions = jnp.arange(max_blocks * block_size)
-    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=kv_cache.shape[0])
+    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)
     query_lens = metadata.query_lens
 
     def attend(token):

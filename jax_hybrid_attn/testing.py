@@ -13,7 +13,7 @@ import numpy as np
 
 from .constants import NULL_BLOCK_ID
 from .integers import cdiv
-from .layout import FP8_DTYPE, KVLayout, get_kv_cache_shape
+from .layout import FP8_DTYPE, KVCache, KVLayout, get_kv_cache_shape
 from .masks import allowed_key_range
 from .metadata import AttentionMetadata, make_attention_metadata
 from .params import LayerAttentionParams
@@ -33,7 +33,7 @@ class PagedInputs:
     """Inputs of `paged_attention` plus each request's K/V in contiguous form (float64, dequantized)."""
 
     q: jax.Array  # [T, N, H]
-    kv_cache: jax.Array  # [B, 2, S, K, H] or [B, 2, K, S, H]
+    kv_cache: KVCache  # [B, 2, S, K, H] or [B, 2, K, S, H], or the pair of [B, S, K, H] / [B, K, S, H]
     metadata: AttentionMetadata
     sinks: jax.Array | None  # [N]
     k_scale: float | None
@@ -58,11 +58,13 @@ def random_paged_inputs(
     with_sinks: bool = False,
     causal: bool = True,
     null_unreachable_for: dict | None = None,
+    kv_pair: bool = False,
 ) -> PagedInputs:
     """Random q, cache and metadata for requests with the given query and sequence lengths.
 
     Args:
       kv_dtype: cache dtype; default `dtype`; float8_e4m3fn gets random per-tensor scales.
+      kv_pair: the cache as the pair (k_cache, v_cache) of two arrays instead of one.
       spare_blocks: extra unused (NaN) blocks in the pool besides the null block.
       null_unreachable_for: ``dict(sliding_window=..., attention_chunk_size=...)``: blocks that no query
         of the request can attend to are replaced by `NULL_BLOCK_ID`, as the hybrid allocator does.
@@ -85,7 +87,7 @@ def random_paged_inputs(
         rng, q, keys, values, query_lens,
         block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, kv_layout=kv_layout, k_scale=k_scale,
         v_scale=v_scale, spare_blocks=spare_blocks, sinks=sinks, causal=causal,
-        null_unreachable_for=null_unreachable_for,
+        null_unreachable_for=null_unreachable_for, kv_pair=kv_pair,
     )  # fmt: skip
 
 
@@ -106,6 +108,7 @@ def pack_paged_inputs(
     sinks: np.ndarray | None = None,
     causal: bool = True,
     null_unreachable_for: dict | None = None,
+    kv_pair: bool = False,
 ) -> PagedInputs:
     """Store given per-request K/V ([seq_len, K, H] each) in randomly placed blocks of a NaN-filled pool."""
     query_lens = np.asarray(query_lens, np.int64)
@@ -141,6 +144,8 @@ def pack_paged_inputs(
     if kv_layout == "HND":
         kv_cache = jnp.swapaxes(kv_cache, 2, 3)
     assert kv_cache.shape == get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, kv_layout=kv_layout)
+    if kv_pair:
+        kv_cache = (kv_cache[:, 0], kv_cache[:, 1])
     metadata = make_attention_metadata(query_lens, seq_lens, block_tables, block_size=block_size, causal=causal)
     return PagedInputs(
         q=jnp.asarray(q, dtype),

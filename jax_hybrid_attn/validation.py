@@ -15,7 +15,7 @@ import numpy as np
 
 from .constants import PAD_SLOT_ID
 from .integers import INT32_MAX, check_bool
-from .layout import FP8_DTYPE, KV_CACHE_DTYPES, check_kv_layout, kv_cache_dims
+from .layout import FP8_DTYPE, KV_CACHE_DTYPES, check_kv_layout, is_kv_pair, kv_cache_dims, kv_cache_dtype
 from .metadata import AttentionMetadata
 from .params import LayerAttentionParams, check_params, resolve_sm_scale
 
@@ -124,22 +124,38 @@ def check_metadata_values(metadata: AttentionMetadata, *, num_blocks: int | None
 
 
 def _check_kv_cache(kv_cache, kv_layout) -> None:
+    """One array [B, 2, ...] or a pair (k_cache, v_cache) of [B, ...] arrays of one shape and dtype."""
     check_kv_layout(kv_layout)
-    _check_array("kv_cache", kv_cache, ndim=5)
-    if kv_cache.shape[0] == 0:
-        raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must hold at least the null block (B >= 1)")
-    if kv_cache.shape[1] != 2:
-        raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must have 2 (K and V) on axis 1")
-    if jnp.dtype(kv_cache.dtype) not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must be one of {[str(d) for d in KV_CACHE_DTYPES]}")
+    if is_kv_pair(kv_cache):
+        if len(kv_cache) != 2:
+            raise ValueError(f"kv_cache as a sequence must be the pair (k_cache, v_cache), got {len(kv_cache)} items")
+        k_cache, v_cache = kv_cache
+        _check_array("kv_cache[0]", k_cache, ndim=4)
+        _check_array("kv_cache[1]", v_cache, ndim=4)
+        if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+            raise ValueError(
+                f"the pair's k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}) and v_cache ({tuple(v_cache.shape)}, "
+                f"{v_cache.dtype}) must have one shape and dtype"
+            )
+        shape = tuple(k_cache.shape)
+    else:
+        _check_array("kv_cache", kv_cache, ndim=5)
+        shape = tuple(kv_cache.shape)
+        if shape[1] != 2:
+            raise ValueError(f"kv_cache.shape={shape} must have 2 (K and V) on axis 1")
+    if shape[0] == 0:
+        raise ValueError(f"kv_cache.shape={shape} must hold at least the null block (B >= 1)")
+    dtype = kv_cache_dtype(kv_cache)
+    if dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache.dtype={dtype} must be one of {[str(d) for d in KV_CACHE_DTYPES]}")
 
 
-def resolve_kv_scales(kv_cache_dtype, k_scale, v_scale) -> tuple[jax.Array, jax.Array]:
+def resolve_kv_scales(cache_dtype, k_scale, v_scale) -> tuple[jax.Array, jax.Array]:
     """float32 scalars; scales apply only to a float8_e4m3fn cache, where they default to 1."""
-    if jnp.dtype(kv_cache_dtype) != FP8_DTYPE:
+    if jnp.dtype(cache_dtype) != FP8_DTYPE:
         if k_scale is not None or v_scale is not None:
             raise ValueError(
-                f"k_scale={k_scale!r}, v_scale={v_scale!r} apply only to a {FP8_DTYPE} cache, not {kv_cache_dtype}"
+                f"k_scale={k_scale!r}, v_scale={v_scale!r} apply only to a {FP8_DTYPE} cache, not {cache_dtype}"
             )
         return jnp.float32(1), jnp.float32(1)
     resolved = []
@@ -179,7 +195,7 @@ def check_write_kv_args(kv_cache, k, v, slot_mapping, *, kv_layout, k_scale, v_s
         raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [T={k.shape[0]}]")
     if checked:
         check_slot_values("slot_mapping", _concrete("slot_mapping", slot_mapping), num_slots=num_blocks * block_size)
-    return resolve_kv_scales(kv_cache.dtype, k_scale, v_scale)
+    return resolve_kv_scales(kv_cache_dtype(kv_cache), k_scale, v_scale)
 
 
 def check_paged_attention_args(
@@ -199,8 +215,8 @@ def check_paged_attention_args(
         raise ValueError(f"q.shape={tuple(q.shape)}: head_dim {q_head_dim} differs from the cache's H={head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
-    if jnp.dtype(kv_cache.dtype) not in (jnp.dtype(q.dtype), FP8_DTYPE):
-        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal q.dtype={q.dtype} or be {FP8_DTYPE}")
+    if kv_cache_dtype(kv_cache) not in (jnp.dtype(q.dtype), FP8_DTYPE):
+        raise ValueError(f"kv_cache.dtype={kv_cache_dtype(kv_cache)} must equal q.dtype={q.dtype} or be {FP8_DTYPE}")
     check_metadata(metadata)
     if metadata.num_tokens != num_tokens:
         raise ValueError(
@@ -215,7 +231,7 @@ def check_paged_attention_args(
             raise ValueError(f"sinks (shape {tuple(sinks.shape)}, {sinks.dtype}) must be float [N={num_q_heads}]")
     if checked:
         check_metadata_values(metadata, num_blocks=num_blocks, block_size=block_size)
-    k_scale, v_scale = resolve_kv_scales(kv_cache.dtype, k_scale, v_scale)
+    k_scale, v_scale = resolve_kv_scales(kv_cache_dtype(kv_cache), k_scale, v_scale)
     params = dataclasses.replace(params, sm_scale=resolve_sm_scale(params.sm_scale, head_dim))
     return params, k_scale, v_scale
 

@@ -25,15 +25,16 @@ AXES = {
     "dtype": [jnp.bfloat16, jnp.float16],
     "kv_fp8": [False, True],
     "kv_layout": ["NHD", "HND"],
+    "kv_pair": [False, True],
 }  # fmt: skip
 NUM_CASES = 16
 # (query_lens, seq_lens): decodes, speculative verification, prefills with and without cached context,
-# lengths straddling blocks (16..64) and chunks (64, 128).
+# lengths straddling blocks (16..64) and chunks (64, 128); a prefill over more key steps than ring slots.
 BATCHES = [
     ([1, 1, 1], [1, 65, 130]),
     ([1, 3, 17], [16, 40, 17]),
     ([2, 33, 1], [129, 99, 64]),
-    ([1, 70], [200, 70]),
+    ([1, 70], [200, 330]),
 ]
 
 
@@ -51,7 +52,7 @@ def run_case(case, *, seed, interpret=True):
         head_dim=64, block_size=case["block_size"], dtype=case["dtype"], kv_layout=case["kv_layout"],
         kv_dtype=jnp.float8_e4m3fn if case["kv_fp8"] else None,
         with_sinks=case["with_sinks"], causal=case["causal"],
-        null_unreachable_for=case["mask"] if case["causal"] else None,
+        null_unreachable_for=case["mask"] if case["causal"] else None, kv_pair=case.get("kv_pair", False),
     )  # fmt: skip
     params = LayerAttentionParams(**case["mask"], logits_soft_cap=case["logits_soft_cap"], sm_scale=case.get("sm_scale"),
                                   causal=case["causal"])  # fmt: skip
@@ -99,12 +100,23 @@ def test_mixed_batch_equals_its_parts():
                                    **TOLERANCES[jnp.dtype(jnp.bfloat16)])  # fmt: skip
 
 
+@pytest.mark.parametrize("kv_pair", [False, True])
+def test_blocks_larger_than_a_kernel_step(kv_pair):
+    """S = 256 (transformers' continuous batching default): each step reads ``block_kv`` rows of one block."""
+    case = dict(block_size=256, heads=(4, 2), mask=dict(sliding_window=200), logits_soft_cap=None, with_sinks=False,
+                causal=True, dtype=jnp.bfloat16, kv_fp8=False, kv_layout="NHD", kv_pair=kv_pair,
+                batch=([1, 130, 1], [300, 260, 513]))  # fmt: skip
+    out, expected = run_case(case, seed=5)
+    assert np.isfinite(out).all(), "a NaN-filled block was read"
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         (dict(dtype=jnp.float32), "float32"),
         (dict(head_dim=32), "head_dim"),
-        (dict(block_size=256), "block_size"),
+        (dict(block_size=48), "block_size"),  # neither divides block_kv nor is a multiple of it
     ],
 )
 def test_unsupported_combinations_raise(change, message):

@@ -1,11 +1,13 @@
-"""write_kv: drops pad slots, writes in place (donation), leaves every other slot bit-identical."""
+"""write_kv: drops pad slots, writes in place (donation), leaves every other slot bit-identical; one array or the
+(k_cache, v_cache) pair."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_hybrid_attn import PAD_SLOT_ID, get_kv_cache_shape, write_kv
+from jax_hybrid_attn import PAD_SLOT_ID, LayerAttentionParams, get_kv_cache_shape, layer_attention, write_kv
 from jax_hybrid_attn.layout import kv_as_nhd
+from jax_hybrid_attn.testing import random_paged_inputs
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 6, 4, 2, 8
 
@@ -36,6 +38,20 @@ def test_writes_slots_and_nothing_else(kv_layout, dtype):
     assert (after != before).any(axis=(1, 3, 4)).sum() == 4, "exactly the four named slots changed"
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_a_kv_pair_gets_the_writes_of_one_array(kv_layout):
+    rng = np.random.default_rng(3)
+    cache = random_cache(rng, kv_layout, jnp.bfloat16)
+    pair = (cache[:, 0], cache[:, 1])  # two arrays: [B, S, K, H] ("NHD") or [B, K, S, H] ("HND")
+    slots = jnp.asarray([2, PAD_SLOT_ID, 19, 8], jnp.int32)
+    k = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
+    k_after, v_after = write_kv(pair, k, v, slots, kv_layout=kv_layout, checked=True)
+    expected = write_kv(cache, k, v, slots, kv_layout=kv_layout)
+    np.testing.assert_array_equal(np.asarray(k_after).view(np.uint16), np.asarray(expected[:, 0]).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(v_after).view(np.uint16), np.asarray(expected[:, 1]).view(np.uint16))
+
+
 def test_updates_the_donated_buffer_in_place():
     rng = np.random.default_rng(1)
     cache = random_cache(rng, "NHD", jnp.bfloat16)
@@ -56,3 +72,24 @@ def test_fp8_cache_stores_scaled_saturated_values():
     assert stored_k[0, 0] == 448.0, "saturated at the e4m3 maximum, not NaN"
     np.testing.assert_allclose(stored_k.ravel()[1:], np.asarray(k[0], np.float32).ravel()[1:] / 0.5, rtol=0.07)
     np.testing.assert_allclose(np.asarray(after[2, 1, 1].astype(jnp.float32)), np.asarray(v[1], np.float32) / 0.25, rtol=0.07, atol=1e-2)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_layer_attention_on_a_kv_pair_equals_one_array(kv_layout):
+    """Write and attend, one jitted call, on the pair and on the one array: the same output and caches."""
+    inputs = random_paged_inputs(
+        4, query_lens=[1, 6], seq_lens=[9, 14], num_q_heads=4, num_kv_heads=2, head_dim=HEAD_DIM,
+        block_size=BLOCK_SIZE, dtype=jnp.float32, kv_layout=kv_layout,
+    )  # fmt: skip
+    rng = np.random.default_rng(4)
+    k, v = (jnp.asarray(rng.standard_normal((7, 2, HEAD_DIM)), jnp.float32) for _ in range(2))
+    params = LayerAttentionParams(sliding_window=5)
+    pair = (jnp.array(inputs.kv_cache[:, 0]), jnp.array(inputs.kv_cache[:, 1]))
+    out_pair, (k_cache, v_cache) = layer_attention(inputs.q, k, v, pair, inputs.metadata, params=params,
+                                                   kv_layout=kv_layout)  # fmt: skip
+    out, cache = layer_attention(inputs.q, k, v, jnp.array(inputs.kv_cache), inputs.metadata, params=params,
+                                 kv_layout=kv_layout)  # fmt: skip
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out_pair), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(k_cache), np.asarray(cache[:, 0]))
+    np.testing.assert_array_equal(np.asarray(v_cache), np.asarray(cache[:, 1]))

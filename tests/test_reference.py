@@ -25,6 +25,7 @@ AXES = {
     "causal": [True, False],
     "dtype": [jnp.bfloat16, jnp.float32],
     "kv_layout": ["NHD", "HND"],
+    "kv_pair": [False, True],
 }  # fmt: skip
 NUM_CASES = 40
 
@@ -58,7 +59,7 @@ def test_reference_matches_float64(case):
         case["seed"], query_lens=case["query_lens"], seq_lens=case["seq_lens"], num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, head_dim=case["head_dim"], block_size=case["block_size"],
         dtype=case["dtype"], kv_layout=case["kv_layout"], with_sinks=case["with_sinks"], causal=case["causal"],
-        null_unreachable_for=case["mask"] if case["causal"] else None,
+        null_unreachable_for=case["mask"] if case["causal"] else None, kv_pair=case["kv_pair"],
     )  # fmt: skip
     out, expected = run_both(inputs, kv_layout=case["kv_layout"], mask=case["mask"],
                              logits_soft_cap=case["logits_soft_cap"], causal=case["causal"])  # fmt: skip

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._compat import check_interpret_threads, plgpu, resolve_interpret
-from ..layout import KVLayout, kv_cache_dims
+from ..layout import KVCache, KVLayout, is_kv_pair, kv_cache_dims, kv_cache_dtype
 from ..metadata import AttentionMetadata
 from ..params import CAUSAL, LayerAttentionParams
 from ..validation import check_paged_attention_args, unservable_requests
@@ -31,7 +31,7 @@ MAX_DECODE_SPLITS = 16
 
 def paged_attention_kernels(
     q: Float[Array, "T N H"],
-    kv_cache: Float[Array, "B 2 S K H"],
+    kv_cache: KVCache,
     metadata: AttentionMetadata,
     *,
     params: LayerAttentionParams = CAUSAL,
@@ -79,9 +79,11 @@ def check_kernel_support(q, kv_cache, kv_layout) -> None:
         raise NotImplementedError(f"kernel with q.dtype={q.dtype}: supported are bfloat16 and float16")
     if head_dim % 64:
         raise NotImplementedError(f"kernel with {head_dim=}: must be a multiple of 64")
-    for config in kernel_configs(head_dim, q.dtype, kv_cache.dtype):
-        if config.block_kv % block_size:
-            raise NotImplementedError(f"kernel with {block_size=}: must divide {config.block_kv}")
+    for config in kernel_configs(head_dim, q.dtype, kv_cache_dtype(kv_cache)):
+        if config.block_kv % block_size and block_size % config.block_kv:
+            raise NotImplementedError(
+                f"kernel with {block_size=}: must divide {config.block_kv} or be a multiple of it"
+            )
     if q.shape[1] // num_kv_heads > query_tiles.ROWS:
         raise NotImplementedError(
             f"kernel with {q.shape[1] // num_kv_heads} query heads per KV head: at most {query_tiles.ROWS}"
@@ -91,16 +93,19 @@ def check_kernel_support(q, kv_cache, kv_layout) -> None:
 @partial(jax.jit, static_argnames=("params", "kv_layout", "interpret"))
 def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, kv_layout, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = kv_cache_dims(kv_cache, kv_layout)
+    num_blocks, block_size, num_kv_heads, _ = kv_cache_dims(kv_cache, kv_layout)
     group_size = num_q_heads // num_kv_heads
     query_lens = metadata.query_lens
     # Keys past the block table do not exist: the kernels never read past it (those requests are flagged below).
     seq_lens = jnp.minimum(metadata.seq_lens, metadata.block_tables.shape[1] * block_size)
     logit_scale = jnp.reshape(params.sm_scale * k_scale, (1,)).astype(jnp.float32)
-    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=kv_cache.shape[0])
-    block_tables = jnp.clip(metadata.block_tables, 0, kv_cache.shape[0] - 1)  # never a page outside the pool
+    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)
+    block_tables = jnp.clip(metadata.block_tables, 0, num_blocks - 1)  # never a page outside the pool
     # Query tokens start as NaN and every tile overwrites its own: a token no tile computes (a request whose
     # query is above a max_query_len that skipped the prefill launch) stays flagged. Padding tokens get zeros.
+    # K and V come from one array [B, 2, ...] (passed twice, indexed on axis 1) or from the pair's two arrays
+    stacked = not is_kv_pair(kv_cache)
+    k_source, v_source = (kv_cache, kv_cache) if stacked else kv_cache
     is_query = jnp.arange(num_tokens)[:, None, None] < metadata.num_actual_tokens
     out = jnp.where(is_query, jnp.full_like(q, jnp.nan), jnp.zeros_like(q))
 
@@ -110,9 +115,9 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
             num_tokens=num_tokens, rows=config.rows,
         )  # fmt: skip
         partial_out, lse = attention_partials(
-            query_tiles.pack_query_rows(q, tokens, heads), kv_cache, tiles, seq_lens, query_lens,
+            query_tiles.pack_query_rows(q, tokens, heads), k_source, v_source, tiles, seq_lens, query_lens,
             block_tables, logit_scale, block_size=block_size, group_size=group_size, params=params,
-            kv_layout=kv_layout, config=config, interpret=interpret,
+            kv_layout=kv_layout, stacked=stacked, config=config, interpret=interpret,
         )  # fmt: skip
         sinks_rows = None if sinks is None else sinks.astype(jnp.float32)[heads]
         rows = query_tiles.merge_splits(partial_out, lse, sinks_rows) * v_scale
@@ -121,7 +126,7 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     ctas_per_split = max(1, metadata.num_reqs * num_kv_heads)
     decode_splits = max(1, min(MAX_DECODE_SPLITS, math.ceil(TARGET_DECODE_CTAS / ctas_per_split)))
     decode_config, prefill_config = kernel_configs(
-        head_dim, q.dtype, kv_cache.dtype, decode_splits=decode_splits
+        head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=decode_splits
     )
     tokens, heads, rows = run(query_tiles.decode_tiles(query_lens, group_size), decode_config)
     out = query_tiles.scatter_rows(out, rows, tokens, heads)

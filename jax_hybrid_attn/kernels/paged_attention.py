@@ -3,10 +3,11 @@
 A query tile holds ``64 * num_consumers`` wgmma rows; each consumer warpgroup owns 64 of them, the G query
 heads of one KV head for ``64 // G`` consecutive tokens (row ``j * G + g``). One CTA per (tile, KV head,
 split). The producer warpgroup streams the blocks between the first key any query of the tile may see and
-the last (window, chunk or sequence end) by TMA through the block table, ``block_kv // S`` blocks per step,
-into a ring of `num_stages` slots that the consumers release through "consumed" barriers. Decode tiles use
-one consumer and split the keys across CTAs (flash-decoding); prefill tiles use two consumers that share
-every K/V step and take turns on the tensor cores (a schedule barrier, as FlashAttention-3 does).
+the last (window, chunk or sequence end) by TMA through the block table, ``block_kv // S`` blocks per step
+(``block_kv`` rows of one block when S is a multiple of ``block_kv``), into a ring of `num_stages` slots that
+the consumers release through "consumed" barriers. Decode tiles use one consumer and split the keys across
+CTAs (flash-decoding); prefill tiles use two consumers that share every K/V step and take turns on the tensor
+cores (a schedule barrier, as FlashAttention-3 does).
 
 Masks are applied only on steps that straddle an edge of a consumer's key range. On a step that holds keys
 outside the tile's range (a block's unwritten tail, or a clamped duplicate block), V rows that no query
@@ -100,8 +101,8 @@ def take_turn(schedule) -> None:
 
 def _paged_attention_kernel(
     tile_request_ref, tile_query_start_ref, tile_query_len_ref, seq_lens_ref, query_lens_ref, block_tables_ref,
-    logit_scale_ref, q_ref, kv_ref, o_ref, lse_ref,
-    *, block_size, group_size, params, kv_layout, config, p_in_registers,
+    logit_scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+    *, block_size, group_size, params, kv_layout, stacked, config, p_in_registers,
 ):  # fmt: skip
     """One CTA: the producer and consumer warpgroups of one (query tile, KV head, split).
 
@@ -114,9 +115,11 @@ def _paged_attention_kernel(
     request = tile_request_ref[tile]
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
-    converts = kv_ref.dtype != dtype  # float8 cache: consumers convert each step into staging buffers
+    converts = k_ref.dtype != dtype  # float8 cache: consumers convert each step into staging buffers
     block_kv, num_stages, num_consumers = config.block_kv, config.num_stages, config.num_consumers
-    blocks_per_step = block_kv // block_size
+    # A step's block_kv keys come from several whole pages (S <= block_kv) or from a part of one (S > block_kv)
+    pages_per_step = max(1, block_kv // block_size)
+    rows_per_page = min(block_size, block_kv)
     tokens_per_consumer = ROWS // group_size
     logits_soft_cap = params.logits_soft_cap
 
@@ -136,10 +139,11 @@ def _paged_attention_kernel(
         """Whether the step holds keys outside [key_lo, key_hi], whose V rows must be zeroed."""
         return (step * block_kv < key_lo) | ((step + 1) * block_kv - 1 > key_hi)
 
-    def kv_source(page, kv):
-        if kv_layout == "NHD":
-            return kv_ref.at[page, kv, :, kv_head, :]
-        return kv_ref.at[page, kv, kv_head]
+    def kv_source(page, kv, rows):
+        """Rows `rows` of block `page` of K (kv = 0) or V (kv = 1), this KV head: [rows, H]."""
+        block = (page, kv) if stacked else (page,)  # stacked: one array [B, 2, ...] holds both
+        heads = (rows, kv_head, slice(None)) if kv_layout == "NHD" else (kv_head, rows)
+        return (v_ref if kv else k_ref).at[block + heads]
 
     def zero_foreign_rows(v, first_key):
         """`v` holds keys from `first_key` on; rows outside [key_lo, key_hi] become 0."""
@@ -150,15 +154,18 @@ def _paged_attention_kernel(
         def load_pages(step):
             """The step's pages, read from the block table together (their latencies overlap) and used for K and V."""
             blocks = [
-                jnp.clip(step * blocks_per_step + p, block_lo, block_hi) for p in range(blocks_per_step)
+                jnp.clip((step * block_kv + p * rows_per_page) // block_size, block_lo, block_hi)
+                for p in range(pages_per_step)
             ]
             return [block_tables_ref[request, block] for block in blocks]
 
         def issue(step, pages, ring, loaded, kv):
             slot = lax.rem(step - my_lo, num_stages)
+            # The step's rows within its page when one page spans several steps; else whole pages
+            rows = pl.ds(lax.rem(step * block_kv, block_size), block_kv) if block_size > block_kv else slice(None)
             for p, page in enumerate(pages):
-                rows = pl.ds(p * block_size, block_size)
-                plgpu.copy_gmem_to_smem(kv_source(page, kv), ring.at[slot, rows], loaded.at[slot])
+                ring_rows = pl.ds(p * rows_per_page, rows_per_page)
+                plgpu.copy_gmem_to_smem(kv_source(page, kv, rows), ring.at[slot, ring_rows], loaded.at[slot])
 
         def fill(step):  # a free slot: no consumer to wait for
             pages = load_pages(step)
@@ -176,6 +183,14 @@ def _paged_attention_kernel(
             issue(step, pages, k_ring, k_loaded, 0)
             plgpu.barrier_wait(v_consumed.at[slot])
             issue(step, pages, v_ring, v_loaded, 1)
+
+        # The last steps' consumption, which no later load waited for: every phase of a barrier the producer
+        # waits on is observed before the barriers are released (interpret mode checks it)
+        @pl.loop(jnp.maximum(my_lo, my_hi - num_stages), my_hi)
+        def _(step):
+            slot = lax.rem(step - my_lo, num_stages)
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
 
     def consumer(wg, q_smem, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, extras):
         """Online softmax of consumer `wg`'s 64 query rows over the CTA's key steps: masked edge steps, unmasked
@@ -346,7 +361,7 @@ def _paged_attention_kernel(
         pl.when(wg < num_consumers)(lambda: run_consumer(wg))
 
     q_transforms = smem_transforms(head_dim, dtype)
-    kv_transforms = smem_transforms(head_dim, kv_ref.dtype)
+    kv_transforms = smem_transforms(head_dim, k_ref.dtype)
     ring_shape = (num_stages, block_kv, head_dim)
     staging = (
         plgpu.SMEM((num_consumers, block_kv, head_dim), dtype, transforms=q_transforms) if converts else None
@@ -355,16 +370,16 @@ def _paged_attention_kernel(
         body,
         plgpu.SMEM((num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
         plgpu.SMEM((num_consumers, ROWS), jnp.float32),
-        plgpu.SMEM(ring_shape, kv_ref.dtype, transforms=kv_transforms),
-        plgpu.SMEM(ring_shape, kv_ref.dtype, transforms=kv_transforms),
+        plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
+        plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         staging,
         staging,
         None
         if p_in_registers
         else plgpu.SMEM((num_consumers, ROWS, block_kv), dtype, transforms=q_transforms),
         plgpu.Barrier(num_barriers=num_consumers),
-        plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=blocks_per_step, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
         plgpu.Barrier() if num_consumers > 1 and not converts else None,
@@ -374,13 +389,15 @@ def _paged_attention_kernel(
 
 
 def attention_partials(
-    q_tiles, kv_cache, tiles, seq_lens, query_lens, block_tables, logit_scale,
-    *, block_size, group_size, params, kv_layout, config, interpret,
+    q_tiles, k_source, v_source, tiles, seq_lens, query_lens, block_tables, logit_scale,
+    *, block_size, group_size, params, kv_layout, stacked, config, interpret,
 ):  # fmt: skip
     """Run the kernel over query tiles for a layer of `params` (its scale is already in `logit_scale`).
 
     Args:
       q_tiles: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`), rows = ``config.rows``.
+      k_source, v_source: with `stacked`, the one cache [B, 2, ...] twice (K and V are its axis-1 halves); else
+        the pair's K and V caches [B, ...].
       tiles: `tiles.QueryTiles` with [NT] request, query start and query length per tile (length 0: idle).
       logit_scale: [1] float32, ``sm_scale * k_scale``.
     Returns:
@@ -391,7 +408,7 @@ def attention_partials(
     interpret = resolve_interpret(interpret)
     kernel = partial(
         _paged_attention_kernel, block_size=block_size, group_size=group_size, params=params, kv_layout=kv_layout,
-        config=config, p_in_registers=interpret is None,
+        stacked=stacked, config=config, p_in_registers=interpret is None,
     )  # fmt: skip
     splits, rows = config.num_splits, config.rows
     return plgpu.kernel(
@@ -415,5 +432,6 @@ def attention_partials(
         block_tables,
         logit_scale,
         q_tiles,
-        kv_cache,
+        k_source,
+        v_source,
     )
