@@ -7,6 +7,7 @@ package that imports torch; `jax_hybrid_attn` itself never does.
 * `PagedAttentionBackend` (`backend`): `plan` once per step, `run` once per layer, from torch tensors.
 * `transformers_attention.register()`: ``attn_implementation="jax_hybrid"`` for HuggingFace models (imported on
   demand: it imports transformers).
+* `transformers_cb.register()`: ``"paged|jax_hybrid"`` for transformers' continuous batching (on demand too).
 """
 
 from .backend import AttentionLayer, PagedAttentionBackend
