@@ -17,8 +17,10 @@ compiles its own function, all reading the same plan.
 
 Cache ownership (`cache_owner`):
   * "torch" (vLLM's way): the caller allocates each layer's cache with `get_kv_cache_shape` and passes it to
-    every `run`. It is imported each call and donated, so XLA writes it in place: torch sees the new k/v. (XLA's
-    CPU client does not alias imported buffers; on a CPU the update is copied back, which tests check.)
+    every `run`. It is donated, so XLA writes it in place: torch sees the new k/v. The array XLA returns is then
+    that tensor's memory, and the layer's next `run` with the same tensor uses it instead of importing the tensor
+    again (an import costs host time). (XLA's CPU client does not alias imported buffers; on a CPU the update is
+    copied back, which tests check, and each run imports the cache.)
   * "jax": the backend allocates the caches as JAX arrays (`allocate_kv_caches`) and rebinds them after every
     `run`. `kv_cache_as_torch` exports one for inspection, zero-copy; drop that tensor before the next `run` of
     the layer (JAX refuses to donate a buffer torch still holds; `run` raises a clear error instead).
@@ -128,6 +130,11 @@ def _layer_step(
     return out, kv_cache
 
 
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    """What identifies a tensor's memory for reuse: device, address, shape, dtype."""
+    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+
+
 class PagedAttentionBackend:
     """Paged attention for PyTorch serving code: `plan` once per step, `run` once per layer.
 
@@ -172,6 +179,7 @@ class PagedAttentionBackend:
         self._caches: dict[str, jax.Array] = {}
         self._exported: dict[str, weakref.ref] = {}
         self._aliases: dict[tuple, bool] = {}
+        self._held: dict[str, tuple[tuple, jax.Array]] = {}  # torch-owned caches XLA updated in place, by layer
         self._packed: jax.Array | None = None
         self._layout: PlanLayout | None = None
         self._needed_blocks: tuple[int, ...] | None = None  # per group, from a checked plan
@@ -303,7 +311,9 @@ class PagedAttentionBackend:
         )  # fmt: skip
         if self.cache_owner == "jax":
             self._caches[layer] = new_cache
-        elif not self._aliased(("kv_cache", layer, cache_jax.shape, cache_jax.dtype), kv_cache, new_cache):
+        elif self._aliased(("kv_cache", layer, cache_jax.shape, cache_jax.dtype), kv_cache, new_cache):
+            self._held[layer] = (_tensor_key(kv_cache), new_cache)  # the next run of the layer imports nothing
+        else:
             kv_cache.copy_(to_torch(new_cache, name="updated kv cache"))
         if out is None:
             return to_torch(result, name="output").reshape(q.shape)
@@ -393,6 +403,10 @@ class PagedAttentionBackend:
             raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be {expected} ({self.kv_layout})")
         if kv_cache.device != self._plan_device:
             raise ValueError(f"kv_cache is on {kv_cache.device}, the plan's metadata on {self._plan_device}")
+        held = self._held.pop(layer, None)
+        if held is not None and held[0] == _tensor_key(kv_cache) and not held[1].is_deleted():
+            # XLA wrote the last run's cache into this tensor's memory: that array is this tensor, already in JAX
+            return held[1]
         alignment = PACKED_FIELD_ALIGNMENT if kv_cache.is_cuda else ALIGNMENT  # kernels run on the GPU only
         return to_jax(kv_cache, name="kv_cache", alignment=alignment)
 

@@ -333,3 +333,29 @@ def test_a_checked_plan_refuses_what_the_kernels_cannot_serve_and_keeps_the_prev
     backend.plan(**step, checked=True)
     with pytest.raises(ValueError, match="kv_cache of 'l' holds 2"):  # ids and slots against the run's cache
         backend.run("l", q, k, v, caches[0][:2].clone())
+
+
+def test_a_cache_xla_updated_in_place_is_not_imported_again(monkeypatch):
+    """On a GPU XLA writes a donated torch cache in place; the layer's next run takes the array it returned
+    (as here, where aliasing is stated) and imports nothing, until another tensor comes."""
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
+    step, (cache,), q, k, v = make_step()
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU)
+    backend.plan(**step)
+    import jax_hybrid_attn_torch.backend as backend_module
+
+    imported = []
+    real_to_jax = backend_module.to_jax
+
+    def counting_to_jax(tensor, **kwargs):
+        imported.append(kwargs.get("name"))
+        return real_to_jax(tensor, **kwargs)
+
+    monkeypatch.setattr(backend_module, "to_jax", counting_to_jax)
+    monkeypatch.setattr(backend, "_aliased", lambda key, tensor, array: True)  # as XLA does on a GPU
+    first = backend.run("layer", q, k, v, cache)
+    second = backend.run("layer", q, k, v, cache)  # the same k/v into the same slots: the same output
+    assert imported.count("kv_cache") == 1
+    torch.testing.assert_close(second, first)
+    backend.run("layer", q, k, v, cache.clone())
+    assert imported.count("kv_cache") == 2, "another tensor is imported"
