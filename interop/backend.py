@@ -284,7 +284,8 @@ class PagedAttentionBackend:
             got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
             raise ValueError(f"q must be a torch.Tensor of T={num_tokens} tokens (the plan's slot_mapping), got {got}")
         shape = (num_tokens, spec.num_heads, spec.head_size)
-        q_jax = self._import(q, "q", shape, dtypes=SUPPORTED_DTYPES)
+        # q's import orders JAX's stream after torch's current one; the other inputs were produced before it
+        q_jax = self._import(q, "q", shape, dtypes=SUPPORTED_DTYPES, already_ordered=False)
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given, or both be None (a layer sharing another's cache)")
         kv_shape = (num_tokens, spec.num_kv_heads, spec.head_size)
@@ -303,7 +304,7 @@ class PagedAttentionBackend:
                     f"out.shape={tuple(out.shape)}, out.dtype={out.dtype} must be {shape} or "
                     f"{(shape[0], shape[1] * shape[2])} in q's dtype {q.dtype}"
                 )
-            out_jax = to_jax(out, name="out")
+            out_jax = to_jax(out, name="out", already_ordered=True)
         result, new_cache = _layer_step(
             self._packed, q_jax, k_jax, v_jax, cache_jax, self._layer_sinks(layer, spec), out_jax, spec.k_scale,
             spec.v_scale, layout=self._layout, group=spec.kv_cache_group, params=spec.params,
@@ -351,7 +352,7 @@ class PagedAttentionBackend:
 
     # -------------------------------------------------------------------------------------------- helpers
 
-    def _import(self, tensor, name, shape, *, dtypes, dtypes_are="supported") -> jax.Array:
+    def _import(self, tensor, name, shape, *, dtypes, dtypes_are="supported", already_ordered=True) -> jax.Array:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in dtypes:
@@ -364,7 +365,7 @@ class PagedAttentionBackend:
             )
         if tensor.dim() == 2:
             tensor = tensor.view(shape)
-        return to_jax(tensor, name=name)
+        return to_jax(tensor, name=name, already_ordered=already_ordered)
 
     def _aliased(self, key: tuple, tensor: torch.Tensor, array: jax.Array) -> bool:
         """Whether XLA wrote `array` into the donated memory of `tensor`. On a GPU it does (measured on the H200);
@@ -408,7 +409,7 @@ class PagedAttentionBackend:
             # XLA wrote the last run's cache into this tensor's memory: that array is this tensor, already in JAX
             return held[1]
         alignment = PACKED_FIELD_ALIGNMENT if kv_cache.is_cuda else ALIGNMENT  # kernels run on the GPU only
-        return to_jax(kv_cache, name="kv_cache", alignment=alignment)
+        return to_jax(kv_cache, name="kv_cache", alignment=alignment, already_ordered=True)
 
     def _layer_sinks(self, layer: str, spec: AttentionLayer) -> jax.Array | None:
         if spec.sinks is None:

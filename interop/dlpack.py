@@ -43,7 +43,12 @@ def is_compact(tensor: torch.Tensor) -> bool:
 
 
 def to_jax(
-    tensor: torch.Tensor, *, name: str = "tensor", copy: bool = False, alignment: int = ALIGNMENT
+    tensor: torch.Tensor,
+    *,
+    name: str = "tensor",
+    copy: bool = False,
+    alignment: int = ALIGNMENT,
+    already_ordered: bool = False,
 ) -> jax.Array:
     """The torch tensor as a JAX array sharing its memory.
 
@@ -54,6 +59,10 @@ def to_jax(
         stream) instead of raising.
       alignment: bytes the data pointer must be a multiple of (at least `ALIGNMENT`; Mosaic GPU kernel operands
         need 256).
+      already_ordered: an earlier import in this call already made JAX's stream wait for torch's current stream,
+        after the work that produced this tensor: skip that wait (torch records an event and JAX's stream waits on
+        it for every ordered import, which costs host time). Only for tensors whose producing work was queued
+        before that import and not changed since.
 
     Raises:
       ValueError: not compact (and ``copy=False``), a dtype JAX would silently narrow, or a misaligned pointer.
@@ -77,10 +86,10 @@ def to_jax(
             f"{name}.data_ptr()={tensor.data_ptr():#x} is not {max(alignment, ALIGNMENT)}-byte aligned (a view at an "
             "offset?): JAX would copy it (CPU) or fail (GPU); pass an aligned tensor, e.g. .clone()"
         )
-    return _import(tensor)
+    return _import(tensor, already_ordered=already_ordered)
 
 
-def _import(tensor: torch.Tensor) -> jax.Array:
+def _import(tensor: torch.Tensor, *, already_ordered: bool = False) -> jax.Array:
     """`jax.dlpack.from_dlpack` without most of its per-call Python overhead (benchmarks/RESULTS.md): the device
     and JAX's stream are looked up once per torch device, and the dtype needs no canonicalizing (`to_jax` refused
     the dtypes that would). Falls back to the public function if jaxlib's entry point moves."""
@@ -91,8 +100,9 @@ def _import(tensor: torch.Tensor) -> jax.Array:
     device, stream = target
     if _managed_tensor_to_buffer is None or device is None:
         return jax.dlpack.from_dlpack(tensor)
+    torch_stream = NO_STREAM_SYNC if already_ordered or stream is None else stream
     return _managed_tensor_to_buffer(
-        tensor.__dlpack__(stream=stream), device, stream, None, int(dl_device[0])
+        tensor.__dlpack__(stream=torch_stream), device, stream, None, int(dl_device[0])
     )
 
 
@@ -112,6 +122,8 @@ def _dlpack_target(dl_device_type: int, device_id: int):
 
 
 _DLPACK_TARGETS: dict = {}
+NO_STREAM_SYNC = -1
+"""`torch.Tensor.__dlpack__`'s stream value for "no synchronization" (DLPack's convention)."""
 _managed_tensor_to_buffer = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
 
 

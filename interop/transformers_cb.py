@@ -2,40 +2,42 @@
 
     from jax_hybrid_attn_torch.transformers_cb import register
 
-    register()                                        # once: adds "paged|jax_hybrid" to AttentionInterface
+    register()                                   # once: adds "paged|jax_hybrid" to AttentionInterface
     model.set_attn_implementation("paged|jax_hybrid")
     outputs = model.generate_batch(prompts, generation_config=..., continuous_batching_config=...)
     # or model.init_continuous_batching(...) for a ContinuousBatchingManager: streaming, cancel
 
 transformers' continuous batching (`PagedAttentionCache`) keeps one K and one V tensor per layer slot,
-[(B + 2) * S, K, H] each: B blocks of S tokens, then a read-trash and a write-trash block. Each step it hands every
-attention layer the step's packed queries and new keys and values, ``cu_seq_lens_q``, per layer type
-``cu_seq_lens_k``, and per layer group the slots to write (``write_index``) and to read (``read_index``). Every call
-here is one jitted JAX call that writes and attends through this package, over those tensors themselves:
+[(B + 2) * S, K, H] each: B blocks of S tokens, then a read-trash and a write-trash block. Each step it hands
+every attention layer the step's packed queries and new keys and values, ``cu_seq_lens_q``, per layer type
+``cu_seq_lens_k``, and per layer group the slots to write (``write_index``) and to read (``read_index``).
+Every call here is one jitted JAX call that writes and attends through this package, over those tensors:
 
-  * Full-attention groups: the K and V tensors are the (k_cache, v_cache) pair layout, [B + 2, S, K, H] views,
-    with no copy. The new keys and values are written at ``write_index`` (the slot mapping); the block table is
-    read off ``read_index`` (a request's slots in position order, so every S-th slot names its next block), or off
-    ``write_index`` in a step that reads nothing (every request starts at position 0); then paged attention.
-  * Sliding-window groups: transformers keeps a ring of W slots per request (position p in slot ``p % W``) and
-    writes only the last W new tokens of a chunk, so a chunk's early queries need keys its own write replaces.
-    As transformers' own functions do, the window is read before the write: the layer gathers each request's
-    cached keys (``read_index``, at most W - 1) and its new ones into a step buffer of whole pages (a copy of the
-    window only, made inside the same jitted call), attends over it, then writes the new keys into the ring.
+  * Full-attention groups: the K and V tensors are the (k_cache, v_cache) pair layout, [B + 2, S, K, H]
+    views, with no copy. The new keys and values are written at ``write_index`` (the slot mapping); the block
+    table is read off ``read_index`` (a request's slots in position order, so every S-th slot names its next
+    block), or off ``write_index`` in a step that reads nothing (every request starts at position 0); then
+    paged attention.
+  * Sliding-window groups: transformers keeps a ring of W slots per request (position p in slot ``p % W``)
+    and writes only the last W new tokens of a chunk, so a chunk's early queries need keys its own write
+    replaces. As transformers' own functions do, the window is read before the write: the layer gathers each
+    request's cached keys (``read_index``, at most W - 1) and its new ones into a step buffer of whole pages
+    (a copy of the window only, inside the same jitted call), attends over it, then writes the new keys into
+    the ring.
 
 Per layer the parameters come from the layer: ``scaling``, its window (the cache's window of its group), the
-``softcap`` keyword (Gemma 2: applied, as its eager attention does; transformers' own ``paged|eager`` drops it),
-the ``s_aux`` keyword or ``module.sinks`` (gpt-oss). Chunked attention (Llama 4) is refused by transformers'
-cache itself ("Invalid group type"); a layer of that type raises NotImplementedError here too.
+``softcap`` keyword (Gemma 2: applied, as its eager attention does; transformers' own ``paged|eager`` drops
+it), the ``s_aux`` keyword or ``module.sinks`` (gpt-oss). Chunked attention (Llama 4) is refused by
+transformers' cache itself ("Invalid group type"); a layer of that type raises NotImplementedError here too.
 
 Static shapes: the step's tokens, requests and key counts are rounded up to powers of two, so that few shapes
-compile; queries, keys and values are copied into a buffer of that length on torch's side (the one copy per layer
-outside JAX). The output leaves through DLPack and is sliced back to the step's tokens.
+compile; queries, keys and values are copied into a buffer of that length on torch's side (the one copy per
+layer outside JAX). The output leaves through DLPack and is sliced back to the step's tokens.
 
-On a GPU the forward runs on the continuous-batching manager's own CUDA stream: inputs enter JAX after the work
-queued on torch's current stream, and the output is exported so that the stream waits for JAX
-(`dlpack.to_jax` / `to_torch`). The caches are donated to the jitted call, so XLA writes them in place; XLA's CPU
-client does not alias imported buffers, and there the written cache is copied back.
+On a GPU the forward runs on the continuous-batching manager's own CUDA stream: inputs enter JAX after the
+work queued on torch's current stream, and the output is exported so that the stream waits for JAX
+(`dlpack.to_jax` / `to_torch`). The caches are donated to the jitted call, so XLA writes them in place; XLA's
+CPU client does not alias imported buffers, and there the written cache is copied back.
 
 Shape letters: T tokens · R requests · N query heads · K kv heads · H head size · B blocks · S block size ·
 P blocks per request.
@@ -221,23 +223,29 @@ def continuous_batching_attention(
     step = _step_of(cache, module, kwargs, num_tokens)
     shape = step.shape
 
-    def padded(x, heads):  # [1, heads, T, H] -> [T_bucket, heads, H], one copy on torch's side
+    def padded(x, heads, *, already_ordered=True):  # [1, heads, T, H] -> [T_bucket, heads, H] (a torch copy)
         out = x.new_zeros((shape.num_tokens, heads, head_size))
         out[:num_tokens] = x[0].transpose(0, 1)
-        return to_jax(out, name="query/key/value")
+        return to_jax(out, name="query/key/value", already_ordered=already_ordered)
+
+    # The query's import orders JAX's stream after torch's current one, after every input of this call
+    q = padded(query, num_heads, already_ordered=False)
+    k, v = padded(key, key.shape[1]), padded(value, key.shape[1])
 
     num_kv_heads = key.shape[1]
     k_tensor, v_tensor = cache.key_cache[tensor_index], cache.value_cache[tensor_index]
     pages = k_tensor.shape[0] // cache.block_size
-    k_cache = to_jax(k_tensor.view(pages, cache.block_size, num_kv_heads, head_size), name="key_cache")
-    v_cache = to_jax(v_tensor.view(pages, cache.block_size, num_kv_heads, head_size), name="value_cache")
+    k_cache = to_jax(k_tensor.view(pages, cache.block_size, num_kv_heads, head_size), name="key_cache",
+                     already_ordered=True)  # fmt: skip
+    v_cache = to_jax(v_tensor.view(pages, cache.block_size, num_kv_heads, head_size), name="value_cache",
+                     already_ordered=True)  # fmt: skip
     sinks = _layer_sinks(module, s_aux if s_aux is not None else getattr(module, "sinks", None))
     params = LayerAttentionParams(
         sm_scale=scaling, sliding_window=window if sliding else None, logits_soft_cap=softcap, causal=True
     )
     layer_type = SLIDING_ATTENTION if sliding else FULL_ATTENTION
     out, new_k, new_v = _layer_call(
-        padded(query, num_heads), padded(key, num_kv_heads), padded(value, num_kv_heads), k_cache, v_cache, sinks,
+        q, k, v, k_cache, v_cache, sinks,
         step.query_start_loc, step.cu_seq_lens_k[layer_type], step.write_index[group],
         None if step.read_index is None else step.read_index[group], jnp.int32(step.num_tokens),
         shape=shape, block_size=cache.block_size, params=params, sliding=sliding,
