@@ -9,6 +9,9 @@ library's kernels (the jnp reference on a CPU), in one jitted JAX call; the resu
 that shares JAX's memory. Nothing is copied on a GPU: q, k, v and a torch-owned cache enter JAX through DLPack
 (`dlpack.to_jax`), the cache is donated so that XLA updates it in place, and the output leaves through DLPack.
 
+q, k and v that are the column blocks of one [T, (N + 2K) * H] tensor (vLLM splits its QKV projection output so)
+enter JAX as that one tensor and are split inside the jitted call: one import instead of three.
+
 Per step, `plan` packs the metadata of every KV-cache group into one int32 buffer on the torch side and imports
 it once (`plan.py`: each DLPack import costs host time comparable to a decode kernel); `run` slices one group's
 `AttentionMetadata` out of it inside its jitted call, where `layer_attention` writes the layer's k/v and attends.
@@ -120,7 +123,16 @@ def _layer_step(
     packed, q, k, v, kv_cache, sinks, out_buffer, k_scale, v_scale, *, layout, group, params, kv_layout,
     implementation, interpret,
 ):  # fmt: skip
-    """The plan's metadata of `group`, then `layer_attention`: one compiled function per (layout, layer)."""
+    """The plan's metadata of `group`, then `layer_attention`: one compiled function per (layout, layer). With
+    k = v = `FUSED`, q is the fused [T, (N + 2K) * H] projection output, split here."""
+    if k is FUSED:
+        num_kv_heads, head_size = kv_cache.shape[-2:] if kv_layout == "NHD" else (kv_cache.shape[2], kv_cache.shape[4])
+        kv_width = num_kv_heads * head_size
+        q_width = q.shape[1] - 2 * kv_width
+        q, k, v = (
+            part.reshape(q.shape[0], -1, head_size)
+            for part in (q[:, :q_width], q[:, q_width : q_width + kv_width], q[:, q_width + kv_width :])
+        )
     out, kv_cache = layer_attention(
         q, k, v, kv_cache, layout.metadata(packed, group), params=params, sinks=sinks, kv_layout=kv_layout,
         k_scale=k_scale, v_scale=v_scale, implementation=implementation, interpret=interpret,
@@ -128,6 +140,40 @@ def _layer_step(
     if out_buffer is not None:  # the caller's `out`, donated: XLA writes the result into its memory
         out = out.reshape(out_buffer.shape)
     return out, kv_cache
+
+
+class _Fused:
+    """Passed as k and v when q is the fused [T, (N + 2K) * H] tensor of all three (static under jit)."""
+
+    def __repr__(self):
+        return "FUSED"
+
+
+FUSED = _Fused()
+jax.tree_util.register_static(_Fused)
+
+
+def _fused_qkv(q, k, v, shape, kv_shape) -> torch.Tensor | None:
+    """The [T, (N + 2K) * H] tensor whose column blocks q, k and v are, or None. vLLM splits its QKV projection
+    output into such views; they are not compact, so DLPack could not take them one by one."""
+    tensors = (q, k, v)
+    if not all(isinstance(x, torch.Tensor) for x in tensors) or q.dtype not in SUPPORTED_DTYPES:
+        return None
+    if len({(x.dtype, x.device, x.untyped_storage().data_ptr()) for x in tensors}) != 1:
+        return None
+    num_tokens = shape[0]
+    widths = (math.prod(shape[1:]), math.prod(kv_shape[1:]), math.prod(kv_shape[1:]))
+    row = sum(widths)
+    offset = q.storage_offset()
+    for x, x_shape, width in zip(tensors, (shape, kv_shape, kv_shape), widths):
+        if x.dim() == 2:
+            expected_shape, expected_strides = (num_tokens, width), (row, 1)
+        else:
+            expected_shape, expected_strides = x_shape, (row, x_shape[2], 1)
+        if tuple(x.shape) != expected_shape or x.stride() != expected_strides or x.storage_offset() != offset:
+            return None
+        offset += width
+    return torch.as_strided(q, (num_tokens, row), (row, 1), q.storage_offset())
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple:
@@ -284,13 +330,18 @@ class PagedAttentionBackend:
             got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
             raise ValueError(f"q must be a torch.Tensor of T={num_tokens} tokens (the plan's slot_mapping), got {got}")
         shape = (num_tokens, spec.num_heads, spec.head_size)
-        # q's import orders JAX's stream after torch's current one; the other inputs were produced before it
-        q_jax = self._import(q, "q", shape, dtypes=SUPPORTED_DTYPES, already_ordered=False)
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given, or both be None (a layer sharing another's cache)")
         kv_shape = (num_tokens, spec.num_kv_heads, spec.head_size)
-        k_jax = None if k is None else self._import(k, "k", kv_shape, dtypes=(q.dtype,), dtypes_are="q's dtype")
-        v_jax = None if v is None else self._import(v, "v", kv_shape, dtypes=(q.dtype,), dtypes_are="q's dtype")
+        fused = _fused_qkv(q, k, v, shape, kv_shape)
+        if fused is not None:  # q, k, v are the column blocks of one projection output: one import
+            q_jax = to_jax(fused, name="qkv", alignment=ALIGNMENT)
+            k_jax = v_jax = FUSED
+        else:
+            # q's import orders JAX's stream after torch's current one; the other inputs were produced before it
+            q_jax = self._import(q, "q", shape, dtypes=SUPPORTED_DTYPES, already_ordered=False)
+            k_jax = None if k is None else self._import(k, "k", kv_shape, dtypes=(q.dtype,), dtypes_are="q's dtype")
+            v_jax = None if v is None else self._import(v, "v", kv_shape, dtypes=(q.dtype,), dtypes_are="q's dtype")
         cache_jax = self._layer_cache(layer, kv_cache, spec)
         if self._needed_blocks is not None and cache_jax.shape[0] < self._needed_blocks[spec.kv_cache_group]:
             raise ValueError(

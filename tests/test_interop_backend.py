@@ -359,3 +359,34 @@ def test_a_cache_xla_updated_in_place_is_not_imported_again(monkeypatch):
     torch.testing.assert_close(second, first)
     backend.run("layer", q, k, v, cache.clone())
     assert imported.count("kv_cache") == 2, "another tensor is imported"
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["heads", "flat"])
+def test_q_k_v_split_from_one_projection_output_enter_jax_as_one_tensor(monkeypatch, flat):
+    """vLLM splits its QKV projection output into column views; they are imported once, as that tensor."""
+    import jax_hybrid_attn_torch.backend as backend_module
+
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sliding_window=9)
+    step, (cache,), q, k, v = make_step()
+    num_tokens = q.shape[0]
+    qkv = torch.cat([x.reshape(num_tokens, -1) for x in (q, k, v)], dim=1)  # [T, (N + 2K) * H]
+    views = qkv.split([4 * 16, 2 * 16, 2 * 16], dim=1)
+    if not flat:
+        views = [x.view(num_tokens, -1, 16) for x in views]
+    imported = []
+    real_to_jax = backend_module.to_jax
+
+    def counting_to_jax(tensor, **kwargs):
+        imported.append(kwargs.get("name"))
+        return real_to_jax(tensor, **kwargs)
+
+    monkeypatch.setattr(backend_module, "to_jax", counting_to_jax)
+    wanted, wanted_cache = expected(layer, step, cache, q, k, v)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU)
+    backend.plan(**step)
+    out = backend.run("layer", *views, cache)
+    assert [name for name in imported if name in ("q", "k", "v", "qkv")] == ["qkv"]
+    assert_close(out.reshape(q.shape), wanted)
+    torch.testing.assert_close(cache, wanted_cache, equal_nan=True, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="not compact"):  # a column view with k and v elsewhere is still refused
+        backend.run("layer", views[0], k.clone(), v.clone(), cache)
