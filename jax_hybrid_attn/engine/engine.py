@@ -287,9 +287,10 @@ class Engine:
 
     # -------------------------------------------------------------------------------------------- helpers
 
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """The next step's rows: (request, tokens to compute), admitted requests first, in arrival order. The steps
-        in flight are assumed to go as planned; a request whose last token is in flight is left out."""
+    def _schedule(self) -> list[tuple[Request, InFlightWork]]:
+        """The next step's rows: (request, its work: tokens to compute and whether it then samples), admitted
+        requests first, in arrival order. The steps in flight are assumed to go as planned; a request whose last
+        token is in flight is left out."""
         budget = self.config.max_num_batched_tokens
         while self._waiting and len(self._admitted) < self.config.max_num_seqs:
             request = self._waiting.popleft()
@@ -304,30 +305,33 @@ class Engine:
                 outputs >= request.sampling.max_tokens or known >= self.max_model_len
             ):
                 continue
-            need = min(known - request.expected_num_computed_tokens, budget)
+            computed = request.expected_num_computed_tokens
+            need = min(known - computed, budget)
             if need > 0:
-                rows.append((request, need))
+                rows.append((request, InFlightWork(need, samples=computed + need == known)))
                 budget -= need
         return rows
 
-    def _send(self, rows: list[tuple[Request, int]]) -> "_SentStep":
+    def _send(self, rows: list[tuple[Request, InFlightWork]]) -> "_SentStep":
         """Send one step's plan to the device (nothing is read back here)."""
-        width = self.config.max_num_seqs
-        plan = StepPlan(
-            slots=np.full(width, NO_SLOT, np.int32), max_new_tokens=np.zeros(width, np.int32),
-            prompt_lens=np.zeros(width, np.int32), temperature=np.zeros(width, np.float32),
-            top_k=np.zeros(width, np.int32), top_p=np.ones(width, np.float32), seeds=np.zeros(width, np.uint32),
-        )  # fmt: skip
-        for i, (request, need) in enumerate(rows):
+        columns = []  # per row: slot, tokens, prompt length, seed, temperature, top-k, top-p
+        for request, work in rows:
             s = request.sampling
-            plan.slots[i], plan.max_new_tokens[i] = self.manager.slot(request.request_id), need
-            plan.prompt_lens[i], plan.seeds[i] = len(request.prompt_token_ids), request.seed
-            plan.temperature[i], plan.top_k[i], plan.top_p[i] = s.temperature, s.top_k, s.top_p
-            computed = request.expected_num_computed_tokens
-            samples = computed + need == len(request.prompt_token_ids) + request.expected_num_outputs
-            request.in_flight.append(InFlightWork(need, samples))
+            columns.append((self.manager.slot(request.request_id), work.num_tokens, len(request.prompt_token_ids),
+                            request.seed, s.temperature, s.top_k, s.top_p))  # fmt: skip
+            request.in_flight.append(work)
+        slots, needs, prompt_lens, seeds, temperature, top_k, top_p = zip(*columns)
+        pad = self.config.max_num_seqs - len(rows)
+
+        def column(values, dtype, fill):
+            return np.pad(np.asarray(values, dtype), (0, pad), constant_values=fill)
+
+        plan = StepPlan(
+            slots=column(slots, np.int32, NO_SLOT), max_new_tokens=column(needs, np.int32, 0),
+            prompt_lens=column(prompt_lens, np.int32, 0), temperature=column(temperature, np.float32, 0),
+            top_k=column(top_k, np.int32, 0), top_p=column(top_p, np.float32, 1), seeds=column(seeds, np.uint32, 0),
+        )  # fmt: skip
         # The static shape bounds what the device computes: prefix hits and earlier failures only lower it
-        needs = [need for _, need in rows]
         shape = (
             min(_bucket(sum(needs), minimum=8), self.config.max_num_batched_tokens),
             1 if max(needs) == 1 else self.config.max_num_batched_tokens,
