@@ -335,23 +335,29 @@ def test_a_checked_plan_refuses_what_the_kernels_cannot_serve_and_keeps_the_prev
         backend.run("l", q, k, v, caches[0][:2].clone())
 
 
-def test_a_cache_xla_updated_in_place_is_not_imported_again(monkeypatch):
+@pytest.fixture
+def imported(monkeypatch) -> list:
+    """The names of the tensors the backend imports into JAX, in order."""
+    import jax_hybrid_attn_torch.backend as backend_module
+
+    names = []
+    real_to_jax = backend_module.to_jax
+
+    def counting_to_jax(tensor, **kwargs):
+        names.append(kwargs.get("name"))
+        return real_to_jax(tensor, **kwargs)
+
+    monkeypatch.setattr(backend_module, "to_jax", counting_to_jax)
+    return names
+
+
+def test_a_cache_xla_updated_in_place_is_not_imported_again(monkeypatch, imported):
     """On a GPU XLA writes a donated torch cache in place; the layer's next run takes the array it returned
     (as here, where aliasing is stated) and imports nothing, until another tensor comes."""
     layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
     step, (cache,), q, k, v = make_step()
     backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU)
     backend.plan(**step)
-    import jax_hybrid_attn_torch.backend as backend_module
-
-    imported = []
-    real_to_jax = backend_module.to_jax
-
-    def counting_to_jax(tensor, **kwargs):
-        imported.append(kwargs.get("name"))
-        return real_to_jax(tensor, **kwargs)
-
-    monkeypatch.setattr(backend_module, "to_jax", counting_to_jax)
     monkeypatch.setattr(backend, "_aliased", lambda key, tensor, array: True)  # as XLA does on a GPU
     first = backend.run("layer", q, k, v, cache)
     second = backend.run("layer", q, k, v, cache)  # the same k/v into the same slots: the same output
@@ -362,10 +368,8 @@ def test_a_cache_xla_updated_in_place_is_not_imported_again(monkeypatch):
 
 
 @pytest.mark.parametrize("flat", [False, True], ids=["heads", "flat"])
-def test_q_k_v_split_from_one_projection_output_enter_jax_as_one_tensor(monkeypatch, flat):
+def test_q_k_v_split_from_one_projection_output_enter_jax_as_one_tensor(imported, flat):
     """vLLM splits its QKV projection output into column views; they are imported once, as that tensor."""
-    import jax_hybrid_attn_torch.backend as backend_module
-
     layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sliding_window=9)
     step, (cache,), q, k, v = make_step()
     num_tokens = q.shape[0]
@@ -373,14 +377,6 @@ def test_q_k_v_split_from_one_projection_output_enter_jax_as_one_tensor(monkeypa
     views = qkv.split([4 * 16, 2 * 16, 2 * 16], dim=1)
     if not flat:
         views = [x.view(num_tokens, -1, 16) for x in views]
-    imported = []
-    real_to_jax = backend_module.to_jax
-
-    def counting_to_jax(tensor, **kwargs):
-        imported.append(kwargs.get("name"))
-        return real_to_jax(tensor, **kwargs)
-
-    monkeypatch.setattr(backend_module, "to_jax", counting_to_jax)
     wanted, wanted_cache = expected(layer, step, cache, q, k, v)
     backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU)
     backend.plan(**step)
