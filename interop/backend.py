@@ -50,7 +50,7 @@ import torch
 from jax_hybrid_attn import LayerAttentionParams, get_kv_cache_shape, layer_attention, metadata_group_key
 from jax_hybrid_attn.integers import check_int
 
-from .dlpack import ALIGNMENT, jax_dtype, same_memory, to_jax, to_torch
+from .dlpack import ALIGNMENT, is_compact, jax_dtype, same_memory, to_jax, to_torch
 from .plan import PACKED_FIELD_ALIGNMENT, pack_plan
 
 __all__ = ["AttentionLayer", "PagedAttentionBackend"]
@@ -176,6 +176,15 @@ def _fused_qkv(q, k, v, shape, kv_shape) -> torch.Tensor | None:
     return torch.as_strided(q, (num_tokens, row), (row, 1), q.storage_offset())
 
 
+def _padded_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """`tensor` with `rows` rows: itself, or a zero-padded copy (the step's token count rounded up)."""
+    if tensor.shape[0] == rows:
+        return tensor
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    return padded
+
+
 def _tensor_key(tensor: torch.Tensor) -> tuple:
     """What identifies a tensor's memory for reuse: device, address, shape, dtype."""
     return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
@@ -285,7 +294,10 @@ class PagedAttentionBackend:
         output, never a wrong number, and a slot outside the cache is not written.
 
         The four tensors are packed, converted to int32, into one buffer on their device and imported into JAX
-        once. A call that raises leaves the previous plan in place.
+        once. The request, token and block counts are rounded up to powers of two there (padding requests are
+        empty, padding tokens write nowhere), so that a serving loop's varying batches compile a few shapes;
+        `run` then pads q, k and v with zero rows to that token count (a copy, when the count was rounded up).
+        A call that raises leaves the previous plan in place.
         """
         device = query_start_loc.device if isinstance(query_start_loc, torch.Tensor) else None
         if self._padding is None or self._padding.device != device:
@@ -297,6 +309,7 @@ class PagedAttentionBackend:
         )  # fmt: skip
         self._packed = to_jax(packed, name="packed metadata")
         self._layout, self._needed_blocks, self._plan_device = layout, needed_blocks, device
+        self._num_tokens = slot_mapping.shape[-1]  # the step's tokens; the layout's count is rounded up
 
     def run(
         self,
@@ -325,7 +338,7 @@ class PagedAttentionBackend:
         if layer not in self.layers:
             raise ValueError(f"{layer=} is not one of the backend's layers {sorted(self.layers)}")
         spec = self.layers[layer]
-        num_tokens = self._layout.num_tokens
+        num_tokens, padded_tokens = self._num_tokens, self._layout.num_tokens
         if not isinstance(q, torch.Tensor) or q.dim() == 0 or q.shape[0] != num_tokens:
             got = f"shape {tuple(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
             raise ValueError(f"q must be a torch.Tensor of T={num_tokens} tokens (the plan's slot_mapping), got {got}")
@@ -335,13 +348,16 @@ class PagedAttentionBackend:
         kv_shape = (num_tokens, spec.num_kv_heads, spec.head_size)
         fused = _fused_qkv(q, k, v, shape, kv_shape)
         if fused is not None:  # q, k, v are the column blocks of one projection output: one import
-            q_jax = to_jax(fused, name="qkv", alignment=ALIGNMENT)
+            q_jax = to_jax(_padded_rows(fused, padded_tokens), name="qkv")
             k_jax = v_jax = FUSED
         else:
             # q's import orders JAX's stream after torch's current one; the other inputs were produced before it
-            q_jax = self._import(q, "q", shape, dtypes=SUPPORTED_DTYPES, already_ordered=False)
-            k_jax = None if k is None else self._import(k, "k", kv_shape, dtypes=(q.dtype,), dtypes_are="q's dtype")
-            v_jax = None if v is None else self._import(v, "v", kv_shape, dtypes=(q.dtype,), dtypes_are="q's dtype")
+            q_jax = self._import(q, "q", shape, padded_tokens, dtypes=SUPPORTED_DTYPES, already_ordered=False)
+            k_jax = v_jax = None
+            if k is not None:
+                options = dict(dtypes=(q.dtype,), dtypes_are="q's dtype")
+                k_jax = self._import(k, "k", kv_shape, padded_tokens, **options)
+                v_jax = self._import(v, "v", kv_shape, padded_tokens, **options)
         cache_jax = self._layer_cache(layer, kv_cache, spec)
         if self._needed_blocks is not None and cache_jax.shape[0] < self._needed_blocks[spec.kv_cache_group]:
             raise ValueError(
@@ -355,7 +371,8 @@ class PagedAttentionBackend:
                     f"out.shape={tuple(out.shape)}, out.dtype={out.dtype} must be {shape} or "
                     f"{(shape[0], shape[1] * shape[2])} in q's dtype {q.dtype}"
                 )
-            out_jax = to_jax(out, name="out", already_ordered=True)
+            if padded_tokens == num_tokens:  # XLA writes the result into out's memory; else it is copied there
+                out_jax = to_jax(out, name="out", already_ordered=True)
         result, new_cache = _layer_step(
             self._packed, q_jax, k_jax, v_jax, cache_jax, self._layer_sinks(layer, spec), out_jax, spec.k_scale,
             spec.v_scale, layout=self._layout, group=spec.kv_cache_group, params=spec.params,
@@ -368,9 +385,9 @@ class PagedAttentionBackend:
         else:
             kv_cache.copy_(to_torch(new_cache, name="updated kv cache"))
         if out is None:
-            return to_torch(result, name="output").reshape(q.shape)
-        if not self._aliased(("out", layer, out_jax.shape, out_jax.dtype), out, result):
-            out.copy_(to_torch(result, name="output").reshape(out.shape))
+            return to_torch(result, name="output")[:num_tokens].reshape(q.shape)
+        if out_jax is None or not self._aliased(("out", layer, out_jax.shape, out_jax.dtype), out, result):
+            out.copy_(to_torch(result, name="output")[:num_tokens].reshape(out.shape))
         return out
 
     # ----------------------------------------------------------------------------------- JAX-owned caches
@@ -403,7 +420,11 @@ class PagedAttentionBackend:
 
     # -------------------------------------------------------------------------------------------- helpers
 
-    def _import(self, tensor, name, shape, *, dtypes, dtypes_are="supported", already_ordered=True) -> jax.Array:
+    def _import(
+        self, tensor, name, shape, padded_tokens, *, dtypes, dtypes_are="supported", already_ordered=True
+    ) -> jax.Array:
+        """`tensor` ([T, ...] as `shape`, or flat per token) checked, as [padded_tokens, ...] (a zero-padded copy
+        when the step's token count was rounded up), in JAX."""
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in dtypes:
@@ -416,6 +437,8 @@ class PagedAttentionBackend:
             )
         if tensor.dim() == 2:
             tensor = tensor.view(shape)
+        if is_compact(tensor):  # a tensor DLPack cannot share is refused by to_jax, padded or not
+            tensor = _padded_rows(tensor, padded_tokens)
         return to_jax(tensor, name=name, already_ordered=already_ordered)
 
     def _aliased(self, key: tuple, tensor: torch.Tensor, array: jax.Array) -> bool:

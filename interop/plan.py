@@ -174,7 +174,9 @@ def pack_plan(
     for the arguments; `padding` is a zero int32 tensor of at least one alignment's elements on that device).
 
     Returns (the packed tensor, its layout, and with ``checked=True`` the number of cache blocks each group's
-    ids and slots need, else None). Bounds left None are read from the tensors, which waits for them."""
+    ids and slots need, else None). Bounds left None are read from the tensors, which waits for them. The layout's
+    counts (requests, tokens, blocks per request) are the step's rounded up to powers of two; the packed fields
+    are padded to them."""
     checked, causal = check_bool("checked", checked), check_bool("causal", causal)
     _check_tensors(
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping
@@ -208,4 +210,17 @@ def pack_plan(
     )
     fields = [query_start_loc, seq_lens, block_tables, slot_mapping]
     needed_blocks = _check_values(fields, layout, block_size=block_size) if checked else None
+    # Counts rounded up to powers of two, so that a serving loop's varying batches compile a few shapes only:
+    # padding requests are empty (their query and sequence lengths 0), padding tokens write nowhere
+    layout = dataclasses.replace(
+        layout, num_reqs=_bucket(num_reqs), num_tokens=_bucket(layout.num_tokens),
+        blocks_per_req=_bucket(layout.blocks_per_req),
+    )  # fmt: skip
+    extra_reqs = layout.num_reqs - num_reqs
+    query_start_loc = torch.cat([query_start_loc, query_start_loc[-1:].expand(extra_reqs)])
+    seq_lens = torch.nn.functional.pad(seq_lens, (0, extra_reqs))
+    block_tables = torch.nn.functional.pad(block_tables, (0, layout.blocks_per_req - block_tables.shape[2], 0, extra_reqs))
+    slot_mapping = torch.nn.functional.pad(
+        slot_mapping, (0, layout.num_tokens - slot_mapping.shape[1]), value=PAD_SLOT_ID
+    )
     return _pack([query_start_loc, seq_lens, *block_tables, *slot_mapping], padding), layout, needed_blocks

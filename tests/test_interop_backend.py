@@ -386,3 +386,28 @@ def test_q_k_v_split_from_one_projection_output_enter_jax_as_one_tensor(imported
     torch.testing.assert_close(cache, wanted_cache, equal_nan=True, atol=0, rtol=0)
     with pytest.raises(ValueError, match="not compact"):  # a column view with k and v elsewhere is still refused
         backend.run("layer", views[0], k.clone(), v.clone(), cache)
+
+
+def test_steps_of_other_token_and_request_counts_in_one_bucket_compile_once():
+    """plan rounds the counts up to powers of two (padding requests empty, padding tokens writing nowhere)."""
+    import jax_hybrid_attn_torch.backend as backend_module
+
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
+    step, (cache,), q, k, v = make_step()  # 16 tokens (two of them padding) of 5 requests
+    wanted, wanted_cache = expected(layer, step, cache, q, k, v)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU)
+    backend.plan(**step)
+    backend.run("layer", q, k, v, cache.clone())
+    compiled = backend_module._layer_step._cache_size()
+    other = dict(  # one padding token less, one idle request more: 15 tokens of 6 requests
+        query_start_loc=torch.cat([step["query_start_loc"], step["query_start_loc"][-1:]]),
+        seq_lens=torch.cat([step["seq_lens"], torch.zeros(1, dtype=step["seq_lens"].dtype)]),
+        block_tables=torch.cat([step["block_tables"], torch.zeros_like(step["block_tables"][:1])]),
+        slot_mapping=step["slot_mapping"][:-1],
+    )
+    assert int(step["query_start_loc"][-1]) < 15 and int(step["slot_mapping"][-1]) == -1
+    backend.plan(**other)
+    out = backend.run("layer", q[:-1], k[:-1], v[:-1], cache)
+    assert backend_module._layer_step._cache_size() == compiled, "both steps are 16 tokens of 8 requests"
+    assert_close(out, wanted[:-1])
+    torch.testing.assert_close(cache, wanted_cache, equal_nan=True, atol=0, rtol=0)
