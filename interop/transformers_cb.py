@@ -104,7 +104,7 @@ class _Step:
     """One step's indices in JAX (imported once, at the step's first layer)."""
 
     shape: _StepShape
-    num_tokens: int  # the step's tokens (before padding)
+    num_tokens: jax.Array  # [] the step's tokens (before padding)
     query_start_loc: jax.Array  # [R + 1]
     cu_seq_lens_k: dict  # layer type -> [R + 1]
     write_index: list  # per group [T] (PAD_SLOT_ID past the step's tokens)
@@ -146,7 +146,7 @@ def _plan_step(cache, kwargs, num_tokens: int) -> _Step:
     read_trash = cache.read_trash_index
     return _Step(
         shape=shape,
-        num_tokens=num_tokens,
+        num_tokens=jnp.asarray(num_tokens, jnp.int32),
         query_start_loc=starts(cu_q),
         cu_seq_lens_k={name: starts(cu) for name, cu in _cu_seq_lens_k(kwargs).items()},
         write_index=[
@@ -247,7 +247,7 @@ def continuous_batching_attention(
     out, new_k, new_v = _layer_call(
         q, k, v, k_cache, v_cache, sinks,
         step.query_start_loc, step.cu_seq_lens_k[layer_type], step.write_index[group],
-        None if step.read_index is None else step.read_index[group], jnp.int32(step.num_tokens),
+        None if step.read_index is None else step.read_index[group], step.num_tokens,
         shape=shape, block_size=cache.block_size, params=params, sliding=sliding,
         implementation=implementation, interpret=interpret,
     )  # fmt: skip
