@@ -351,13 +351,17 @@ class PagedAttentionBackend:
             q_jax = to_jax(_padded_rows(fused, padded_tokens), name="qkv")
             k_jax = v_jax = FUSED
         else:
-            # q's import orders JAX's stream after torch's current one; the other inputs were produced before it
-            q_jax = self._import(q, "q", shape, padded_tokens, dtypes=SUPPORTED_DTYPES, already_ordered=False)
-            k_jax = v_jax = None
+            # Every input (with its padding copy) is ready on torch's stream before q's import orders JAX's stream
+            # after it; the others then skip that wait
+            q_in = self._checked(q, "q", shape, padded_tokens, dtypes=SUPPORTED_DTYPES)
+            k_in = v_in = None
             if k is not None:
                 options = dict(dtypes=(q.dtype,), dtypes_are="q's dtype")
-                k_jax = self._import(k, "k", kv_shape, padded_tokens, **options)
-                v_jax = self._import(v, "v", kv_shape, padded_tokens, **options)
+                k_in = self._checked(k, "k", kv_shape, padded_tokens, **options)
+                v_in = self._checked(v, "v", kv_shape, padded_tokens, **options)
+            q_jax = to_jax(q_in, name="q")
+            k_jax, v_jax = (None if x is None else to_jax(x, name=name, already_ordered=True)
+                            for x, name in ((k_in, "k"), (v_in, "v")))  # fmt: skip
         cache_jax = self._layer_cache(layer, kv_cache, spec)
         if self._needed_blocks is not None and cache_jax.shape[0] < self._needed_blocks[spec.kv_cache_group]:
             raise ValueError(
@@ -420,11 +424,9 @@ class PagedAttentionBackend:
 
     # -------------------------------------------------------------------------------------------- helpers
 
-    def _import(
-        self, tensor, name, shape, padded_tokens, *, dtypes, dtypes_are="supported", already_ordered=True
-    ) -> jax.Array:
+    def _checked(self, tensor, name, shape, padded_tokens, *, dtypes, dtypes_are="supported") -> torch.Tensor:
         """`tensor` ([T, ...] as `shape`, or flat per token) checked, as [padded_tokens, ...] (a zero-padded copy
-        when the step's token count was rounded up), in JAX."""
+        when the step's token count was rounded up)."""
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.dtype not in dtypes:
@@ -439,7 +441,7 @@ class PagedAttentionBackend:
             tensor = tensor.view(shape)
         if is_compact(tensor):  # a tensor DLPack cannot share is refused by to_jax, padded or not
             tensor = _padded_rows(tensor, padded_tokens)
-        return to_jax(tensor, name=name, already_ordered=already_ordered)
+        return tensor
 
     def _aliased(self, key: tuple, tensor: torch.Tensor, array: jax.Array) -> bool:
         """Whether XLA wrote `array` into the donated memory of `tensor`. On a GPU it does (measured on the H200);

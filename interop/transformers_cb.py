@@ -223,14 +223,16 @@ def continuous_batching_attention(
     step = _step_of(cache, module, kwargs, num_tokens)
     shape = step.shape
 
-    def padded(x, heads, *, already_ordered=True):  # [1, heads, T, H] -> [T_bucket, heads, H] (a torch copy)
+    def padded(x, heads):  # [1, heads, T, H] -> [T_bucket, heads, H] (a torch copy)
         out = x.new_zeros((shape.num_tokens, heads, head_size))
         out[:num_tokens] = x[0].transpose(0, 1)
-        return to_jax(out, name="query/key/value", already_ordered=already_ordered)
+        return out
 
-    # The query's import orders JAX's stream after torch's current one, after every input of this call
-    q = padded(query, num_heads, already_ordered=False)
-    k, v = padded(key, key.shape[1]), padded(value, key.shape[1])
+    # Every input is ready on torch's stream (the copies queued) before the query's import orders JAX's stream
+    # after it; the other imports then skip that wait
+    q, k, v = padded(query, num_heads), padded(key, key.shape[1]), padded(value, key.shape[1])
+    q = to_jax(q, name="query")
+    k, v = (to_jax(x, name=name, already_ordered=True) for x, name in ((k, "key"), (v, "value")))
 
     num_kv_heads = key.shape[1]
     k_tensor, v_tensor = cache.key_cache[tensor_index], cache.value_cache[tensor_index]
