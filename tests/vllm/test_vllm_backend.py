@@ -4,7 +4,7 @@ vLLM's `Attention` layers (with the plugin as their backend), its KV-cache specs
 cache allocation (`allocate_kv_cache` in the LBHNC layout), its `CommonAttentionMetadata` and its forward context;
 random data, NaN in every cache slot no request owns (the null block 0, blocks vLLM dropped left of a window,
 unused blocks), sequence lengths straddling block boundaries, and a mixed batch with cudagraph-style padding rows.
-Runs in the vLLM virtualenv (`scripts/test-vllm`); skipped where vLLM is not installed.
+Runs in the vLLM virtualenv (`scripts/test-vllm`); not collected where vLLM is not installed (tests/conftest.py).
 """
 
 import dataclasses
