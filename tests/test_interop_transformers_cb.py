@@ -1,6 +1,8 @@
 """``paged|jax_hybrid`` inside transformers' continuous batching: tiny random models, chunked prefill forced,
 prompts longer than the window; greedy tokens equal ``paged|eager``'s and plain eager ``generate``'s.
 
+On a CPU: float32 and the jnp reference, tokens identical. On a GPU: bfloat16 and the Mosaic GPU kernels, where
+random tiny models have near ties that bf16 rounding may flip: the first tokens must agree, and 90% of all.
 A spy on the registered function counts its calls, so a test cannot pass through another implementation.
 """
 
@@ -15,11 +17,13 @@ transformers = pytest.importorskip("transformers")
 from jax_hybrid_attn_torch import transformers_cb
 from transformers import AttentionInterface, AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
-NAME = transformers_cb.register()
+ON_GPU = torch.cuda.is_available()
+DEVICE, DTYPE = ("cuda", torch.bfloat16) if ON_GPU else ("cpu", torch.float32)
+NAME = transformers_cb.register(implementation=None if ON_GPU else "reference")
 WINDOW, BLOCK_SIZE, MAX_BATCH_TOKENS, NEW_TOKENS = 8, 8, 16, 12
 PROMPT_LENS = (5, 13, 21, 30)  # within one window, across it, several chunks of MAX_BATCH_TOKENS
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16)  # fmt: skip
+            head_dim=64)  # fmt: skip  # the kernels take head sizes that are multiples of 64
 
 
 def gemma3():
@@ -57,6 +61,7 @@ def build(name: str):
     if name == "gpt_oss":  # its init leaves the sinks at zero: make them matter
         for layer in model.model.layers:
             torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+    model = model.to(device=DEVICE, dtype=DTYPE)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in PROMPT_LENS]
     return model, prompts
@@ -65,7 +70,7 @@ def build(name: str):
 def eager_greedy(model, prompt):
     model.set_attn_implementation("eager")
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+        out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False,
                              eos_token_id=None, pad_token_id=0)  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
@@ -104,9 +109,18 @@ def test_greedy_tokens_equal_paged_eager_and_eager_generate(name, calls):
     assert calls, f"{NAME} was never called"
     assert set(calls) == set(range(model.config.num_hidden_layers)), "every layer went through it"
     assert [len(tokens) for tokens in ours] == [NEW_TOKENS] * len(prompts)
-    assert ours == [eager_greedy(model, prompt) for prompt in prompts]
+    assert_same_tokens(ours, [eager_greedy(model, prompt) for prompt in prompts])
     if name != "gemma2":  # transformers' paged|eager drops Gemma 2's logit soft cap; its eager applies it
-        assert ours == continuous_batching(model, prompts, "paged|eager")
+        assert_same_tokens(ours, continuous_batching(model, prompts, "paged|eager"))
+
+
+def assert_same_tokens(ours, theirs):
+    if not ON_GPU:
+        assert ours == theirs
+        return
+    assert [tokens[0] for tokens in ours] == [tokens[0] for tokens in theirs]
+    same = sum(a == b for x, y in zip(ours, theirs) for a, b in zip(x, y)) / sum(map(len, theirs))
+    assert same >= 0.9, f"{same:.0%} of the greedy tokens agree in bf16"
 
 
 def test_streaming_and_cancel_through_the_manager(calls):
@@ -123,7 +137,8 @@ def test_streaming_and_cancel_through_the_manager(calls):
         assert manager.get_result(request_id=cancelled_id, timeout=2) is None, "a cancelled request never finishes"
     finally:
         manager.stop(block=True)
-    assert len(streamed) >= 2 and streamed[-1] == eager_greedy(model, prompts[2])
+    assert len(streamed) >= 2
+    assert_same_tokens([streamed[-1]], [eager_greedy(model, prompts[2])])
     assert all(a == b[: len(a)] for a, b in zip(streamed, streamed[1:])), "each update extends the last"
     assert calls
 
@@ -132,14 +147,14 @@ def test_outside_continuous_batching_it_refuses():
     model, prompts = build("mistral")
     model.set_attn_implementation(NAME)
     with pytest.raises(ValueError, match="PagedAttentionCache"), torch.no_grad():
-        model(torch.tensor([prompts[0]]))
+        model(torch.tensor([prompts[0]], device=DEVICE))
 
 
 def test_llama4_chunked_layers_fail_clearly():
     """transformers' cache refuses chunked attention; called on such a layer anyway, ours refuses it too."""
     config = transformers.Llama4TextConfig(**TINY, num_hidden_layers=2, intermediate_size_mlp=64, attention_chunk_size=8,
                                            no_rope_layers=[1, 0], num_local_experts=2, num_experts_per_tok=1)  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().to(DEVICE)
     model.set_attn_implementation(NAME)
     generation = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)
     with pytest.raises(ValueError, match="chunked_attention"):
@@ -147,7 +162,7 @@ def test_llama4_chunked_layers_fail_clearly():
     layer = model.model.layers[0].self_attn
     assert config.layer_types[layer.layer_idx] == "chunked_attention"
     cache = types.SimpleNamespace(layer_index_to_group_indices={0: (0, 0), 1: (1, 0)})
-    q = torch.zeros(1, 4, 2, 16)
-    kv = torch.zeros(1, 2, 2, 16)
+    q = torch.zeros(1, 4, 2, 64)
+    kv = torch.zeros(1, 2, 2, 64)
     with pytest.raises(NotImplementedError, match="chunked_attention"):
         transformers_cb.continuous_batching_attention(layer, q, kv, kv, None, cache=cache)
