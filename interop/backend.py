@@ -51,6 +51,7 @@ from jax_hybrid_attn import LayerAttentionParams, get_kv_cache_shape, layer_atte
 from jax_hybrid_attn.integers import check_int
 
 from .dlpack import ALIGNMENT, is_compact, jax_dtype, same_memory, to_jax, to_torch
+from .layer_inputs import FUSED, fused_qkv, padded_rows, split_fused_qkv, tensor_key
 from .plan import PACKED_FIELD_ALIGNMENT, pack_plan
 
 __all__ = ["AttentionLayer", "PagedAttentionBackend"]
@@ -127,12 +128,7 @@ def _layer_step(
     k = v = `FUSED`, q is the fused [T, (N + 2K) * H] projection output, split here."""
     if k is FUSED:
         num_kv_heads, head_size = kv_cache.shape[-2:] if kv_layout == "NHD" else (kv_cache.shape[2], kv_cache.shape[4])
-        kv_width = num_kv_heads * head_size
-        q_width = q.shape[1] - 2 * kv_width
-        q, k, v = (
-            part.reshape(q.shape[0], -1, head_size)
-            for part in (q[:, :q_width], q[:, q_width : q_width + kv_width], q[:, q_width + kv_width :])
-        )
+        q, k, v = split_fused_qkv(q, num_kv_heads=num_kv_heads, head_size=head_size)
     out, kv_cache = layer_attention(
         q, k, v, kv_cache, layout.metadata(packed, group), params=params, sinks=sinks, kv_layout=kv_layout,
         k_scale=k_scale, v_scale=v_scale, implementation=implementation, interpret=interpret,
@@ -140,54 +136,6 @@ def _layer_step(
     if out_buffer is not None:  # the caller's `out`, donated: XLA writes the result into its memory
         out = out.reshape(out_buffer.shape)
     return out, kv_cache
-
-
-class _Fused:
-    """Passed as k and v when q is the fused [T, (N + 2K) * H] tensor of all three (static under jit)."""
-
-    def __repr__(self):
-        return "FUSED"
-
-
-FUSED = _Fused()
-jax.tree_util.register_static(_Fused)
-
-
-def _fused_qkv(q, k, v, shape, kv_shape) -> torch.Tensor | None:
-    """The [T, (N + 2K) * H] tensor whose column blocks q, k and v are, or None. vLLM splits its QKV projection
-    output into such views; they are not compact, so DLPack could not take them one by one."""
-    tensors = (q, k, v)
-    if not all(isinstance(x, torch.Tensor) for x in tensors) or q.dtype not in SUPPORTED_DTYPES:
-        return None
-    if len({(x.dtype, x.device, x.untyped_storage().data_ptr()) for x in tensors}) != 1:
-        return None
-    num_tokens = shape[0]
-    widths = (math.prod(shape[1:]), math.prod(kv_shape[1:]), math.prod(kv_shape[1:]))
-    row = sum(widths)
-    offset = q.storage_offset()
-    for x, x_shape, width in zip(tensors, (shape, kv_shape, kv_shape), widths):
-        if x.dim() == 2:
-            expected_shape, expected_strides = (num_tokens, width), (row, 1)
-        else:
-            expected_shape, expected_strides = x_shape, (row, x_shape[2], 1)
-        if tuple(x.shape) != expected_shape or x.stride() != expected_strides or x.storage_offset() != offset:
-            return None
-        offset += width
-    return torch.as_strided(q, (num_tokens, row), (row, 1), q.storage_offset())
-
-
-def _padded_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
-    """`tensor` with `rows` rows: itself, or a zero-padded copy (the step's token count rounded up)."""
-    if tensor.shape[0] == rows:
-        return tensor
-    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
-    padded[: tensor.shape[0]] = tensor
-    return padded
-
-
-def _tensor_key(tensor: torch.Tensor) -> tuple:
-    """What identifies a tensor's memory for reuse: device, address, shape, dtype."""
-    return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
 
 
 class PagedAttentionBackend:
@@ -346,9 +294,9 @@ class PagedAttentionBackend:
         if (k is None) != (v is None):
             raise ValueError("k and v must both be given, or both be None (a layer sharing another's cache)")
         kv_shape = (num_tokens, spec.num_kv_heads, spec.head_size)
-        fused = _fused_qkv(q, k, v, shape, kv_shape)
+        fused = fused_qkv(q, k, v, shape, kv_shape, dtypes=SUPPORTED_DTYPES)
         if fused is not None:  # q, k, v are the column blocks of one projection output: one import
-            q_jax = to_jax(_padded_rows(fused, padded_tokens), name="qkv")
+            q_jax = to_jax(padded_rows(fused, padded_tokens), name="qkv")
             k_jax = v_jax = FUSED
         else:
             # Every input (with its padding copy) is ready on torch's stream before q's import orders JAX's stream
@@ -385,7 +333,7 @@ class PagedAttentionBackend:
         if self.cache_owner == "jax":
             self._caches[layer] = new_cache
         elif self._aliased(("kv_cache", layer, cache_jax.shape, cache_jax.dtype), kv_cache, new_cache):
-            self._held[layer] = (_tensor_key(kv_cache), new_cache)  # the next run of the layer imports nothing
+            self._held[layer] = (tensor_key(kv_cache), new_cache)  # the next run of the layer imports nothing
         else:
             kv_cache.copy_(to_torch(new_cache, name="updated kv cache"))
         if out is None:
@@ -440,7 +388,7 @@ class PagedAttentionBackend:
         if tensor.dim() == 2:
             tensor = tensor.view(shape)
         if is_compact(tensor):  # a tensor DLPack cannot share is refused by to_jax, padded or not
-            tensor = _padded_rows(tensor, padded_tokens)
+            tensor = padded_rows(tensor, padded_tokens)
         return tensor
 
     def _aliased(self, key: tuple, tensor: torch.Tensor, array: jax.Array) -> bool:
@@ -481,7 +429,7 @@ class PagedAttentionBackend:
         if kv_cache.device != self._plan_device:
             raise ValueError(f"kv_cache is on {kv_cache.device}, the plan's metadata on {self._plan_device}")
         held = self._held.pop(layer, None)
-        if held is not None and held[0] == _tensor_key(kv_cache) and not held[1].is_deleted():
+        if held is not None and held[0] == tensor_key(kv_cache) and not held[1].is_deleted():
             # XLA wrote the last run's cache into this tensor's memory: that array is this tensor, already in JAX
             return held[1]
         alignment = PACKED_FIELD_ALIGNMENT if kv_cache.is_cuda else ALIGNMENT  # kernels run on the GPU only

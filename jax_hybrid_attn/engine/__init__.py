@@ -6,7 +6,8 @@ Data flow of one step: `Engine.step` plans (host) → `device_step.allocate` (th
 step back while the next one runs.
 """
 
-from .engine import Engine, EngineConfig, EngineStats
+from .config import EngineConfig, EngineStats
+from .engine import Engine
 from .kv_layout import KVCacheLayout
 from .paged_cache import PagedCache
 from .requests import FinishReason, RequestOutput
