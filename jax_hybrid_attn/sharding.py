@@ -1,0 +1,85 @@
+"""Attention over a mesh axis of devices (tensor parallelism): query and KV heads split across the axis, each
+device attending its own heads over its slice of every block. Block ids are the same everywhere: the metadata
+(the allocator's, replicated) is one for all devices.
+
+GQA keeps each device's query heads with the KV heads they read when the heads are split in order. With fewer
+KV heads than devices, the cache holds each KV head ``devices / K`` times (`replicate_kv_heads`), so that every
+device still holds a whole KV head for its query heads.
+
+Shape letters: T tokens · N query heads · K kv heads · H head size · B blocks · S block size.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+
+from .attention import layer_attention
+from .integers import check_int
+from .layout import KVLayout, check_kv_layout
+from .metadata import AttentionMetadata
+from .params import CAUSAL, LayerAttentionParams
+
+__all__ = ["kv_heads_per_device", "replicate_kv_heads", "sharded_layer_attention"]
+
+
+def kv_heads_per_device(num_kv_heads: int, num_devices: int) -> int:
+    """KV heads each device holds: ``K / devices``, or 1 when K < devices (heads replicated)."""
+    check_int("num_kv_heads", num_kv_heads)
+    check_int("num_devices", num_devices)
+    if num_kv_heads % num_devices and num_devices % num_kv_heads:
+        raise ValueError(f"{num_kv_heads=} and {num_devices=}: one must divide the other")
+    return max(num_kv_heads // num_devices, 1)
+
+
+def replicate_kv_heads(x: Array, *, num_devices: int, axis: int) -> Array:
+    """`x` with each KV head (on `axis`) repeated ``devices / K`` times when K < devices; else `x` itself."""
+    num_kv_heads = x.shape[axis]
+    kv_heads_per_device(num_kv_heads, num_devices)
+    return x if num_kv_heads >= num_devices else jnp.repeat(x, num_devices // num_kv_heads, axis=axis)
+
+
+def sharded_layer_attention(
+    mesh: Mesh,
+    axis: str,
+    q: Float[Array, "T N H"],
+    k: Float[Array, "T K H"],
+    v: Float[Array, "T K H"],
+    kv_cache: Float[Array, "B 2 S K H"],
+    metadata: AttentionMetadata,
+    *,
+    params: LayerAttentionParams = CAUSAL,
+    sinks: Float[Array, "N"] | None = None,
+    kv_layout: KVLayout = "NHD",
+    implementation: str | None = None,
+    interpret: bool = False,
+) -> tuple[Float[Array, "T N H"], Float[Array, "B 2 S K H"]]:
+    """`layer_attention` with the heads split over the mesh axis `axis` (through `jax.shard_map`).
+
+    q's N query heads, k/v's and the cache's K KV heads (already `replicate_kv_heads`-ed when K < devices) are
+    split in order over the axis; the metadata is the same on every device. Returns (output [T, N, H], the
+    updated cache), split the same way."""
+    check_kv_layout(kv_layout)
+    num_devices = mesh.shape[axis]
+    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
+    if num_q_heads % num_devices or num_kv_heads % num_devices:
+        raise ValueError(
+            f"{num_q_heads=} and {num_kv_heads=} must divide over {num_devices} devices (replicate_kv_heads first)"
+        )
+    heads = P(None, axis, None)
+    cache_spec = P(None, None, None, axis, None) if kv_layout == "NHD" else P(None, None, axis, None, None)
+
+    def per_device(q, k, v, kv_cache, metadata, sinks):
+        return layer_attention(
+            q, k, v, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout,
+            implementation=implementation, interpret=interpret,
+        )  # fmt: skip
+
+    return jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(heads, heads, heads, cache_spec, P(), None if sinks is None else P(axis)),
+        out_specs=(heads, cache_spec),
+        check_vma=False,
+    )(q, k, v, kv_cache, metadata, sinks)

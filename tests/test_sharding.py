@@ -1,0 +1,65 @@
+"""Attention with heads split over 2, 4 and 8 devices equals the single-device result (8 forced CPU devices).
+
+XLA's forced host device count must be set before JAX starts, so the check runs in a subprocess.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHECK = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh
+    from jax_hybrid_attn import LayerAttentionParams, layer_attention
+    from jax_hybrid_attn.sharding import replicate_kv_heads, sharded_layer_attention
+    from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
+
+    assert len(jax.devices()) == 8, jax.devices()
+    num_devices, num_q_heads, num_kv_heads, layout = {case}
+    inputs = random_paged_inputs(3, query_lens=[1, 9, 4], seq_lens=[20, 9, 37], num_q_heads=num_q_heads,
+                                 num_kv_heads=num_kv_heads, head_dim=16, block_size=8, dtype=jnp.float32,
+                                 kv_layout=layout, with_sinks=True)
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((14, num_kv_heads, 16)), jnp.float32) for _ in range(2))
+    params = LayerAttentionParams(sliding_window=12, logits_soft_cap=20.0)
+    options = dict(params=params, sinks=inputs.sinks, kv_layout=layout, implementation="reference")
+    head_axis = 3 if layout == "NHD" else 2
+    cache = inputs.kv_cache.at[0].set(0.0)  # the null block: finite, so that a replicated copy compares
+    want, want_cache = layer_attention(inputs.q, k, v, jnp.array(cache), inputs.metadata, **options)
+    mesh = Mesh(np.array(jax.devices()[:num_devices]), ("tp",))
+    got, got_cache = sharded_layer_attention(
+        mesh, "tp", inputs.q, replicate_kv_heads(k, num_devices=num_devices, axis=1),
+        replicate_kv_heads(v, num_devices=num_devices, axis=1),
+        replicate_kv_heads(jnp.array(cache), num_devices=num_devices, axis=head_axis), inputs.metadata, **options)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOLERANCES[jnp.dtype(jnp.float32)])
+    copies = got_cache.shape[head_axis] // num_kv_heads
+    first_copy = np.take(np.asarray(got_cache), np.arange(0, got_cache.shape[head_axis], copies), axis=head_axis)
+    np.testing.assert_array_equal(first_copy, np.asarray(want_cache))
+    assert len(got.sharding.device_set) == num_devices
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [(2, 8, 8, "NHD"), (4, 8, 8, "HND"), (8, 8, 8, "NHD"), (4, 8, 2, "NHD"), (8, 8, 2, "HND")],
+    ids=["tp2", "tp4-hnd", "tp8", "tp4-kv-replicated", "tp8-kv-replicated-hnd"],
+)
+def test_heads_split_over_devices_equal_one_device(case):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", CHECK.format(case=case)], env=env, capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_kv_heads_must_divide_or_be_divided_by_the_devices():
+    from jax_hybrid_attn.sharding import kv_heads_per_device
+
+    assert kv_heads_per_device(8, 4) == 2 and kv_heads_per_device(2, 8) == 1
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        kv_heads_per_device(3, 4)
