@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from jax_hybrid_attn import PAD_SLOT_ID, AttentionMetadata, check_metadata_values
-from jax_hybrid_attn.integers import cdiv, check_bool, check_int
+from jax_hybrid_attn.integers import cdiv, check_bool, check_int, next_power_of_two
 
 __all__ = ["PACKED_FIELD_ALIGNMENT", "PlanLayout", "pack_plan"]
 
@@ -87,11 +87,6 @@ def _pack(fields: list[torch.Tensor], padding: torch.Tensor) -> torch.Tensor:
         flat = field.reshape(-1).to(torch.int32)
         pieces += [flat, padding[: _aligned(flat.numel()) - flat.numel()]]
     return torch.cat(pieces)
-
-
-def _bucket(value: int) -> int:
-    """Static upper bounds are rounded up to a power of two, so that a new step rarely recompiles."""
-    return 1 if value <= 1 else 1 << (value - 1).bit_length()
 
 
 def _check_tensors(**tensors: torch.Tensor) -> torch.device:
@@ -204,8 +199,8 @@ def pack_plan(
         num_tokens=slot_mapping.shape[1],
         num_groups=num_groups,
         blocks_per_req=block_tables.shape[2],
-        max_query_len=_bucket(check_int("max_query_len", max_query_len, minimum=0)),
-        max_seq_len=_bucket(check_int("max_seq_len", max_seq_len, minimum=0)),
+        max_query_len=next_power_of_two(check_int("max_query_len", max_query_len, minimum=0)),
+        max_seq_len=next_power_of_two(check_int("max_seq_len", max_seq_len, minimum=0)),
         causal=causal,
     )
     fields = [query_start_loc, seq_lens, block_tables, slot_mapping]
@@ -213,8 +208,8 @@ def pack_plan(
     # Counts rounded up to powers of two, so that a serving loop's varying batches compile a few shapes only:
     # padding requests are empty (their query and sequence lengths 0), padding tokens write nowhere
     layout = dataclasses.replace(
-        layout, num_reqs=_bucket(num_reqs), num_tokens=_bucket(layout.num_tokens),
-        blocks_per_req=_bucket(layout.blocks_per_req),
+        layout, num_reqs=next_power_of_two(num_reqs), num_tokens=next_power_of_two(layout.num_tokens),
+        blocks_per_req=next_power_of_two(layout.blocks_per_req),
     )  # fmt: skip
     extra_reqs = layout.num_reqs - num_reqs
     query_start_loc = torch.cat([query_start_loc, query_start_loc[-1:].expand(extra_reqs)])

@@ -80,6 +80,7 @@ from transformers.utils import logging
 
 from jax_hybrid_attn import LayerAttentionParams, metadata_from_lengths, paged_attention, write_kv
 from jax_hybrid_attn.constants import NULL_BLOCK_ID
+from jax_hybrid_attn.integers import next_power_of_two
 from jax_hybrid_attn.masks import attention_mask as allowed_keys
 
 from .dlpack import ALIGNMENT, is_compact, to_jax, to_torch
@@ -178,10 +179,6 @@ def layer_params(module: torch.nn.Module, scaling: float | None = None, **kwargs
 def _sinks(module: torch.nn.Module, kwargs: dict) -> torch.Tensor | None:
     sinks = kwargs.get("s_aux")
     return getattr(module, "sinks", None) if sinks is None else sinks
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _share(tensor: torch.Tensor, name: str) -> jax.Array:
@@ -346,9 +343,9 @@ def attention_forward(
     offset = _key_offset(attention_mask, params, q_len, kv_len)
 
     # Shapes JAX sees: queries padded to a power of two (causal only), keys to a power-of-two number of blocks.
-    q_bucket = _next_power_of_two(q_len) if params.causal else q_len
+    q_bucket = next_power_of_two(q_len) if params.causal else q_len
     seq_len = offset + kv_len + (q_bucket - q_len)
-    capacity = BLOCK_SIZE * _next_power_of_two(math.ceil(seq_len / BLOCK_SIZE))
+    capacity = BLOCK_SIZE * next_power_of_two(math.ceil(seq_len / BLOCK_SIZE))
     if implementation is None and query.device.type == "cpu":
         implementation = "reference"
     out = _dense_paged_attention(

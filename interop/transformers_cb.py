@@ -54,7 +54,7 @@ import torch
 from transformers import AttentionInterface
 
 from jax_hybrid_attn import PAD_SLOT_ID, AttentionMetadata, LayerAttentionParams, paged_attention, write_kv
-from jax_hybrid_attn.integers import cdiv
+from jax_hybrid_attn.integers import cdiv, next_power_of_two
 
 from .dlpack import same_memory, to_jax, to_torch
 
@@ -77,7 +77,7 @@ def register(*, implementation: str | None = None, interpret: bool = False) -> s
 
 
 def _bucket(value: int) -> int:
-    return max(MIN_BUCKET, 1 << (max(int(value), 1) - 1).bit_length())
+    return next_power_of_two(value, minimum=MIN_BUCKET)
 
 
 def _padded_int32(tensor: torch.Tensor, length: int, fill: int) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""The scalar helpers every module needs: the checked-int and checked-bool argument tests, ceiling division."""
+"""The scalar helpers every module needs: the checked-int and checked-bool argument tests, ceiling division,
+rounding up to a power of two."""
 
 import numbers
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "cdiv", "check_bool", "check_int", "is_int"]
+__all__ = ["INT32_MAX", "cdiv", "check_bool", "check_int", "is_int", "next_power_of_two"]
 
 INT32_MAX = 2**31 - 1
 """The largest value a static size may take: positions, windows and chunks are int32 on the device."""
@@ -34,3 +35,9 @@ def check_bool(name: str, value) -> bool:
 def cdiv(a, b):
     """``ceil(a / b)`` for integers (Python ints or integer arrays, ``b > 0``)."""
     return -(-a // b)
+
+
+def next_power_of_two(value: int, *, minimum: int = 1) -> int:
+    """The smallest power of two >= `value` (1 for values <= 1), at least `minimum`: static sizes rounded so
+    that varying ones compile few shapes."""
+    return max(minimum, 1 << (max(int(value), 1) - 1).bit_length())

@@ -25,7 +25,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 
-from ..integers import cdiv, check_int
+from ..integers import cdiv, check_int, next_power_of_two
 from ..spec import AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 __all__ = [
@@ -261,10 +261,6 @@ FULL, SLIDING_WINDOW, CHUNKED_LOCAL = 0, 1, 2
 """Kinds of a KV-cache group (vLLM's single-type managers), in `AllocatorConfig.kinds`."""
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AllocatorConfig:
     """Static sizes and options of the allocator (hashable; a `jax.jit` static argument).
@@ -423,11 +419,11 @@ class AllocatorConfig:
 
     @property
     def ring_capacity(self) -> int:
-        return _next_pow2(2 * self.num_blocks)
+        return next_power_of_two(2 * self.num_blocks)
 
     @property
     def num_buckets(self) -> int:
-        return _next_pow2(max(self.num_blocks // 2, 1))
+        return next_power_of_two(max(self.num_blocks // 2, 1))
 
     @property
     def stored_block_tokens(self) -> int:

@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from ..allocator import KVCacheManager
-from ..integers import cdiv, check_int
+from ..integers import cdiv, check_int, next_power_of_two
 from ..models.config import ModelConfig
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineStats
 from .device_step import NO_SLOT, DeviceState, StepPlan, StepResult, allocate, run_model
@@ -42,11 +42,6 @@ from .sampling import SamplingParams
 
 __all__ = ["Engine"]
 
-
-
-def _bucket(value: int, *, minimum: int = 1) -> int:
-    """Static sizes are rounded up to a power of two, so that few shapes compile."""
-    return max(minimum, 1 << (max(value, 1) - 1).bit_length())
 
 
 class Engine:
@@ -256,7 +251,7 @@ class Engine:
         )  # fmt: skip
         # The static shape bounds what the device computes: prefix hits and earlier failures only lower it
         shape = (
-            min(_bucket(sum(needs), minimum=8), self.config.max_num_batched_tokens),
+            min(next_power_of_two(sum(needs), minimum=8), self.config.max_num_batched_tokens),
             1 if max(needs) == 1 else self.config.max_num_batched_tokens,
             not bool((plan.temperature > 0).any()),
         )
