@@ -221,6 +221,7 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
 
     engine._allocate, engine._run_model = recording_allocate, recording_model
     engine.step()
+    engine.synchronize()  # the step is sent (by the engine's device worker)
     engine._allocate, engine._run_model = allocate, run_model
     allocators = [jax.tree.map(jnp.copy, recorded["allocator"]) for _ in range(steps + 1)]
     caches = tuple(engine.kv_caches)  # a replay rewrites the recorded step's K/V, in the same slots

@@ -61,6 +61,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model and few short prompts (a CPU dry run)")
     parser.add_argument("--workloads", default="mixed,long")
+    parser.add_argument("--mixed-prompts", type=int, default=WORKLOADS["mixed"]["num_prompts"],
+                        help="how many prompts the mixed workload has")  # fmt: skip
     args = parser.parse_args()
     shape = TINY if args.tiny else GEMMA3_1B
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,15 +87,19 @@ def main():
     block_size = 16 if args.tiny else 256
     for workload_name in args.workloads.split(","):
         workload = WORKLOADS[workload_name]
+        if workload_name == "mixed":
+            workload = dict(workload, num_prompts=args.mixed_prompts)
         prompts = prompts_of(workload, config.vocab_size, tiny=args.tiny)
         prompt_tokens = sum(map(len, prompts))
         results = {}
         for implementation in ("paged|sdpa", name):
             if implementation == name:  # a first run compiles the step shapes
-                run(model, prompts, workload["new_tokens"], implementation, block_size=block_size)
+                _, cold = run(model, prompts, workload["new_tokens"], implementation, block_size=block_size)
+                print(f"{workload_name} | {implementation} | first run (compiles) {cold:.2f} s", flush=True)
             host.update(seconds=0.0, calls=0)
             results[implementation] = run(model, prompts, workload["new_tokens"], implementation,
                                           block_size=block_size)  # fmt: skip
+            print(f"{workload_name} | {implementation} | {results[implementation][1]:.2f} s", flush=True)
         base_tokens, base_seconds = results["paged|sdpa"]
         for implementation, (tokens, seconds) in results.items():
             output = sum(map(len, tokens))

@@ -17,6 +17,11 @@ The host plans step n+1 before it has read step n, assuming step n goes as plann
 from what step n really did (`device_step`), so a request that got no blocks in step n simply retries. What the
 lag costs: a request that ends on a stop token computes one token more, which is dropped.
 
+Everything that reads or writes the device state (the allocator's state and the caches: sending a step, adding,
+freeing and preempting requests) runs in order on one worker thread. On a GPU, XLA reads each data-dependent
+loop's condition back to the host before it launches what follows, so sending a step waits for the step before
+it to finish; on the worker, that wait overlaps the host's planning and reading instead of adding to them.
+
 Shape letters: T tokens of the step · R rows (request slots) · V vocabulary.
 """
 
@@ -24,6 +29,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import jax
@@ -97,7 +103,9 @@ class Engine:
             donate_argnames=("state",),
         )
         self.stats = EngineStats()
-        self._shapes: set[tuple[int, int, bool]] = set()  # step shapes run so far (compiled)
+        self._shapes: set[tuple[int, int, bool]] = set()  # step shapes sent so far (compiled)
+        self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jha-device")
+        self._device_calls: list[Future] = []  # calls on the worker whose errors are not yet looked at
         self._in_flight: _SentStep | None = None  # the step sent and not yet read back
         self._last_read = time.perf_counter()
         self._compile_seconds = 0.0  # of the dispatches since the last read
@@ -141,8 +149,17 @@ class Engine:
         """Forget the prefix cache and the counters (compiled step shapes stay); refused while requests run."""
         if self.has_unfinished_requests():
             raise ValueError(f"reset() with {self.num_unfinished_requests} unfinished requests")
-        self.manager.reset_prefix_cache()
+        self._on_device(self.manager.reset_prefix_cache)
+        self.synchronize()
         self.stats = EngineStats()
+
+    def synchronize(self) -> None:
+        """Wait until every device call made so far is sent (the caches and the allocator's state are then the
+        engine's to read); raises the first error of such a call."""
+        self._on_device(lambda: None)
+        calls, self._device_calls = self._device_calls, []
+        for call in calls:
+            call.result()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._admitted)
@@ -156,7 +173,7 @@ class Engine:
     def step(self, on_token: Callable[[Hashable, int], None] | None = None) -> list[RequestOutput]:
         """One scheduling step: send the next step to the device, then read the previous one back. Returns the
         requests that finished in the step read back; `on_token(request_id, token)` is called for each of its
-        tokens."""
+        tokens. The device calls it makes may still be queued when it returns (`synchronize`)."""
         previous, self._in_flight = self._in_flight, None
         rows = self._schedule()
         if rows:
@@ -201,6 +218,7 @@ class Engine:
                 outputs[output.request_id] = output
                 if on_finish is not None:
                     on_finish(output)
+        self.synchronize()
         return [outputs[key] for key in order]
 
     # -------------------------------------------------------------------------------------------- helpers
@@ -212,7 +230,7 @@ class Engine:
         budget = self.config.max_num_batched_tokens
         while self._waiting and len(self._admitted) < self.config.max_num_seqs:
             request = self._waiting.popleft()
-            self.manager.add_request(request.request_id, request.all_token_ids)
+            self._on_device(self.manager.add_request, request.request_id, request.all_token_ids)
             request.admitted = True
             self._admitted.append(request)
         rows = []
@@ -230,24 +248,30 @@ class Engine:
                 budget -= need
         return rows
 
+    def _on_device(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on the device worker, after every device call made before it."""
+        call = self._device_worker.submit(fn, *args)
+        self._device_calls.append(call)
+        return call
+
     def _send(self, rows: list[tuple[Request, InFlightWork]]) -> "_SentStep":
-        """Send one step's plan to the device (nothing is read back here)."""
-        columns = []  # per row: slot, tokens, prompt length, seed, temperature, top-k, top-p
+        """Send one step's plan to the device (through the worker; nothing is read back here)."""
+        columns = []  # per row: tokens, prompt length, seed, temperature, top-k, top-p
         for request, work in rows:
             s = request.sampling
-            columns.append((self.manager.slot(request.request_id), work.num_tokens, len(request.prompt_token_ids),
-                            request.seed, s.temperature, s.top_k, s.top_p))  # fmt: skip
+            columns.append((work.num_tokens, len(request.prompt_token_ids), request.seed, s.temperature, s.top_k,
+                            s.top_p))  # fmt: skip
             request.in_flight.append(work)
-        slots, needs, prompt_lens, seeds, temperature, top_k, top_p = zip(*columns)
+        needs, prompt_lens, seeds, temperature, top_k, top_p = zip(*columns)
         pad = self.config.max_num_seqs - len(rows)
 
         def column(values, dtype, fill):
             return np.pad(np.asarray(values, dtype), (0, pad), constant_values=fill)
 
         plan = StepPlan(
-            slots=column(slots, np.int32, NO_SLOT), max_new_tokens=column(needs, np.int32, 0),
-            prompt_lens=column(prompt_lens, np.int32, 0), temperature=column(temperature, np.float32, 0),
-            top_k=column(top_k, np.int32, 0), top_p=column(top_p, np.float32, 1), seeds=column(seeds, np.uint32, 0),
+            slots=None, max_new_tokens=column(needs, np.int32, 0), prompt_lens=column(prompt_lens, np.int32, 0),
+            temperature=column(temperature, np.float32, 0), top_k=column(top_k, np.int32, 0),
+            top_p=column(top_p, np.float32, 1), seeds=column(seeds, np.uint32, 0),
         )  # fmt: skip
         # The static shape bounds what the device computes: prefix hits and earlier failures only lower it
         shape = (
@@ -255,7 +279,24 @@ class Engine:
             1 if max(needs) == 1 else self.config.max_num_batched_tokens,
             not bool((plan.temperature > 0).any()),
         )
+        ids = [request.request_id for request, _ in rows]
         sent_at = time.perf_counter()
+        call = self._on_device(self._dispatch, ids, plan, shape)
+        compiled = shape not in self._shapes
+        if compiled:  # wait for its dispatch, which compiles it: not run time of the step read back next
+            self._shapes.add(shape)
+            call.result()
+            seconds = time.perf_counter() - sent_at
+            self._compile_seconds += seconds
+            self.stats.compile_time += seconds
+        return _SentStep([(request, request.num_preemptions) for request, _ in rows], call, compiled, sent_at)
+
+    def _dispatch(self, request_ids: list[Hashable], plan: StepPlan, shape: tuple[int, int, bool]) -> StepResult:
+        """(On the device worker.) Send the step's two jitted calls; the allocator's state, the caches and the
+        computed counts become their outputs."""
+        slots = [self.manager.slot(request_id) for request_id in request_ids]
+        pad = self.config.max_num_seqs - len(slots)
+        plan = plan._replace(slots=np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=NO_SLOT))
         plan = jax.device_put(plan)
         state = DeviceState(tuple(self.kv_caches), self.manager.state, self._num_computed)
         state, out, known = self._allocate(state, plan)
@@ -264,17 +305,12 @@ class Engine:
         )
         self.kv_caches, self.manager.state = list(state.kv_caches), state.allocator
         self._num_computed = state.num_computed
-        compiled = shape not in self._shapes
-        if compiled:  # its dispatch compiled it: not run time of the step read back next
-            self._shapes.add(shape)
-            seconds = time.perf_counter() - sent_at
-            self._compile_seconds += seconds
-            self.stats.compile_time += seconds
-        return _SentStep([(request, request.num_preemptions) for request, _ in rows], result, compiled, sent_at)
+        return result
 
     def _read(self, sent: "_SentStep", on_token) -> list[RequestOutput]:
         """Read a step back: its tokens, finished requests, preemptions and counters."""
-        result = StepResult(*jax.device_get(tuple(sent.result)))
+        result = StepResult(*jax.device_get(tuple(sent.call.result())))
+        self._raise_device_errors()
         now = time.perf_counter()
         seconds = now - max(self._last_read, sent.sent_at) - self._compile_seconds
         self._last_read, self._compile_seconds = now, 0.0
@@ -317,8 +353,18 @@ class Engine:
             return FinishReason.LENGTH
         return None
 
+    def _raise_device_errors(self) -> None:
+        """Raise the error of a device call that has run and failed; forget the calls that succeeded."""
+        pending = []
+        for call in self._device_calls:
+            if not call.done():
+                pending.append(call)
+            elif call.exception() is not None:
+                raise call.exception()
+        self._device_calls = pending
+
     def _release(self, request: Request) -> RequestOutput:
-        self.manager.free(request.request_id)
+        self._on_device(self.manager.free, request.request_id)
         self._admitted.remove(request)
         self._ids.discard(request.request_id)
         return RequestOutput.of(request)
@@ -351,7 +397,7 @@ class Engine:
             if request not in running:  # preempted already, as an earlier row's victim
                 continue
             victim = max(running, key=lambda r: r.index)
-            self.manager.preempt(victim.request_id)
+            self._on_device(self.manager.preempt, victim.request_id)
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
             for work in victim.in_flight:
@@ -361,10 +407,10 @@ class Engine:
 
 @dataclasses.dataclass
 class _SentStep:
-    """A step sent to the device: its rows (each request with its preemption count when sent), its result on the
-    device, whether its shape compiled, and when it was sent."""
+    """A step handed to the device worker: its rows (each request with its preemption count when sent), the
+    worker's call (its `StepResult` on the device), whether its shape compiled, and when it was handed over."""
 
     rows: list[tuple[Request, int]]
-    result: StepResult
+    call: Future
     compiled: bool
     sent_at: float
