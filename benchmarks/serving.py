@@ -9,15 +9,20 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
   throughput  (GPU) a Gemma-3-1B-shaped model with random bf16 weights, 256 prompts of 128-1,024 random tokens,
               64 greedy tokens each: ours (a cold run, compiles included, then a warm one) and transformers'
               `generate_batch` with `paged|sdpa` on the same weights and prompts, in the same process;
-  busy        (GPU) the share of a 256-request decode step's wall time that the GPU is busy.
+  busy        (GPU) the share of a 256-request decode step's wall time that the GPU runs kernels or copies
+              (CUPTI profile), and the engine's step time against its jitted calls replayed back to back.
 
 Prints one line per measurement and a summary table last.
 """
 
 import argparse
+import glob
+import gzip
+import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # transformers shares the GPU
 
@@ -188,10 +193,45 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
     rows.append(("throughput", line))
 
 
-def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20) -> None:
-    """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together;
-    the engine's step (host planning and reading back, overlapped with the device) against the same step's two
-    jitted calls replayed back to back on its own inputs (device-bound: no host work in between)."""
+def gpu_busy_in_trace(directory: str) -> tuple[float, float]:
+    """(busy, span) in ms: the time in which some GPU stream runs a kernel or a copy, and the time from the first
+    to the last of them, from the trace `jax.profiler.trace(..., create_perfetto_trace=True)` wrote under
+    `directory`. (nan, nan) where the trace has no GPU (a CPU dry run)."""
+    (path,) = glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)
+    with gzip.open(path) as file:
+        events = json.load(file)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = {(e["pid"], e.get("tid"), e["name"]): str(e.get("args", {}).get("name", ""))
+             for e in events if e.get("ph") == "M"}  # fmt: skip
+    gpu_pids = {pid for (pid, _, kind), name in names.items() if kind == "process_name" and "GPU" in name}
+    streams = {(pid, tid) for (pid, tid, kind), name in names.items()  # kernels and copies, not module or op lines
+               if pid in gpu_pids and kind == "thread_name" and name.startswith("Stream")}  # fmt: skip
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and (e["pid"], e["tid"]) in streams)  # fmt: skip
+    if not spans:
+        return float("nan"), float("nan")
+    busy, end = 0.0, -float("inf")
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy / 1e3, (end - spans[0][0]) / 1e3
+
+
+def profiled(directory: str, run: Callable[[], None]) -> tuple[float, float]:
+    """`gpu_busy_in_trace` of `run()` under the profiler (Python tracer off: it would slow the host side)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(directory, create_perfetto_trace=True, profiler_options=options):
+        run()
+    return gpu_busy_in_trace(directory)
+
+
+def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None) -> None:
+    """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together.
+    Timed: the engine's steps (wall), and the same step's two jitted calls replayed back to back on copies of its
+    inputs (no host work in between but XLA's own). Profiled (CUPTI, under `trace` or a temporary directory): the
+    time the GPU runs kernels or copies during `steps` engine steps and `steps` replays."""
+    trace = trace or tempfile.mkdtemp()
     config = ModelConfig.from_hf(shape)
     model = random_model(config, seed=0, dtype=jnp.bfloat16)
     engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=num_requests, max_num_batched_tokens=8192,
@@ -207,7 +247,14 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    step_time = (time.perf_counter() - started) / steps
+    step_time = (time.perf_counter() - started) / steps * 1e3
+
+    def engine_steps():
+        for _ in range(steps):
+            engine.step()
+        engine.synchronize()
+
+    engine_busy, engine_span = profiled(f"{trace}/engine", engine_steps)
 
     allocate, run_model, recorded = engine._allocate, engine._run_model, {}
 
@@ -223,7 +270,6 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     engine.step()
     engine.synchronize()  # the step is sent (by the engine's device worker)
     engine._allocate, engine._run_model = allocate, run_model
-    allocators = [jax.tree.map(jnp.copy, recorded["allocator"]) for _ in range(steps + 1)]
     caches = tuple(engine.kv_caches)  # a replay rewrites the recorded step's K/V, in the same slots
 
     def replay(allocator, caches):  # the step's two calls, as the engine sends them
@@ -232,16 +278,23 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
         state, result = run_model(recorded["weights"], state, out, known, recorded["plan"], **recorded["shape"])
         return state.kv_caches, result
 
-    caches, result = replay(allocators.pop(), caches)
-    jax.block_until_ready(result)
-    started = time.perf_counter()
-    for allocator in allocators:
-        caches, result = replay(allocator, caches)
-    jax.block_until_ready(result)
-    device_time = (time.perf_counter() - started) / steps
+    def replays():
+        nonlocal caches
+        allocators = [jax.tree.map(jnp.copy, recorded["allocator"]) for _ in range(steps)]
+        jax.block_until_ready(allocators)
+        started = time.perf_counter()
+        for allocator in allocators:
+            caches, result = replay(allocator, caches)
+        jax.block_until_ready(result)
+        return (time.perf_counter() - started) / steps * 1e3
+
+    replays()  # warm
+    replay_time = replays()
+    replay_busy, replay_span = profiled(f"{trace}/replay", replays)
     engine.kv_caches = list(caches)
-    line = (f"decode step of {num_requests} requests: engine {step_time * 1e3:.2f} ms, the same step replayed back "
-            f"to back {device_time * 1e3:.2f} ms: GPU busy {min(device_time / step_time, 1):.0%} of the step")  # fmt: skip
+    line = (f"decode step of {num_requests} requests: engine {step_time:.2f} ms per step, GPU busy "
+            f"{engine_busy / engine_span:.0%} of it ({engine_busy / steps:.2f} ms of kernels and copies per step); "
+            f"the step's calls replayed back to back {replay_time:.2f} ms, GPU busy {replay_busy / replay_span:.0%}")  # fmt: skip
     print("busy", line, flush=True)
     rows.append(("busy", line))
 
@@ -251,6 +304,7 @@ def main():
     parser.add_argument("--sections", default="capacity,parity,throughput,busy")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--trace", metavar="DIR", help="busy: also profile a few steps into DIR (Perfetto traces)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 1B shape (a dry run on a CPU)")
     args = parser.parse_args()
     rows: list = []
@@ -262,7 +316,8 @@ def main():
         elif section == "parity":
             parity(rows)
         elif section == "busy":
-            busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256)
+            busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256,
+                       trace=args.trace)  # fmt: skip
         elif section == "throughput":
             shape = TINY if args.tiny else GEMMA3_1B
             throughput(rows, num_prompts=args.num_prompts, transformers_too=not args.no_transformers, shape=shape)

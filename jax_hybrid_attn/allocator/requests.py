@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, UInt32
 
+from ..integers import cdiv
 from .columns import ADAPTER, NUM_TOKENS, ROOT_HI, ROOT_LO, RequestRows
 from .config import AllocatorConfig
 from .hashing import chain_block_hash, root_hash
@@ -21,8 +22,14 @@ from .state import AllocatorState, RequestTable
 __all__ = ["add_requests", "append_token_ids"]
 
 
-def _extend_hashes(config: AllocatorConfig, req: RequestTable, slots, old_len, new_len) -> RequestTable:
-    """Hash the hash blocks that became full between `old_len` and `new_len` tokens, in chain order."""
+def _extend_hashes(
+    config: AllocatorConfig, req: RequestTable, slots, old_len, new_len, *, max_new_blocks: int | None = None
+) -> RequestTable:
+    """Hash the hash blocks that became full between `old_len` and `new_len` tokens, in chain order.
+
+    `max_new_blocks`: a static bound on the blocks any row fills; the loop then has that many trips, known when
+    compiling. Without it the trip count is the largest row's, which a GPU reads back to the host before it
+    launches what follows."""
     size = config.hash_block_size
     first, last = old_len // size, new_len // size
     offset = jnp.arange(size, dtype=jnp.int32)
@@ -39,7 +46,7 @@ def _extend_hashes(config: AllocatorConfig, req: RequestTable, slots, old_len, n
         index = jnp.clip(k, 0, config.hash_blocks_per_row - 1)
         return hashes.at[jnp.where(active, slots, drop), index].set(block_hash, mode="drop")
 
-    steps = jnp.max(last - first, initial=0)
+    steps = jnp.max(last - first, initial=0) if max_new_blocks is None else max_new_blocks
     return dataclasses.replace(req, block_hashes=jax.lax.fori_loop(0, steps, one, req.block_hashes))
 
 
@@ -146,5 +153,6 @@ def append_token_ids(
         ),
         rows=req.rows.at[jnp.where(ok, safe, config.max_num_seqs), NUM_TOKENS].set(new_len, mode="drop"),
     )
-    req = _extend_hashes(config, req, safe, old_len, new_len)
+    # appending A tokens fills at most ceil(A / hash_block_size) blocks of a row
+    req = _extend_hashes(config, req, safe, old_len, new_len, max_new_blocks=cdiv(width, config.hash_block_size))
     return dataclasses.replace(state, requests=req)

@@ -11,9 +11,12 @@ blocks), step n+1 computes from what step n really did.
 Shape letters: R rows (request slots, ``max_num_seqs``) · T tokens of the step · V vocabulary.
 """
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
+from jax.tree_util import PyTreeDef
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -107,11 +110,12 @@ def allocate(
 
 def run_model(
     graphdef: nnx.GraphDef,
+    weights_treedef: PyTreeDef,
     allocator_config: AllocatorConfig,
     layout: KVCacheLayout,
     implementation: str | None,
     interpret: bool,
-    weights: nnx.State,
+    weights: Sequence[Array],
     state: DeviceState,
     out: StepOutput,
     known: Int[Array, "R"],
@@ -125,8 +129,11 @@ def run_model(
     donated): each group's metadata, the model's forward over the first T tokens of `out` (T bounds the sum of
     `plan.max_new_tokens`, `max_query_len` each of them: 1 for a decode-only step), sampling (`greedy_only`: no
     row has a temperature), the sampled tokens into the allocator and the computed counts into
-    `state.num_computed`. Nothing in it makes the host wait for the device."""
-    model = nnx.merge(graphdef, weights)
+    `state.num_computed`. `weights` are the leaves of the model's `nnx.State`, `weights_treedef` its structure.
+
+    Nothing in it makes the host wait for the device: no loop or branch depends on device values, so on a GPU
+    the call returns once everything is launched."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(weights_treedef, weights))
     metadata = tuple(
         metadata_from_step(allocator_config, out, group, max_query_len=max_query_len).replace(
             slot_mapping=out.slot_mappings[group, :num_tokens]

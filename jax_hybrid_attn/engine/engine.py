@@ -94,11 +94,13 @@ class Engine:
         )  # fmt: skip
         self.manager = KVCacheManager(self.allocator_config)
         self.kv_caches = self.layout.allocate()
-        self._weights = state
+        # the weights travel as a flat list of arrays: flattening the model's `nnx.State` on every call costs more
+        weights, weights_treedef = jax.tree.flatten(state)
+        self._weights = tuple(weights)
         self._num_computed = jnp.zeros(config.max_num_seqs, jnp.int32)  # `DeviceState.num_computed`
         self._allocate = jax.jit(partial(allocate, self.allocator_config), donate_argnames=("state",))
         self._run_model = jax.jit(
-            partial(run_model, graphdef, self.allocator_config, self.layout, config.implementation, config.interpret),
+            partial(run_model, graphdef, weights_treedef, self.allocator_config, self.layout, config.implementation, config.interpret),
             static_argnames=("num_tokens", "max_query_len", "greedy_only"),
             donate_argnames=("state",),
         )
