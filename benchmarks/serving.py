@@ -226,11 +226,18 @@ def profiled(directory: str, run: Callable[[], None]) -> tuple[float, float]:
     return gpu_busy_in_trace(directory)
 
 
+MODEL_CALL_VARIANTS = {  # XLA options of the model's jitted call, compared side by side by `busy_share`
+    "default": {},
+    "no CUDA graphs in the model's call": {"xla_gpu_enable_command_buffer": ""},
+}
+
+
 def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None) -> None:
     """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together.
     Timed: the engine's steps (wall), and the same step's two jitted calls replayed back to back on copies of its
     inputs (no host work in between but XLA's own). Profiled (CUPTI, under `trace` or a temporary directory): the
-    time the GPU runs kernels or copies during `steps` engine steps and `steps` replays."""
+    time the GPU runs kernels or copies during `steps` engine steps and `steps` replays. Each of
+    `MODEL_CALL_VARIANTS` in turn."""
     trace = trace or tempfile.mkdtemp()
     config = ModelConfig.from_hf(shape)
     model = random_model(config, seed=0, dtype=jnp.bfloat16)
@@ -242,6 +249,19 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
         engine.add_request(rng.integers(1, config.vocab_size, int(n)).tolist(), sampling)
     while engine._waiting or not all(request.output_token_ids for request in engine._admitted):
         engine.step()  # every prompt prefilled
+    engine.synchronize()
+    default = engine._run_model
+    for name, options in MODEL_CALL_VARIANTS.items():
+        engine._run_model = jax.jit(default.__wrapped__, static_argnames=("num_tokens", "max_query_len", "greedy_only"),
+                                    donate_argnames=("state",), compiler_options=options)  # fmt: skip
+        line = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)
+        line = f"{name} | decode step of {num_requests} requests: {line}"
+        print("busy", line, flush=True)
+        rows.append(("busy", line))
+    engine._run_model = default
+
+
+def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
     for _ in range(3):  # decode steps (the decode shape compiles)
         engine.step()
     started = time.perf_counter()
@@ -292,11 +312,9 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     replay_time = replays()
     replay_busy, replay_span = profiled(f"{trace}/replay", replays)
     engine.kv_caches = list(caches)
-    line = (f"decode step of {num_requests} requests: engine {step_time:.2f} ms per step, GPU busy "
-            f"{engine_busy / engine_span:.0%} of it ({engine_busy / steps:.2f} ms of kernels and copies per step); "
-            f"the step's calls replayed back to back {replay_time:.2f} ms, GPU busy {replay_busy / replay_span:.0%}")  # fmt: skip
-    print("busy", line, flush=True)
-    rows.append(("busy", line))
+    return (f"engine {step_time:.2f} ms per step, GPU busy {engine_busy / engine_span:.0%} of it "
+            f"({engine_busy / steps:.2f} ms of kernels and copies per step); the step's calls replayed back to back "
+            f"{replay_time:.2f} ms, GPU busy {replay_busy / replay_span:.0%}")  # fmt: skip
 
 
 def main():
