@@ -614,3 +614,136 @@ def test_colliding_inserts_of_the_first_chunk_are_placed_by_the_loop():
     assert np.asarray(pool.prefix_map)[0, :2].tolist() == blocks  # the earlier row's block won the first slot
     assert int(np.asarray(pool.prefix_map)[0, -1]) == 0b11
     assert all(int(pool.info[b, MAP_SLOT]) >= 0 for b in blocks)
+
+
+# ------------------------------------------------------------------------------- the deferring step (decode)
+
+
+def _step(manager, rows, *, defer_rest):
+    """rows: [(request_id, computed, new)]; runs `allocate_slots` on the manager's state. Returns the StepOutput."""
+    slots = jnp.array([manager.slot(rid) for rid, _, _ in rows], jnp.int32)
+    computed = jnp.array([c for _, c, _ in rows], jnp.int32)
+    new = jnp.array([n for _, _, n in rows], jnp.int32)
+    manager.state, out = allocate_slots(manager.config, manager.state, slots, computed, new, defer_rest=defer_rest)
+    check_invariants(manager)
+    return out
+
+
+def test_defer_rest_decode_steps_equal_full_steps():
+    """Decodes that cross block edges, leave windows (freeing cached blocks) and cache full blocks: the deferring
+    step serves every row, with the same outputs and state as the full step."""
+    config = make_config([full(4), window(4, 7), window(4, 7)], num_blocks=40)
+    managers = {defer: KVCacheManager(config) for defer in (False, True)}
+    prompts = [list(range(10 * r, 10 * r + 5 + 3 * r)) for r in range(3)]
+    for manager in managers.values():
+        for r, prompt in enumerate(prompts):
+            manager.add_request(r, prompt)
+        _step(manager, [(r, 0, len(p)) for r, p in enumerate(prompts)], defer_rest=False)
+    lengths = [len(p) for p in prompts]
+    for step in range(12):
+        outs = {}
+        for defer, manager in managers.items():
+            for r in range(3):
+                manager.append_token_ids(r, [500 + 7 * step + r])
+            outs[defer] = _step(manager, [(r, lengths[r], 1) for r in range(3)], defer_rest=defer)
+        assert not outs[True].deferred.any() and outs[True].success.all(), f"step {step}"
+        for field in dataclasses.fields(outs[False]):
+            np.testing.assert_array_equal(getattr(outs[False], field.name), getattr(outs[True], field.name))
+        lengths = [n + 1 for n in lengths]
+    for a, b in zip(state_leaves(managers[False]), state_leaves(managers[True]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_defer_rest_defers_a_decode_that_completes_a_chunk_and_the_rows_after_it():
+    """Reaching a new chunk frees the finished chunk's blocks, several at once: the vectorised path stops there,
+    and the rows after it (whose room may depend on it) wait too."""
+    manager = KVCacheManager(HYBRID)  # chunk 8, block 4
+    prompts = [list(range(10 * r, 10 * r + n)) for r, n in enumerate((5, 8, 11))]
+    for r, prompt in enumerate(prompts):
+        manager.add_request(r, prompt)
+    _step(manager, [(r, 0, len(p)) for r, p in enumerate(prompts)], defer_rest=False)
+    for r in range(3):
+        manager.append_token_ids(r, [500 + r])
+    before = [manager.get_block_ids(r) for r in range(3)]
+    out = _step(manager, [(r, len(p), 1) for r, p in enumerate(prompts)], defer_rest=True)
+    assert out.success.tolist() == [True, False, False] and out.deferred.tolist() == [False, True, True]
+    assert [manager.get_block_ids(r) for r in (1, 2)] == before[1:]
+    out = _step(manager, [(r, len(p), 1) for r, p in enumerate(prompts) if r], defer_rest=False)
+    assert out.success.tolist() == [True, True]
+
+
+def test_defer_rest_defers_a_new_request_and_changes_nothing_for_it():
+    manager = KVCacheManager(HYBRID)
+    manager.add_request("old", list(range(7)))
+    _step(manager, [("old", 0, 7)], defer_rest=False)
+    manager.append_token_ids("old", [70])
+    manager.add_request("new", list(range(100, 109)))
+    before = manager.get_block_ids("new")
+    out = _step(manager, [("old", 7, 1), ("new", 0, 9)], defer_rest=True)
+    assert out.success.tolist() == [True, False] and out.deferred.tolist() == [False, True]
+    assert int(out.num_scheduled_tokens[1]) == 0 and manager.get_block_ids("new") == before
+    out = _step(manager, [("new", 0, 9)], defer_rest=False)  # a full step serves it
+    assert out.success.tolist() == [True] and not out.deferred.any()
+
+
+def test_defer_rest_defers_every_row_with_work_when_the_pool_is_due_for_maintenance():
+    manager = KVCacheManager(HYBRID)
+    for r in range(2):
+        manager.add_request(r, list(range(10 * r, 10 * r + 6)))
+    _step(manager, [(0, 0, 6), (1, 0, 6)], defer_rest=False)
+    pool = manager.state.pool
+    counters = pool.counters.at[STAMP_COUNTER].set(STAMP_RENORMALIZE_AT)  # re-ranking is due
+    manager.state = dataclasses.replace(manager.state, pool=dataclasses.replace(pool, counters=counters))
+    out = _step(manager, [(0, 6, 3), (1, 6, 3)], defer_rest=True)
+    assert out.deferred.tolist() == [True, True] and not out.success.any()
+    out = _step(manager, [(0, 6, 3), (1, 6, 3)], defer_rest=False)
+    assert out.success.tolist() == [True, True] and int(manager.state.pool.stamp_counter) < STAMP_RENORMALIZE_AT
+
+
+def test_colliding_inserts_of_a_deferring_step_are_placed_within_its_rounds():
+    config = make_config([full(4)], num_blocks=3, max_num_seqs=2, max_model_len=16, max_num_batched_tokens=8)
+    manager = KVCacheManager(config)
+    for name, first in (("a", 0), ("b", 100)):
+        manager.add_request(name, list(range(first, first + 3)))
+    _step(manager, [("a", 0, 3), ("b", 0, 3)], defer_rest=False)
+    for name, token in (("a", 3), ("b", 103)):
+        manager.append_token_ids(name, [token])
+    out = _step(manager, [("a", 3, 1), ("b", 3, 1)], defer_rest=True)  # both blocks cached, colliding
+    assert out.success.tolist() == [True, True]
+    blocks = [manager.get_block_ids(name)[0][0] for name in ("a", "b")]
+    assert np.asarray(manager.state.pool.prefix_map)[0, :2].tolist() == blocks
+
+
+def _data_dependent_control_flow(jaxpr) -> list[str]:
+    """The `while` loops and the `cond`s that a GPU runs in `jaxpr` (sub-jaxprs included): of a platform selection
+    (`lax.platform_dependent` without a CUDA branch) only its default branch, the last."""
+    found, platform_indices = [], set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "platform_index":
+            assert not any("cuda" in (names or ()) for names in eqn.params["platforms"]), eqn.params
+            platform_indices.update(map(id, eqn.outvars))
+        selection = eqn.primitive.name == "cond" and id(eqn.invars[0]) in platform_indices
+        if eqn.primitive.name == "while" or (eqn.primitive.name == "cond" and not selection):
+            found.append(f"{eqn.primitive.name}: {eqn.source_info.traceback}")
+        for name, param in eqn.params.items():
+            if selection and name == "branches":
+                param = param[-1:]
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    found += _data_dependent_control_flow(sub)
+    return found
+
+
+@pytest.mark.parametrize("defer_rest", [False, True])
+def test_a_deferring_step_has_no_loop_or_branch_on_device_values(defer_rest):
+    """On a GPU, XLA reads such a loop's or branch's predicate back to the host before it goes on."""
+    from jax_hybrid_attn.allocator import init_state
+
+    config, rows = HYBRID, jnp.arange(HYBRID.max_num_seqs, dtype=jnp.int32)
+    jaxpr = jax.make_jaxpr(
+        lambda state: allocate_slots.__wrapped__(config, state, rows, rows, rows, defer_rest=defer_rest)
+    )(init_state(config))
+    found = _data_dependent_control_flow(jaxpr.jaxpr)
+    assert (found == []) == defer_rest, found

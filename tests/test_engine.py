@@ -97,6 +97,19 @@ def test_engine_greedy_equals_the_dense_forward_through_chunks_hits_and_preempti
     assert not engine.has_unfinished_requests() and engine.manager.num_free_blocks == engine.layout.num_blocks - 1
 
 
+def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_tokens():
+    """Decode steps let the allocator defer the rows its vectorised path cannot serve at once: here decodes that
+    reach a new 16-token chunk and free the last chunk's four blocks (and the rows after them)."""
+    config, model = tiny_model("llama4_text")
+    prompts = [[(5 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((13, 14, 15, 30))]
+    want = [dense_greedy(model, p, MAX_TOKENS) for p in prompts]
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                                max_model_len=64))  # fmt: skip
+    got = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [o.output_token_ids for o in got] == want
+    assert engine.stats.deferred_rows > 0 and engine.stats.preemptions == 0
+
+
 def test_preemption_happens_and_does_not_change_sampled_outputs():
     config, model = tiny_model("gemma3_text")
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.9)

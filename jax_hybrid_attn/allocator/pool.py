@@ -301,9 +301,10 @@ def cache_blocks(
     return pool, dataclasses.replace(inserts, dropped=jnp.zeros((), jnp.int32))
 
 
-def finish_inserts(pool: BlockPool, inserts: prefix_map.Inserts) -> BlockPool:
-    """Place the inserts that `cache_blocks(finish=False)` left pending, and record their map slots."""
-    table, done = prefix_map.finish_inserts(pool.prefix_map, inserts)
+def finish_inserts(pool: BlockPool, inserts: prefix_map.Inserts, *, max_rounds: int | None = None) -> BlockPool:
+    """Place the inserts that `cache_blocks(finish=False)` left pending, and record their map slots
+    (`prefix_map.finish_inserts`: `max_rounds` bounds the rounds, dropping what is left)."""
+    table, done = prefix_map.finish_inserts(pool.prefix_map, inserts, max_rounds=max_rounds)
     placed = inserts.pending & (done.slot_of != NO_MAP_SLOT)
     info = pool.info.at[jnp.where(placed, done.blocks, pool.info.shape[0]), MAP_SLOT].set(
         done.slot_of, mode="drop"

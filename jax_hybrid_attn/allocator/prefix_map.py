@@ -104,10 +104,20 @@ def insert(
 
 
 def finish_inserts(
-    prefix_map: Int[Array, "NB W+1"], inserts: "Inserts"
+    prefix_map: Int[Array, "NB W+1"], inserts: "Inserts", *, max_rounds: int | None = None
 ) -> tuple[Int[Array, "NB W+1"], "Inserts"]:
-    """Place the pending inserts, in rounds, until none is left."""
-    return jax.lax.while_loop(lambda carry: jnp.any(carry[1].pending), _place_round, (prefix_map, inserts))
+    """Place the pending inserts, in rounds, until none is left.
+
+    `max_rounds`: at most that many rounds, a number known when compiling (no host sync on a GPU); the inserts
+    still pending after them are dropped, as those that find both buckets full are (their blocks stay uncached:
+    a later request misses them)."""
+    if max_rounds is None:
+        return jax.lax.while_loop(lambda carry: jnp.any(carry[1].pending), _place_round, (prefix_map, inserts))
+    table, inserts = jax.lax.fori_loop(0, max_rounds, lambda _, carry: _place_round(carry), (prefix_map, inserts))
+    left = inserts.pending
+    return table, dataclasses.replace(
+        inserts, pending=jnp.zeros_like(left), dropped=inserts.dropped + jnp.sum(left, dtype=jnp.int32)
+    )
 
 
 @dataclasses.dataclass(frozen=True)

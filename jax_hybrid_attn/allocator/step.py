@@ -31,6 +31,9 @@ How the rows go (the step is a few hundred array operations whatever R is; `xla_
   * Rare work sits in 0-or-1-trip loops (`xla_cpu.run_if`). On a GPU each such check is a host sync of its
     predicate, so an iteration has two: ring compaction with stamp re-ranking before the frees and takes (one check
     for both, in either path), then prefix-map inserts that collided together with the one-row path.
+  * With ``defer_rest`` only the first chunk runs, without rare work, and the rows it does not serve are deferred
+    (`StepOutput.deferred`): the step then has no host sync at all, which lets a serving loop queue decode steps
+    on a GPU back to back.
   * On a CPU, `kv_cache_manager.compile_allocate_slots` compiles the step with one task per memory-bound operation.
 
 Deliberate differences from vLLM:
@@ -81,6 +84,8 @@ class StepOutput:
 
     Attributes:
       success: [R] bool, the row got its blocks (False for padding rows and rows that did not fit).
+      deferred: [R] bool, the row was not tried (``defer_rest``): it changed nothing and may succeed in a later
+        call. Always False without ``defer_rest``.
       num_computed_tokens: [R] tokens already in the cache, prefix hits included.
       num_new_computed_tokens: [R] of which prefix hits found by this call.
       num_scheduled_tokens: [R] tokens to compute this step (0 unless `success`).
@@ -94,6 +99,7 @@ class StepOutput:
     """
 
     success: Bool[Array, "R"]
+    deferred: Bool[Array, "R"]
     num_computed_tokens: Int[Array, "R"]
     num_new_computed_tokens: Int[Array, "R"]
     num_scheduled_tokens: Int[Array, "R"]
@@ -111,6 +117,9 @@ register_pytree_dataclass(
 
 CHUNK_ROWS = 64
 """Rows the vectorised path serves per iteration (rows with nothing to do are skipped before)."""
+
+DEFERRED_STEP_INSERT_ROUNDS = 4
+"""With ``defer_rest``, the prefix-map insert rounds of a step (inserts that collide in more are dropped)."""
 
 
 class _RowLoop:
@@ -194,8 +203,9 @@ class _RowLoop:
         return k, state, Inserts.none(inserts.pending.shape[0]), results
 
 
-def _allocate_rows(config: AllocatorConfig, state: AllocatorState, rows: StepRows):
-    """Serve every row in order. Returns (state, `RowResults`)."""
+def _allocate_rows(config: AllocatorConfig, state: AllocatorState, rows: StepRows, *, defer_rest: bool = False):
+    """Serve every row in order (`defer_rest`: only the first chunk, see `allocate_slots`). Returns (state,
+    `RowResults`, [R] rows deferred)."""
     num_rows = rows.slot.shape[0]
     idle, bad = idle_rows(config, state, rows)
     results = RowResults(
@@ -212,12 +222,15 @@ def _allocate_rows(config: AllocatorConfig, state: AllocatorState, rows: StepRow
     state, served, _, inserts = allocate_leading_rows(config, state, loop.rows_at(members), maintain=False)
     results = loop.record(members, served, results)
     work = work & ~results.success  # rows left for the loop, which rebuilds their queue when it runs (rarely)
+    if defer_rest:
+        pool = pool_ops.finish_inserts(state.pool, inserts, max_rounds=DEFERRED_STEP_INSERT_ROUNDS)
+        return dataclasses.replace(state, pool=pool), results, work
     count = jnp.sum(work, dtype=jnp.int32)
     carry = (jnp.zeros((), jnp.int32), state, inserts, results)
     _, state, _, results = jax.lax.while_loop(
         lambda c: (c[0] < count) | jnp.any(c[2].pending), partial(loop.step, work), carry
     )
-    return state, results
+    return state, results, jnp.zeros_like(work)
 
 
 def _outputs(
@@ -225,6 +238,7 @@ def _outputs(
     state: AllocatorState,
     rows: StepRows,
     results: RowResults,
+    deferred: Bool[Array, "R"],
     *,
     num_tokens: int,
     block_tables: bool,
@@ -253,6 +267,7 @@ def _outputs(
         tables = req.tables.at[:, rows_or_out].get(mode="fill", fill_value=NULL_BLOCK_ID)
     return StepOutput(
         success=results.success,
+        deferred=deferred,
         num_computed_tokens=computed,
         num_new_computed_tokens=results.hits,
         num_scheduled_tokens=scheduled,
@@ -280,7 +295,7 @@ def _check_reusable(previous: StepOutput, out: StepOutput) -> None:
 
 @partial(
     jax.jit,
-    static_argnames=("config", "num_tokens", "return_block_tables"),
+    static_argnames=("config", "num_tokens", "return_block_tables", "defer_rest"),
     donate_argnames=("state", "previous_output"),
     keep_unused=True,  # `previous_output` is not read, only donated
 )
@@ -296,6 +311,7 @@ def allocate_slots(
     num_tokens: int | None = None,
     return_block_tables: bool = True,
     previous_output: StepOutput | None = None,
+    defer_rest: bool = False,
 ) -> tuple[AllocatorState, StepOutput]:
     """Allocate blocks for one scheduler step of a batch of requests, in row order (see the module docstring).
 
@@ -318,6 +334,13 @@ def allocate_slots(
         output into those buffers instead of new ones. On a GPU this keeps the step's CUDA graphs at the same
         addresses from call to call, so XLA re-records only the few nodes that read the per-step inputs
         (``benchmarks/RESULTS.md`` has the figures). Its values are not read.
+      defer_rest: serve only what the vectorised path serves in its first chunk (a decode step's rows, in the
+        common case) and mark the other rows with work `StepOutput.deferred` instead of serving them (a new
+        request, a row that needs several blocks or frees an uncached one, a row that does not fit, rows past
+        the first `CHUNK_ROWS` with work, every row when the pool is due for maintenance); prefix-map inserts
+        get `DEFERRED_STEP_INSERT_ROUNDS` rounds. The step then has no loop or branch that depends on device
+        values: on a GPU the call returns without waiting for the device. A scheduler sends the deferred rows
+        again in a step without it.
 
     Returns:
       (new state, `StepOutput`).
@@ -325,12 +348,13 @@ def allocate_slots(
     rows = StepRows.from_arguments(
         slots, num_computed_tokens, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit
     )
-    state, results = _allocate_rows(config, state, rows)
+    state, results, deferred = _allocate_rows(config, state, rows, defer_rest=defer_rest)
     out = _outputs(
         config,
         state,
         rows,
         results,
+        deferred,
         num_tokens=config.max_num_batched_tokens if num_tokens is None else num_tokens,
         block_tables=return_block_tables,
     )

@@ -72,6 +72,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0
     prompt_tokens: int = 0
     preemptions: int = 0
+    deferred_rows: int = 0  # rows a decode step's allocator left for the next step (they computed nothing)
     compile_steps: int = 0  # steps whose shape ran for the first time (compiled): not in the prefill/decode times
     compile_time: float = 0.0  # spent in the dispatches that compiled a step shape
     peak_blocks_in_use: int = 0

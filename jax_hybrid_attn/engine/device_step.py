@@ -75,6 +75,7 @@ class StepResult(NamedTuple):
 
     Attributes:
       success: [R] the row got its blocks.
+      deferred: [R] the allocator did not try the row (`allocate`'s ``defer_rest``); it computed nothing.
       seq_lens: [R] its tokens in the cache after the step.
       num_hits: [R] of which prefix-cache hits found in this step.
       num_scheduled: [R] tokens computed in this step.
@@ -84,6 +85,7 @@ class StepResult(NamedTuple):
     """
 
     success: Bool[Array, "R"]
+    deferred: Bool[Array, "R"]
     seq_lens: Int[Array, "R"]
     num_hits: Int[Array, "R"]
     num_scheduled: Int[Array, "R"]
@@ -93,18 +95,24 @@ class StepResult(NamedTuple):
 
 
 def allocate(
-    allocator_config: AllocatorConfig, state: DeviceState, plan: StepPlan
+    allocator_config: AllocatorConfig, state: DeviceState, plan: StepPlan, *, defer_rest: bool = False
 ) -> tuple[DeviceState, StepOutput, Int[Array, "R"]]:
-    """A step's allocation on the device (jit it with `state` donated): each row's new tokens are the tokens
-    known and not yet in the cache, at most `plan.max_new_tokens`. Returns (the state, the allocator's
-    `StepOutput` of T = ``max_num_batched_tokens`` tokens, [R] tokens known before the step)."""
+    """A step's allocation on the device (jit it with `state` donated, `defer_rest` static): each row's new tokens
+    are the tokens known and not yet in the cache, at most `plan.max_new_tokens`. Returns (the state, the
+    allocator's `StepOutput` of T = ``max_num_batched_tokens`` tokens, [R] tokens known before the step).
+
+    `defer_rest` (`step.allocate_slots`): rows the allocator's vectorised path does not serve at once are
+    deferred, and the call makes the host wait for nothing; for decode steps, where that path serves every row
+    in the common case."""
     slots = plan.slots
     valid = slots != NO_SLOT
     rows = RequestRows(state.allocator.requests.rows, jnp.where(valid, slots, 0))
     known = rows.num_tokens
     computed = jnp.where(valid & rows.running, state.num_computed[jnp.maximum(slots, 0)], 0)
     new_tokens = jnp.where(valid, jnp.clip(known - computed, 0, plan.max_new_tokens), 0)
-    allocator, out = step_ops.allocate_slots(allocator_config, state.allocator, slots, computed, new_tokens)
+    allocator, out = step_ops.allocate_slots(
+        allocator_config, state.allocator, slots, computed, new_tokens, defer_rest=defer_rest
+    )
     return state._replace(allocator=allocator), out, known
 
 
@@ -160,7 +168,7 @@ def run_model(
         out.seq_lens, mode="drop"
     )
     result = StepResult(
-        success=out.success, seq_lens=out.seq_lens, num_hits=out.num_new_computed_tokens,
+        success=out.success, deferred=out.deferred, seq_lens=out.seq_lens, num_hits=out.num_new_computed_tokens,
         num_scheduled=out.num_scheduled_tokens, sampled=sampled, tokens=tokens, num_free_blocks=allocator.pool.num_free,
     )  # fmt: skip
     return DeviceState(cache.tensors, allocator, num_computed), result

@@ -17,6 +17,11 @@ The host plans step n+1 before it has read step n, assuming step n goes as plann
 from what step n really did (`device_step`), so a request that got no blocks in step n simply retries. What the
 lag costs: a request that ends on a stop token computes one token more, which is dropped.
 
+A decode step (one token per row) lets the allocator defer the rows it cannot serve at once (a new chunk to
+reach, a request that does not fit, the pool due for maintenance): they compute nothing and the next step, sent
+without deferral, serves them. Such a step has no loop or branch on device values, so on a GPU the host queues
+it without waiting for the step before it.
+
 Everything that reads or writes the device state (the allocator's state and the caches: sending a step, adding,
 freeing and preempting requests) runs in order on one worker thread. On a GPU, XLA reads each data-dependent
 loop's condition back to the host before it launches what follows, so sending a step waits for the step before
@@ -98,17 +103,20 @@ class Engine:
         weights, weights_treedef = jax.tree.flatten(state)
         self._weights = tuple(weights)
         self._num_computed = jnp.zeros(config.max_num_seqs, jnp.int32)  # `DeviceState.num_computed`
-        self._allocate = jax.jit(partial(allocate, self.allocator_config), donate_argnames=("state",))
+        self._allocate = jax.jit(
+            partial(allocate, self.allocator_config), static_argnames=("defer_rest",), donate_argnames=("state",)
+        )
         self._run_model = jax.jit(
             partial(run_model, graphdef, weights_treedef, self.allocator_config, self.layout, config.implementation, config.interpret),
             static_argnames=("num_tokens", "max_query_len", "greedy_only"),
             donate_argnames=("state",),
         )
         self.stats = EngineStats()
-        self._shapes: set[tuple[int, int, bool]] = set()  # step shapes sent so far (compiled)
+        self._shapes: set[tuple[int, int, bool, bool]] = set()  # step shapes sent so far (compiled)
         self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jha-device")
         self._device_calls: list[Future] = []  # calls on the worker whose errors are not yet looked at
         self._in_flight: _SentStep | None = None  # the step sent and not yet read back
+        self._deferred_rows = False  # the last step read back deferred rows: the next one serves every row
         self._last_read = time.perf_counter()
         self._compile_seconds = 0.0  # of the dispatches since the last read
         self._waiting: collections.deque[Request] = collections.deque()
@@ -281,19 +289,25 @@ class Engine:
             1 if max(needs) == 1 else self.config.max_num_batched_tokens,
             not bool((plan.temperature > 0).any()),
         )
+        # A decode step lets the allocator defer the rows it cannot serve at once (then nothing in the step makes
+        # the host wait for the device); the step after one that deferred rows serves every row.
+        defer_rest = shape[1] == 1 and not self._deferred_rows
+        self._deferred_rows = False
         ids = [request.request_id for request, _ in rows]
         sent_at = time.perf_counter()
-        call = self._on_device(self._dispatch, ids, plan, shape)
-        compiled = shape not in self._shapes
+        call = self._on_device(self._dispatch, ids, plan, shape, defer_rest)
+        compiled = (*shape, defer_rest) not in self._shapes
         if compiled:  # wait for its dispatch, which compiles it: not run time of the step read back next
-            self._shapes.add(shape)
+            self._shapes.add((*shape, defer_rest))
             call.result()
             seconds = time.perf_counter() - sent_at
             self._compile_seconds += seconds
             self.stats.compile_time += seconds
         return _SentStep([(request, request.num_preemptions) for request, _ in rows], call, compiled, sent_at)
 
-    def _dispatch(self, request_ids: list[Hashable], plan: StepPlan, shape: tuple[int, int, bool]) -> StepResult:
+    def _dispatch(
+        self, request_ids: list[Hashable], plan: StepPlan, shape: tuple[int, int, bool], defer_rest: bool
+    ) -> StepResult:
         """(On the device worker.) Send the step's two jitted calls; the allocator's state, the caches and the
         computed counts become their outputs."""
         slots = [self.manager.slot(request_id) for request_id in request_ids]
@@ -301,7 +315,7 @@ class Engine:
         plan = plan._replace(slots=np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=NO_SLOT))
         plan = jax.device_put(plan)
         state = DeviceState(tuple(self.kv_caches), self.manager.state, self._num_computed)
-        state, out, known = self._allocate(state, plan)
+        state, out, known = self._allocate(state, plan, defer_rest=defer_rest)
         state, result = self._run_model(
             self._weights, state, out, known, plan, num_tokens=shape[0], max_query_len=shape[1], greedy_only=shape[2]
         )
@@ -329,6 +343,9 @@ class Engine:
                 request.num_cached_tokens += int(result.num_hits[i])
                 self.stats.cached_prompt_tokens += int(result.num_hits[i])
                 request.num_computed_tokens = int(result.seq_lens[i])
+            elif current and result.deferred[i]:
+                self._deferred_rows = True
+                self.stats.deferred_rows += 1
             elif current and request.num_computed_tokens:
                 failed.append(request)
             if result.sampled[i]:
