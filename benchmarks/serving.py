@@ -278,9 +278,10 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
 
     allocate, run_model, recorded = engine._allocate, engine._run_model, {}
 
-    def recording_allocate(state, plan):  # the allocator's state before one step, copied
-        recorded.update(allocator=jax.tree.map(jnp.copy, state.allocator), num_computed=jnp.copy(state.num_computed))
-        return allocate(state, plan)
+    def recording_allocate(state, plan, **options):  # the allocator's state before one step, copied
+        recorded.update(allocator=jax.tree.map(jnp.copy, state.allocator), num_computed=jnp.copy(state.num_computed),
+                        allocate_options=options)  # fmt: skip
+        return allocate(state, plan, **options)
 
     def recording_model(weights, state, out, known, plan, **shape):
         recorded.update(weights=weights, plan=plan, shape=shape)
@@ -294,7 +295,7 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
 
     def replay(allocator, caches):  # the step's two calls, as the engine sends them
         state = DeviceState(caches, allocator, jnp.copy(recorded["num_computed"]))
-        state, out, known = allocate(state, recorded["plan"])
+        state, out, known = allocate(state, recorded["plan"], **recorded["allocate_options"])
         state, result = run_model(recorded["weights"], state, out, known, recorded["plan"], **recorded["shape"])
         return state.kv_caches, result
 
