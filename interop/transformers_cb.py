@@ -57,6 +57,7 @@ from jax_hybrid_attn import PAD_SLOT_ID, AttentionMetadata, LayerAttentionParams
 from jax_hybrid_attn.integers import cdiv, next_power_of_two
 
 from .dlpack import same_memory, to_jax, to_torch
+from .layer_inputs import tensor_key
 
 __all__ = ["NAME", "continuous_batching_attention", "register"]
 
@@ -88,27 +89,27 @@ def _padded_int32(tensor: torch.Tensor, length: int, fill: int) -> torch.Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class _StepShape:
-    """The static sizes of one step (powers of two): tokens, requests, read slots per group, blocks per request
-    of the full groups, pages per request of the sliding groups' buffers, pages of those buffers."""
+    """The static sizes of one step (powers of two): tokens, requests, blocks per request of the full groups,
+    cached window slots per request of the sliding groups, pages per request and in all of their step buffers."""
 
     num_tokens: int
     num_reqs: int
-    num_reads: int
     full_blocks: int
+    window_slots: int
     window_pages: int
     buffer_pages: int
 
 
 @dataclasses.dataclass
 class _Step:
-    """One step's indices in JAX (imported once, at the step's first layer)."""
+    """One step's indices in JAX (planned and imported once, at the step's first layer)."""
 
     shape: _StepShape
     num_tokens: jax.Array  # [] the step's tokens (before padding)
     query_start_loc: jax.Array  # [R + 1]
     cu_seq_lens_k: dict  # layer type -> [R + 1]
     write_index: list  # per group [T] (PAD_SLOT_ID past the step's tokens)
-    read_index: list | None  # per group [num_reads], or None in a step that reads nothing
+    reads: list  # per group: a full group's block tables [R, P], a sliding group's cached slots [R, window_slots]
 
 
 def _cu_seq_lens_k(kwargs) -> dict:
@@ -116,51 +117,102 @@ def _cu_seq_lens_k(kwargs) -> dict:
     return dict(cu) if isinstance(cu, dict) else {FULL_ATTENTION: cu, SLIDING_ATTENTION: cu}
 
 
-def _max_seqlen_k(kwargs) -> int:
+def _max_seqlen_k(kwargs, layer_type: str) -> int:
     lengths = kwargs.get("max_seqlen_k", 0)
-    return max(lengths.values()) if isinstance(lengths, dict) else int(lengths)
+    return int(lengths.get(layer_type, 0)) if isinstance(lengths, dict) else int(lengths)
+
+
+def _group_windows(cache) -> list[int]:
+    """Each group's sliding window (1: full attention), as transformers' cache keeps it per layer."""
+    windows = {}
+    for layer, (group, _) in cache.layer_index_to_group_indices.items():
+        windows[group] = cache.sliding_windows[layer]
+    return [windows[group] for group in range(len(windows))]
+
+
+def _padded_rows(rows: torch.Tensor, num_rows: int) -> jax.Array:
+    """[R, C] int32 rows, zero rows appended up to `num_rows`, in JAX."""
+    out = rows.new_zeros((num_rows, rows.shape[1]))
+    out[: rows.shape[0]] = rows
+    return to_jax(out, name="step index")
 
 
 def _plan_step(cache, kwargs, num_tokens: int) -> _Step:
-    cu_q = kwargs["cu_seq_lens_q"]
+    """The step's static shape and indices, from what continuous batching passes the layers. On torch's side
+    (small index ops, no host sync): each full group's block tables from its slots in position order, each
+    sliding group's cached window slots; these are what the layer calls read, so their shapes depend on the
+    requests and their lengths, not on the step's total of cached tokens."""
+    cu_q = kwargs["cu_seq_lens_q"].reshape(-1).to(torch.int32)
     num_reqs = cu_q.numel() - 1
-    reads = kwargs.get("read_index") or []
-    reads_anything = any(index.numel() for index in reads)
-    max_keys = max(_max_seqlen_k(kwargs), num_tokens)
-    total_keys = max([index.numel() for index in reads] + [num_tokens])  # a sliding group's keys of all requests
+    reads = [index.reshape(-1) for index in kwargs.get("read_index") or []]
+    reads_in = [group < len(reads) and reads[group].numel() > 0 for group in range(len(kwargs["write_index"]))]
+    cu_k = {name: cu.reshape(-1).to(torch.int32) for name, cu in _cu_seq_lens_k(kwargs).items()}
+    windows = _group_windows(cache)
+    sliding_keys = [reads[g].numel() for g, w in enumerate(windows) if w != 1 and reads_in[g]]
+    max_full_keys = max(_max_seqlen_k(kwargs, FULL_ATTENTION), num_tokens)
+    max_window_keys = max(_max_seqlen_k(kwargs, SLIDING_ATTENTION), num_tokens)
     shape = _StepShape(
         num_tokens=_bucket(num_tokens),
         num_reqs=_bucket(num_reqs),
-        num_reads=_bucket(max((index.numel() for index in reads), default=1)),
-        full_blocks=_bucket(cdiv(max_keys, cache.block_size)),
-        window_pages=_bucket(cdiv(max_keys, WINDOW_PAGE_SIZE)),
-        buffer_pages=_bucket(cdiv(total_keys, WINDOW_PAGE_SIZE) + num_reqs),
+        full_blocks=_bucket(cdiv(max_full_keys, cache.block_size)),
+        window_slots=_bucket(max(max(windows) - 1, 1)),
+        window_pages=_bucket(cdiv(max_window_keys, WINDOW_PAGE_SIZE)),
+        buffer_pages=_bucket(cdiv(max(sliding_keys + [num_tokens]), WINDOW_PAGE_SIZE) + num_reqs),
     )
+    device = cu_q.device
 
     def starts(cu):  # [R + 1] int32, the padding requests empty
-        out = torch.empty(shape.num_reqs + 1, dtype=torch.int32, device=cu.device)
-        out[: cu.numel()] = cu.reshape(-1).to(torch.int32)
-        out[cu.numel() :] = out[cu.numel() - 1]
+        out = torch.empty(shape.num_reqs + 1, dtype=torch.int32, device=device)
+        out[: cu.numel()] = cu
+        out[cu.numel() :] = cu[-1]
         return to_jax(out, name="cu_seq_lens")
 
-    read_trash = cache.read_trash_index
+    def block_tables(group):  # [R, P]: every S-th slot of a request, in position order, names its next block
+        if reads_in[group]:  # the request's slots, cached and new
+            source, first = reads[group], cu_k[FULL_ATTENTION]
+        else:  # a step that reads nothing: every request starts at position 0, its slots are those it writes
+            source, first = kwargs["write_index"][group].reshape(-1), cu_q
+        block = torch.arange(shape.full_blocks, device=device)
+        seq_lens = torch.diff(cu_k[FULL_ATTENTION])
+        slots = source[(first[:-1, None] + block[None, :] * cache.block_size).clamp(0, source.numel() - 1)]
+        in_sequence = block[None, :] < (seq_lens[:, None] + cache.block_size - 1) // cache.block_size
+        return torch.where(in_sequence, slots.clamp(min=0) // cache.block_size, 0).to(torch.int32)
+
+    def window_slots(group):  # [R, window_slots]: a request's cached window, in position order
+        offset = torch.arange(shape.window_slots, device=device)
+        if not reads_in[group]:
+            return torch.zeros((num_reqs, shape.window_slots), dtype=torch.int32, device=device)
+        source, first = reads[group], cu_k[SLIDING_ATTENTION]
+        cached_lens = torch.diff(first) - torch.diff(cu_q)
+        slots = source[(first[:-1, None] + offset[None, :]).clamp(0, source.numel() - 1)]
+        return torch.where(offset[None, :] < cached_lens[:, None], slots, 0).to(torch.int32)
+
     return _Step(
         shape=shape,
         num_tokens=jnp.asarray(num_tokens, jnp.int32),
         query_start_loc=starts(cu_q),
-        cu_seq_lens_k={name: starts(cu) for name, cu in _cu_seq_lens_k(kwargs).items()},
+        cu_seq_lens_k={name: starts(cu) for name, cu in cu_k.items()},
         write_index=[
             to_jax(_padded_int32(index[:num_tokens], shape.num_tokens, PAD_SLOT_ID), name="write_index")
             for index in kwargs["write_index"]
         ],
-        read_index=[to_jax(_padded_int32(index, shape.num_reads, read_trash), name="read_index") for index in reads]
-        if reads_anything
-        else None,
+        reads=[_padded_rows(window_slots(g) if w != 1 else block_tables(g), shape.num_reqs)
+               for g, w in enumerate(windows)],  # fmt: skip
     )
 
 
 _steps: "weakref.WeakKeyDictionary[object, _Step]" = weakref.WeakKeyDictionary()
 _aliases: dict = {}
+_held: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()  # cache -> tensor key -> array
+
+
+def _cache_in_jax(cache, tensor: torch.Tensor, shape: tuple, *, name: str) -> jax.Array:
+    """A cache tensor as a `shape` JAX array: the array XLA wrote in place at the layer's last call (it is this
+    tensor's memory), else an import."""
+    held = _held.get(cache, {}).pop(tensor_key(tensor), None)
+    if held is not None and not held.is_deleted():
+        return held
+    return to_jax(tensor.view(shape), name=name, already_ordered=True)
 
 
 def _step_of(cache, module, kwargs, num_tokens: int) -> _Step:
@@ -223,61 +275,58 @@ def continuous_batching_attention(
     step = _step_of(cache, module, kwargs, num_tokens)
     shape = step.shape
 
-    def padded(x, heads):  # [1, heads, T, H] -> [T_bucket, heads, H] (a torch copy)
-        out = x.new_zeros((shape.num_tokens, heads, head_size))
-        out[:num_tokens] = x[0].transpose(0, 1)
-        return out
-
-    # Every input is ready on torch's stream (the copies queued) before the query's import orders JAX's stream
-    # after it; the other imports then skip that wait
-    q, k, v = padded(query, num_heads), padded(key, key.shape[1]), padded(value, key.shape[1])
-    q = to_jax(q, name="query")
-    k, v = (to_jax(x, name=name, already_ordered=True) for x, name in ((k, "key"), (v, "value")))
-
     num_kv_heads = key.shape[1]
+    # q, k and v enter JAX as one [T_bucket, N + 2K, H] copy (one import; split inside the call). Its import
+    # orders JAX's stream after the copies queued on torch's; the caches' imports then skip that wait
+    qkv = query.new_zeros((shape.num_tokens, num_heads + 2 * num_kv_heads, head_size))
+    for x, first in ((query, 0), (key, num_heads), (value, num_heads + num_kv_heads)):
+        qkv[:num_tokens, first : first + x.shape[1]] = x[0].transpose(0, 1)
+    qkv = to_jax(qkv, name="query, key and value")
     k_tensor, v_tensor = cache.key_cache[tensor_index], cache.value_cache[tensor_index]
-    pages = k_tensor.shape[0] // cache.block_size
-    k_cache = to_jax(k_tensor.view(pages, cache.block_size, num_kv_heads, head_size), name="key_cache",
-                     already_ordered=True)  # fmt: skip
-    v_cache = to_jax(v_tensor.view(pages, cache.block_size, num_kv_heads, head_size), name="value_cache",
-                     already_ordered=True)  # fmt: skip
+    paged = (k_tensor.shape[0] // cache.block_size, cache.block_size, num_kv_heads, head_size)
+    k_cache, v_cache = (_cache_in_jax(cache, tensor, paged, name=name)
+                        for tensor, name in ((k_tensor, "key_cache"), (v_tensor, "value_cache")))  # fmt: skip
     sinks = _layer_sinks(module, s_aux if s_aux is not None else getattr(module, "sinks", None))
     params = LayerAttentionParams(
         sm_scale=scaling, sliding_window=window if sliding else None, logits_soft_cap=softcap, causal=True
     )
     layer_type = SLIDING_ATTENTION if sliding else FULL_ATTENTION
     out, new_k, new_v = _layer_call(
-        q, k, v, k_cache, v_cache, sinks,
-        step.query_start_loc, step.cu_seq_lens_k[layer_type], step.write_index[group],
-        None if step.read_index is None else step.read_index[group], step.num_tokens,
-        shape=shape, block_size=cache.block_size, params=params, sliding=sliding,
+        qkv, k_cache, v_cache, sinks,
+        step.query_start_loc, step.cu_seq_lens_k[layer_type], step.write_index[group], step.reads[group],
+        step.num_tokens,
+        shape=shape, num_kv_heads=num_kv_heads, block_size=cache.block_size, params=params, sliding=sliding,
         implementation=implementation, interpret=interpret,
     )  # fmt: skip
     for tensor, array in ((k_tensor, new_k), (v_tensor, new_v)):
         alias_key = (tensor.device.type, tuple(tensor.shape), tensor.dtype)
         if alias_key not in _aliases:  # on a GPU XLA wrote in place; XLA's CPU client does not alias
             _aliases[alias_key] = same_memory(tensor, array)
-        if not _aliases[alias_key]:
+        if _aliases[alias_key]:  # the array is the tensor: the layer's next call imports nothing
+            _held.setdefault(cache, {})[tensor_key(tensor)] = array
+        else:
             tensor.copy_(to_torch(array, name="written cache").reshape(tensor.shape))
     return to_torch(out, name="attention output")[:num_tokens].unsqueeze(0), None
 
 
 @partial(
     jax.jit,
-    static_argnames=("shape", "block_size", "params", "sliding", "implementation", "interpret"),
+    static_argnames=("shape", "num_kv_heads", "block_size", "params", "sliding", "implementation", "interpret"),
     donate_argnames=("k_cache", "v_cache"),
 )
 def _layer_call(
-    q, k, v, k_cache, v_cache, sinks, query_start_loc, cu_seq_lens_k, write_index, read_index, num_actual_tokens,
-    *, shape, block_size, params, sliding, implementation, interpret,
+    qkv, k_cache, v_cache, sinks, query_start_loc, cu_seq_lens_k, write_index, reads, num_actual_tokens,
+    *, shape, num_kv_heads, block_size, params, sliding, implementation, interpret,
 ):  # fmt: skip
     """One layer: a sliding group reads its window into a step buffer, then writes; a full group writes, then
-    attends over its cache."""
+    attends over its cache. `reads`: the group's block tables [R, P] (full) or cached window slots [R, W'] (sliding)."""
+    num_heads = qkv.shape[1] - 2 * num_kv_heads
+    q, k, v = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads], qkv[:, num_heads + num_kv_heads :]
     seq_lens = jnp.diff(cu_seq_lens_k)
     options = dict(params=params, sinks=sinks, implementation=implementation, interpret=interpret)
     if sliding:
         (k_buffer, v_buffer), block_tables = _window_buffer(
-            k, v, k_cache, v_cache, query_start_loc, cu_seq_lens_k, read_index, shape=shape
+            k, v, k_cache, v_cache, query_start_loc, cu_seq_lens_k, reads, shape=shape
         )
         metadata = _metadata(query_start_loc, seq_lens, block_tables, num_actual_tokens, shape=shape,
                              page_size=WINDOW_PAGE_SIZE)  # fmt: skip
@@ -285,12 +334,7 @@ def _layer_call(
         k_cache, v_cache = write_kv((k_cache, v_cache), k, v, write_index)
         return out, k_cache, v_cache
     k_cache, v_cache = write_kv((k_cache, v_cache), k, v, write_index)
-    source, starts = (write_index, query_start_loc) if read_index is None else (read_index, cu_seq_lens_k)
-    blocks = jnp.arange(shape.full_blocks)
-    first_slots = jnp.clip(starts[:-1, None] + blocks[None, :] * block_size, 0, source.shape[0] - 1)
-    in_sequence = blocks[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
-    block_tables = jnp.where(in_sequence, jnp.maximum(source[first_slots], 0) // block_size, 0)
-    metadata = _metadata(query_start_loc, seq_lens, block_tables, num_actual_tokens, shape=shape,
+    metadata = _metadata(query_start_loc, seq_lens, reads, num_actual_tokens, shape=shape,
                          page_size=block_size)  # fmt: skip
     return paged_attention(q, (k_cache, v_cache), metadata, **options), k_cache, v_cache
 
@@ -308,10 +352,10 @@ def _metadata(query_start_loc, seq_lens, block_tables, num_actual_tokens, *, sha
     )
 
 
-def _window_buffer(k, v, k_cache, v_cache, query_start_loc, cu_seq_lens_k, read_index, *, shape):
+def _window_buffer(k, v, k_cache, v_cache, query_start_loc, cu_seq_lens_k, cached_slots, *, shape):
     """Each request's keys and values of a sliding-window step, in position order (its cached window from
-    ``read_index``, then its new tokens), in whole pages of `WINDOW_PAGE_SIZE`: ([pages, page, K, H] pair, its
-    block tables [R, P])."""
+    `cached_slots` [R, W'], then its new tokens), in whole pages of `WINDOW_PAGE_SIZE`: ([pages, page, K, H]
+    pair, its block tables [R, P])."""
     page = WINDOW_PAGE_SIZE
     seq_lens = jnp.diff(cu_seq_lens_k)
     query_lens = jnp.diff(query_start_loc)
@@ -325,10 +369,7 @@ def _window_buffer(k, v, k_cache, v_cache, query_start_loc, cu_seq_lens_k, read_
     valid = (offset < seq_lens[request]) & (buffer_page < first_page[request] + pages_of[request])
     from_cache = offset < cached_lens[request]
     new_token = jnp.clip(query_start_loc[request] + offset - cached_lens[request], 0, k.shape[0] - 1)
-    if read_index is None:
-        cached_slot = jnp.zeros_like(position)
-    else:
-        cached_slot = read_index[jnp.clip(cu_seq_lens_k[request] + offset, 0, read_index.shape[0] - 1)]
+    cached_slot = cached_slots[request, jnp.clip(offset, 0, cached_slots.shape[1] - 1)]
     num_pages, block_size = k_cache.shape[:2]
     cached_slot = jnp.clip(cached_slot, 0, num_pages * block_size - 1)
 
