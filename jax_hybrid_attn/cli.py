@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model's heads and MLP over N devices (--kv-memory is then per device)")  # fmt: skip
     pool = g.add_mutually_exclusive_group()
     pool.add_argument("--num-blocks", type=int, help="KV blocks in the pool")
     pool.add_argument("--kv-memory", type=memory_size, help="KV memory, e.g. 2GiB")
@@ -124,6 +126,8 @@ def report(engine, outputs, wall_seconds: float) -> dict:
             "num_blocks": layout.num_blocks,
             "block_size": engine.config.block_size,
             "bytes": layout.total_bytes,
+            "tensor_parallel": engine.config.tensor_parallel,
+            "bytes_per_device": layout.total_bytes // engine.config.tensor_parallel,
             "groups": list(groups.values()),
             "block_bytes": layout.block_bytes,
             "peak_blocks_in_use": stats.peak_blocks_in_use,
@@ -153,7 +157,9 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
         f"output {rate(metrics['output_tokens_per_s'])}",
         f"TTFT p50/p90/p99 ms: {fmt(metrics['ttft_s'])}    ITL p50/p90/p99 ms: {fmt(metrics['itl_s'])}",
         f"KV cache ({'hybrid' if kv['hybrid'] else 'every layer as full attention'}): {kv['num_blocks']} blocks of "
-        f"{kv['block_size']} tokens, {kv['bytes'] / 2**20:.1f} MiB",
+        f"{kv['block_size']} tokens, {kv['bytes'] / 2**20:.1f} MiB"
+        + (f" ({kv['bytes_per_device'] / 2**20:.1f} MiB on each of {kv['tensor_parallel']} devices)"
+           if kv["tensor_parallel"] > 1 else ""),  # fmt: skip
     ]
     for group in kv["groups"]:
         extra = "".join(f", {k} {v}" for k, v in group.items() if k not in ("spec", "layers", "groups"))
@@ -214,7 +220,7 @@ def generate(args, out=None, err=None) -> dict:
             block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
             kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
-            seed=args.seed,
+            seed=args.seed, tensor_parallel=args.tensor_parallel,
         ),
         eos_token_ids=tokenizer.eos_token_ids,
     )  # fmt: skip

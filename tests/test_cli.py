@@ -52,6 +52,7 @@ def test_a_saved_transformers_checkpoint_runs(capsys, tmp_path):
         (["--top-p", "0"], "top_p"),
         (["--max-num-batched-tokens", "0"], "max_num_batched_tokens"),
         (["--max-model-len", "8", "--prompt", "a prompt longer than eight bytes"], "max_model_len"),
+        (["--tensor-parallel", "64"], "tensor_parallel=64"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, args, message):

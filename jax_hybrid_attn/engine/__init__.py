@@ -3,11 +3,12 @@
 Data flow of one step: `Engine.step` plans (host) → `device_step.allocate` (the allocator's `allocate_slots`) →
 `device_step.run_model`: `metadata_from_step` per KV-cache group → the model's forward through `PagedCache` →
 `layer_attention` → the kernels; then sampling, and the sampled tokens back into the allocator. The host reads a
-step back while the next one runs.
+step back while the next one runs. With ``EngineConfig(tensor_parallel=N)`` the model's heads and MLP are split
+over N devices (`models.partitioning`) and each layer attends per device (`sharding.sharded_layer_attention`).
 """
 
 from .config import EngineConfig, EngineStats
-from .engine import Engine
+from .engine import TENSOR_AXIS, Engine, tensor_parallel_mesh
 from .kv_layout import KVCacheLayout
 from .paged_cache import PagedCache
 from .requests import FinishReason, RequestOutput
@@ -24,4 +25,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "sample_tokens",
+    "TENSOR_AXIS",
+    "tensor_parallel_mesh",
 ]

@@ -29,6 +29,8 @@ class EngineConfig:
         that is freed a step later (`AllocatorConfig`): a lower peak, but windows of W tokens then cap the chunks.
       seed: seeds requests that give none (request i gets ``seed + i``).
       implementation, interpret: as `paged_attention` (default: the kernels on a GPU, the reference elsewhere).
+      tensor_parallel: devices the model's heads and MLP are split over (the first `tensor_parallel` of
+        `jax.devices()`, one mesh axis; `models.partitioning`). `kv_memory` is then each device's.
     """
 
     block_size: int = 16
@@ -44,9 +46,10 @@ class EngineConfig:
     seed: int = 0
     implementation: str | None = None
     interpret: bool = False
+    tensor_parallel: int = 1
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
             object.__setattr__(self, name, check_int(name, getattr(self, name)))
         for name in ("max_model_len", "num_blocks", "kv_memory"):
             if getattr(self, name) is not None:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.tree_util import PyTreeDef
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
@@ -132,6 +133,8 @@ def run_model(
     num_tokens: int,
     max_query_len: int,
     greedy_only: bool,
+    mesh: Mesh | None = None,
+    axis: str | None = None,
 ) -> tuple[DeviceState, StepResult]:
     """The rest of the step (jit it with `num_tokens` (T), `max_query_len` and `greedy_only` static, `state`
     donated): each group's metadata, the model's forward over the first T tokens of `out` (T bounds the sum of
@@ -140,7 +143,8 @@ def run_model(
     `state.num_computed`. `weights` are the leaves of the model's `nnx.State`, `weights_treedef` its structure.
 
     Nothing in it makes the host wait for the device: no loop or branch depends on device values, so on a GPU
-    the call returns once everything is launched."""
+    the call returns once everything is launched. With a `mesh`, attention runs per device over `axis` (`PagedCache`).
+    """
     model = nnx.merge(graphdef, jax.tree.unflatten(weights_treedef, weights))
     metadata = tuple(
         metadata_from_step(allocator_config, out, group, max_query_len=max_query_len).replace(
@@ -151,7 +155,7 @@ def run_model(
     cache = PagedCache(
         tensors=tuple(state.kv_caches), metadata=metadata, positions=out.positions[:num_tokens],
         layer_group=layout.layer_group, layer_tensor=layout.layer_tensor, implementation=implementation,
-        interpret=interpret,
+        interpret=interpret, mesh=mesh, axis=axis,
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
     logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token)

@@ -41,17 +41,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..allocator import KVCacheManager
 from ..integers import cdiv, check_int, next_power_of_two
 from ..models.config import ModelConfig
+from ..models.partitioning import shard_model
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineStats
 from .device_step import NO_SLOT, DeviceState, StepPlan, StepResult, allocate, run_model
 from .kv_layout import KVCacheLayout
 from .requests import FinishReason, InFlightWork, Request, RequestOutput
 from .sampling import SamplingParams
 
-__all__ = ["Engine"]
+__all__ = ["TENSOR_AXIS", "Engine", "tensor_parallel_mesh"]
+
+TENSOR_AXIS = "tensor"
+"""The mesh axis a tensor-parallel engine splits heads over."""
+KV_HEADS_SPEC = P(None, None, None, TENSOR_AXIS, None)
+"""A [B, 2, S, K, H] cache tensor split by KV heads."""
+
+
+def tensor_parallel_mesh(num_devices: int) -> Mesh | None:
+    """A one-axis mesh (`TENSOR_AXIS`) of the first `num_devices` devices; None for one device."""
+    if num_devices == 1:
+        return None
+    devices = jax.devices()
+    if num_devices > len(devices):
+        raise ValueError(f"tensor_parallel={num_devices} exceeds the {len(devices)} devices ({devices[0].platform})")
+    return Mesh(np.array(devices[:num_devices]), (TENSOR_AXIS,))
 
 
 
@@ -85,12 +103,18 @@ class Engine:
                 f"{model_config.max_position_embeddings}"
             )
         self.max_model_len = max_model_len
-        graphdef, state = nnx.split(model)
+        self.mesh = tensor_parallel_mesh(config.tensor_parallel)
+        if self.mesh is None:
+            graphdef, state = nnx.split(model)
+            run_config = model_config
+        else:  # heads and MLP split over the mesh; everything else (allocator, metadata) replicated
+            graphdef, state, run_config = shard_model(model, self.mesh, TENSOR_AXIS)
+        kv_memory = None if config.kv_memory is None else config.kv_memory * config.tensor_parallel
         dtype = config.kv_cache_dtype or model.dtype  # the activations' dtype: k and v are written in it
         self.layout = KVCacheLayout.for_model(
-            model_config, block_size=config.block_size, max_model_len=max_model_len,
+            run_config, block_size=config.block_size, max_model_len=max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs, dtype=dtype,
-            num_blocks=config.num_blocks, kv_memory=config.kv_memory, hybrid=config.hybrid,
+            num_blocks=config.num_blocks, kv_memory=kv_memory, hybrid=config.hybrid,
         )  # fmt: skip
         self.allocator_config = self.layout.allocator_config(
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
@@ -98,16 +122,20 @@ class Engine:
             sliding_window_in_window_only=config.sliding_window_in_window_only,
         )  # fmt: skip
         self.manager = KVCacheManager(self.allocator_config)
-        self.kv_caches = self.layout.allocate()
+        self._replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+        if self.mesh is not None:
+            self.manager.state = jax.device_put(self.manager.state, self._replicated)
+        self.kv_caches = self.layout.allocate(None if self.mesh is None else NamedSharding(self.mesh, KV_HEADS_SPEC))
         # the weights travel as a flat list of arrays: flattening the model's `nnx.State` on every call costs more
         weights, weights_treedef = jax.tree.flatten(state)
         self._weights = tuple(weights)
-        self._num_computed = jnp.zeros(config.max_num_seqs, jnp.int32)  # `DeviceState.num_computed`
+        self._num_computed = jax.device_put(jnp.zeros(config.max_num_seqs, jnp.int32), self._replicated)
         self._allocate = jax.jit(
             partial(allocate, self.allocator_config), static_argnames=("defer_rest",), donate_argnames=("state",)
         )
         self._run_model = jax.jit(
-            partial(run_model, graphdef, weights_treedef, self.allocator_config, self.layout, config.implementation, config.interpret),
+            partial(run_model, graphdef, weights_treedef, self.allocator_config, self.layout, config.implementation,
+                    config.interpret, mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS),  # fmt: skip
             static_argnames=("num_tokens", "max_query_len", "greedy_only"),
             donate_argnames=("state",),
         )
@@ -313,7 +341,7 @@ class Engine:
         slots = [self.manager.slot(request_id) for request_id in request_ids]
         pad = self.config.max_num_seqs - len(slots)
         plan = plan._replace(slots=np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=NO_SLOT))
-        plan = jax.device_put(plan)
+        plan = jax.device_put(plan, self._replicated)
         state = DeviceState(tuple(self.kv_caches), self.manager.state, self._num_computed)
         state, out, known = self._allocate(state, plan, defer_rest=defer_rest)
         state, result = self._run_model(

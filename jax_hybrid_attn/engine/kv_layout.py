@@ -11,6 +11,7 @@ Shape letters: B blocks in the pool · S block size · K kv heads · H head size
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -119,9 +120,10 @@ class KVCacheLayout:
         """The allocator of this layout; `options` are `AllocatorConfig`'s other fields."""
         return AllocatorConfig.from_kv_cache_config(self.kv_config, **options)
 
-    def allocate(self) -> tuple:
-        """The KV-cache tensors, zero-filled, on the default device."""
-        return tuple(jnp.zeros(self.tensor_shape, self.dtype) for _ in self.kv_config.kv_cache_tensors)
+    def allocate(self, sharding: jax.sharding.Sharding | None = None) -> tuple:
+        """The KV-cache tensors, zero-filled, on the default device or created with `sharding`."""
+        zeros = jax.jit(lambda: jnp.zeros(self.tensor_shape, self.dtype), out_shardings=sharding)
+        return tuple(zeros() for _ in self.kv_config.kv_cache_tensors)
 
     @property
     def num_blocks(self) -> int:

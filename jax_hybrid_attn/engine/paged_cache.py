@@ -11,11 +11,13 @@ Shape letters: T tokens · N query heads · K kv heads · H head size.
 import dataclasses
 
 import jax
+from jax.sharding import Mesh
 from jaxtyping import Array, Int
 
 from .._compat import register_pytree_dataclass
 from ..attention import layer_attention
 from ..metadata import AttentionMetadata
+from ..sharding import sharded_layer_attention
 
 __all__ = ["PagedCache"]
 
@@ -30,6 +32,8 @@ class PagedCache:
       positions: [T] position of each token in its request.
       layer_group, layer_tensor: per layer, its group and tensor (static; `KVCacheLayout`).
       implementation, interpret: as `paged_attention` (static).
+      mesh, axis: with a mesh, each layer's heads are split over its `axis` (`sharded_layer_attention`; the
+        tensors split the same way); None: one device.
     """
 
     tensors: tuple[jax.Array, ...]
@@ -39,14 +43,18 @@ class PagedCache:
     layer_tensor: tuple[int, ...]
     implementation: str | None = None
     interpret: bool = False
+    mesh: Mesh | None = None
+    axis: str | None = None
 
     def attend(self, layer, q, k, v, *, params, sinks=None):
         """Write the layer's k/v into its tensor at its group's slots, then attend (`layer_attention`)."""
         tensor = self.layer_tensor[layer]
-        out, updated = layer_attention(
-            q, k, v, self.tensors[tensor], self.metadata[self.layer_group[layer]], params=params, sinks=sinks,
-            implementation=self.implementation, interpret=self.interpret,
-        )  # fmt: skip
+        options = dict(params=params, sinks=sinks, implementation=self.implementation, interpret=self.interpret)
+        inputs = (q, k, v, self.tensors[tensor], self.metadata[self.layer_group[layer]])
+        if self.mesh is None:
+            out, updated = layer_attention(*inputs, **options)
+        else:
+            out, updated = sharded_layer_attention(self.mesh, self.axis, *inputs, **options)
         tensors = self.tensors[:tensor] + (updated,) + self.tensors[tensor + 1 :]
         return out, dataclasses.replace(self, tensors=tensors)
 
@@ -54,5 +62,5 @@ class PagedCache:
 register_pytree_dataclass(
     PagedCache,
     data_fields=["tensors", "metadata", "positions"],
-    meta_fields=["layer_group", "layer_tensor", "implementation", "interpret"],
+    meta_fields=["layer_group", "layer_tensor", "implementation", "interpret", "mesh", "axis"],
 )

@@ -1,0 +1,100 @@
+"""The engine split over 2, 4 and 8 devices (8 forced CPU devices): for every layer pattern, the model's logits
+equal one device's within float32 tolerance and the engine's greedy tokens are identical. 8 query and 2 KV heads:
+on 4 and 8 devices the KV heads are replicated.
+
+XLA's forced host device count must be set before JAX starts, so each family runs in a subprocess.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .test_engine import FAMILIES
+
+CHECK = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh
+    from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams, TENSOR_AXIS
+    from jax_hybrid_attn.models import DenseAttention, ModelConfig
+    from jax_hybrid_attn.models.partitioning import shard_model
+    from jax_hybrid_attn.testing import TOLERANCES
+    from tests.test_engine import FAMILIES, tiny_model
+
+    assert len(jax.devices()) == 8, jax.devices()
+    family = {family!r}
+    hf = FAMILIES[family]()
+    hf.num_attention_heads, hf.num_key_value_heads = 8, 2
+    FAMILIES[family] = lambda: hf
+    config, model = tiny_model(family)
+    tokens = jnp.asarray([(7 * j) % 90 + 1 for j in range(20)], jnp.int32)
+
+    def logits(graphdef, state):
+        return jax.jit(lambda state: nnx.merge(graphdef, state)(tokens, DenseAttention(20))[0])(state)
+
+    want = logits(*nnx.split(model))
+    prompts = [[(5 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((13, 30, 7))]
+    runs = {{}}
+    for tp in (1, 2, 4, 8):
+        if tp > 1:
+            mesh = Mesh(np.array(jax.devices()[:tp]), (TENSOR_AXIS,))
+            graphdef, state, _ = shard_model(model, mesh, TENSOR_AXIS)
+            np.testing.assert_allclose(np.asarray(logits(graphdef, state)), np.asarray(want),
+                                       **TOLERANCES[jnp.dtype(jnp.float32)])
+        engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                                    max_model_len=64, tensor_parallel=tp))
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))
+        runs[tp] = ([o.output_token_ids for o in outputs], engine.layout.total_bytes // tp)
+        assert len(engine.kv_caches[0].sharding.device_set) == tp
+    assert all(runs[tp][0] == runs[1][0] for tp in runs), runs
+    per_device = [runs[tp][1] for tp in (1, 2, 4, 8)]
+    assert per_device[1] * 2 == per_device[0], per_device  # 2 KV heads over 2 devices: half each
+    print("per-device KV bytes at TP 1, 2, 4, 8:", per_device)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_engine_split_over_devices_equals_one_device(family):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", CHECK.format(family=family)], env=env, capture_output=True,
+                            text=True, timeout=900, cwd=root)  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_the_command_splits_the_embedded_model_and_reports_kv_memory_per_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    payloads = []
+    for tp in ("1", "2"):
+        command = [sys.executable, "-m", "jax_hybrid_attn", "generate", "--no-progress", "--json", "--max-tokens", "4",
+                   "--prompt", "Hello", "--num-blocks", "64", "--max-model-len", "64", "--tensor-parallel", tp]  # fmt: skip
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=root)
+        assert result.returncode == 0, result.stderr[-3000:]
+        payloads.append(json.loads(result.stdout))
+    one, two = payloads
+    assert one["outputs"][0]["output_token_ids"] == two["outputs"][0]["output_token_ids"]
+    kv = two["metrics"]["kv_cache"]
+    # the embedded model has one KV head: each device holds it whole (replicated), as much as one device did
+    assert kv["tensor_parallel"] == 2 and kv["bytes_per_device"] * 2 == kv["bytes"]
+    assert kv["bytes_per_device"] == one["metrics"]["kv_cache"]["bytes"]
+
+
+def test_tensor_parallel_refuses_what_does_not_split():
+    from jax_hybrid_attn.models import ModelConfig
+    from jax_hybrid_attn.models.partitioning import tensor_parallel_config
+
+    from .test_engine import tiny_model
+
+    config, _ = tiny_model("mistral")  # 4 query heads, 2 KV heads
+    assert tensor_parallel_config(config, 4).num_kv_heads == 4  # KV heads repeated
+    with pytest.raises(ValueError, match="num_heads=4"):
+        tensor_parallel_config(config, 8)
+    assert isinstance(config, ModelConfig)
