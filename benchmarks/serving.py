@@ -9,6 +9,8 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
   throughput  (GPU) a Gemma-3-1B-shaped model with random bf16 weights, 256 prompts of 128-1,024 random tokens,
               64 greedy tokens each: ours (a cold run, compiles included, then a warm one) and transformers'
               `generate_batch` with `paged|sdpa` on the same weights and prompts, in the same process;
+  tp          tensor parallelism: concurrent 32k sequences at equal KV memory per device, TP 1 and 2 (any
+              machine); with two GPUs, the throughput model at TP 1 and 2: tokens/s, memory per GPU, same tokens;
   busy        (GPU) the share of a 256-request decode step's wall time that the GPU runs kernels or copies
               (CUPTI profile), and the engine's step time against its jitted calls replayed back to back.
 
@@ -34,6 +36,7 @@ from jax_hybrid_attn.allocator import KVCacheManager, max_concurrency
 from jax_hybrid_attn.engine import Engine, EngineConfig, KVCacheLayout, SamplingParams
 from jax_hybrid_attn.engine.device_step import DeviceState
 from jax_hybrid_attn.models import ModelConfig, embedded_config, load_model, random_model
+from jax_hybrid_attn.models.partitioning import tensor_parallel_config
 
 CAPACITY_LEN = 32_768
 CAPACITY_MEMORY = 40 * 2**30
@@ -113,6 +116,52 @@ def capacity(rows: list, *, budget: int = 2048) -> None:
                 f"vLLM's bound {bound[True]:.1f} vs {bound[False]:.1f}: {bound[True] / bound[False]:.2f}x")  # fmt: skip
         print("capacity", line, flush=True)
         rows.append(("capacity", line))
+
+
+def tensor_parallel(rows: list, *, shape: dict, sizes=(1, 2), num_prompts: int = 64, budget: int = 2048) -> None:
+    """Tensor parallelism. Counted on the allocator (any machine): concurrent 32k sequences at equal KV memory
+    per device, at each size, for the Gemma-3-1B shape (1 KV head: repeated on every device) and Mistral 7B's (8
+    KV heads: split). Where there are enough devices: the throughput workload's model (`num_prompts` prompts, 64
+    greedy tokens each) at each size on the same weights, warm: wall time, tokens/s, peak memory per device, and
+    the greedy tokens against the first size's."""
+    for name in ("gemma3 1B (5 sliding 512 : 1 full)", "mistral 7B (sliding 4096 everywhere)"):
+        config = ModelConfig.from_hf(SHAPES[name])
+        counts = {}
+        for tp in sizes:
+            layout = KVCacheLayout.for_model(
+                tensor_parallel_config(config, tp), block_size=16, max_model_len=CAPACITY_LEN,
+                max_num_batched_tokens=budget, dtype=jnp.bfloat16, kv_memory=CAPACITY_MEMORY * tp,
+            )  # fmt: skip
+            counts[tp] = resident_sequences(layout, budget=budget, in_window_only=False)
+        line = f"{name} | concurrent 32k sequences at {CAPACITY_MEMORY / 2**30:.0f} GiB of KV per device: " + ", ".join(
+            f"TP {tp}: {n}" for tp, n in counts.items())  # fmt: skip
+        print("tp", line, flush=True)
+        rows.append(("tp", line))
+    devices = jax.devices()
+    if len(devices) < max(sizes):
+        print(f"tp: {len(devices)} device(s): no run at TP {max(sizes)}", flush=True)
+        return
+    config = ModelConfig.from_hf(shape)
+    model = random_model(config, seed=0, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, shape["vocab_size"], int(n)).tolist() for n in rng.integers(128, 1025, num_prompts)]
+    prompt_tokens = sum(map(len, prompts))
+    first = None
+    for tp in sizes:
+        engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=num_prompts, max_num_batched_tokens=8192,
+                                                    max_model_len=2048, tensor_parallel=tp))  # fmt: skip
+        greedy(engine, prompts, 64)  # compiles the step shapes
+        engine.reset()
+        tokens, seconds = greedy(engine, prompts, 64)
+        first = tokens if first is None else first
+        same = np.mean([a == b for x, y in zip(tokens, first) for a, b in zip(x, y)])
+        peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30 for d in devices[:tp]]
+        line = (f"TP {tp} | {num_prompts} prompts, {prompt_tokens:,} prompt tokens, 64 greedy each | {seconds:.2f} s | "
+                f"total {(prompt_tokens + 64 * num_prompts) / seconds:,.0f} tok/s | peak memory per device "
+                f"{', '.join(f'{p:.1f}' for p in peaks)} GiB | greedy tokens equal to TP {sizes[0]}'s {same:.0%}")  # fmt: skip
+        print("tp", line, flush=True)
+        rows.append(("tp", line))
+        del engine
 
 
 def greedy(engine: Engine, prompts, max_tokens: int) -> tuple[list[list[int]], float]:
@@ -337,6 +386,8 @@ def main():
         elif section == "busy":
             busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256,
                        trace=args.trace)  # fmt: skip
+        elif section == "tp":
+            tensor_parallel(rows, shape=TINY if args.tiny else GEMMA3_1B, num_prompts=8 if args.tiny else 64)
         elif section == "throughput":
             shape = TINY if args.tiny else GEMMA3_1B
             throughput(rows, num_prompts=args.num_prompts, transformers_too=not args.no_transformers, shape=shape)
