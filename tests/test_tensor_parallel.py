@@ -2,11 +2,13 @@
 equal one device's within float32 tolerance and the engine's greedy tokens are identical. 8 query and 2 KV heads:
 on 4 and 8 devices the KV heads are replicated.
 
-XLA's forced host device count must be set before JAX starts, so each family runs in a subprocess.
+XLA's forced host device count must be set before JAX starts, so each family runs in a subprocess; and two
+processes on one host run one engine through `jax.distributed`.
 """
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -85,6 +87,54 @@ def test_the_command_splits_the_embedded_model_and_reports_kv_memory_per_device(
     # the embedded model has one KV head: each device holds it whole (replicated), as much as one device did
     assert kv["tensor_parallel"] == 2 and kv["bytes_per_device"] * 2 == kv["bytes"]
     assert kv["bytes_per_device"] == one["metrics"]["kv_cache"]["bytes"]
+
+
+MULTI_PROCESS = textwrap.dedent(
+    """
+    import sys
+    import jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # collectives between processes on a CPU
+    jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    assert len(jax.devices()) == 4 and len(jax.local_devices()) == 2, jax.devices()
+    from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
+    from tests.test_engine import tiny_model
+
+    config, model = tiny_model("mistral")
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                                max_model_len=64, tensor_parallel=4))
+    outputs = engine.generate({prompts!r}, SamplingParams(max_tokens=5, temperature=0.0))
+    print([o.output_token_ids for o in outputs])
+    """
+)
+
+
+def test_two_processes_run_one_engine_over_their_devices():
+    """jax.distributed on one host: 2 processes of 2 CPU devices each, one mesh of 4 (KV heads repeated), every
+    process adding the same requests: each reads back the tokens of one device."""
+    from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
+
+    from .test_engine import tiny_model
+
+    prompts = [[(5 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((13, 30, 7))]
+    config, model = tiny_model("mistral")
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                                max_model_len=64))  # fmt: skip
+    want = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))]
+    with socket.socket() as free:
+        free.bind(("localhost", 0))
+        port = free.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = MULTI_PROCESS.format(prompts=prompts)
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, f"localhost:{port}", str(i)], env=env, cwd=root,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        for i in range(2)
+    ]
+    results = [process.communicate(timeout=600) for process in processes]
+    for process, (out, err) in zip(processes, results, strict=True):
+        assert process.returncode == 0, err[-3000:]
+        assert json.loads(out.strip().splitlines()[-1]) == want
 
 
 def test_tensor_parallel_refuses_what_does_not_split():
