@@ -9,8 +9,8 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
   throughput  (GPU) a Gemma-3-1B-shaped model with random bf16 weights, 256 prompts of 128-1,024 random tokens,
               64 greedy tokens each: ours (a cold run, compiles included, then a warm one) and transformers'
               `generate_batch` with `paged|sdpa` on the same weights and prompts, in the same process;
-  tp          tensor parallelism: concurrent 32k sequences at equal KV memory per device, TP 1 and 2 (any
-              machine); with two GPUs, the throughput model at TP 1 and 2: tokens/s, memory per GPU, same tokens;
+  tp-capacity (CPU is enough) concurrent 32k sequences at equal KV memory per device, tensor parallel 1 and 2;
+  tp          (two GPUs) the throughput model at tensor parallel 1 and 2: tokens/s, memory per GPU, same tokens;
   busy        (GPU) the share of a 256-request decode step's wall time that the GPU runs kernels or copies
               (CUPTI profile), and the engine's step time against its jitted calls replayed back to back.
 
@@ -118,12 +118,10 @@ def capacity(rows: list, *, budget: int = 2048) -> None:
         rows.append(("capacity", line))
 
 
-def tensor_parallel(rows: list, *, shape: dict, sizes=(1, 2), num_prompts: int = 64, budget: int = 2048) -> None:
-    """Tensor parallelism. Counted on the allocator (any machine): concurrent 32k sequences at equal KV memory
-    per device, at each size, for the Gemma-3-1B shape (1 KV head: repeated on every device) and Mistral 7B's (8
-    KV heads: split). Where there are enough devices: the throughput workload's model (`num_prompts` prompts, 64
-    greedy tokens each) at each size on the same weights, warm: wall time, tokens/s, peak memory per device, and
-    the greedy tokens against the first size's."""
+def tensor_parallel_capacity(rows: list, *, sizes=(1, 2), budget: int = 2048) -> None:
+    """Counted on the allocator (any machine): concurrent 32k sequences at equal KV memory per device, at each
+    tensor-parallel size, for the Gemma-3-1B shape (1 KV head: repeated on every device) and Mistral 7B's (8 KV
+    heads: split)."""
     for name in ("gemma3 1B (5 sliding 512 : 1 full)", "mistral 7B (sliding 4096 everywhere)"):
         config = ModelConfig.from_hf(SHAPES[name])
         counts = {}
@@ -135,12 +133,17 @@ def tensor_parallel(rows: list, *, shape: dict, sizes=(1, 2), num_prompts: int =
             counts[tp] = resident_sequences(layout, budget=budget, in_window_only=False)
         line = f"{name} | concurrent 32k sequences at {CAPACITY_MEMORY / 2**30:.0f} GiB of KV per device: " + ", ".join(
             f"TP {tp}: {n}" for tp, n in counts.items())  # fmt: skip
-        print("tp", line, flush=True)
-        rows.append(("tp", line))
+        print("tp-capacity", line, flush=True)
+        rows.append(("tp-capacity", line))
+
+
+def tensor_parallel(rows: list, *, shape: dict, sizes=(1, 2), num_prompts: int = 64) -> None:
+    """The throughput workload's model (`num_prompts` prompts, 64 greedy tokens each) at each tensor-parallel size
+    on the same weights, warm: wall time, tokens/s, peak memory per device, and the greedy tokens against the
+    first size's (needs as many devices as the largest size)."""
     devices = jax.devices()
     if len(devices) < max(sizes):
-        print(f"tp: {len(devices)} device(s): no run at TP {max(sizes)}", flush=True)
-        return
+        raise SystemExit(f"tp: {len(devices)} device(s), TP {max(sizes)} needs {max(sizes)}")
     config = ModelConfig.from_hf(shape)
     model = random_model(config, seed=0, dtype=jnp.bfloat16)
     rng = np.random.default_rng(0)
@@ -386,6 +389,8 @@ def main():
         elif section == "busy":
             busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256,
                        trace=args.trace)  # fmt: skip
+        elif section == "tp-capacity":
+            tensor_parallel_capacity(rows)
         elif section == "tp":
             tensor_parallel(rows, shape=TINY if args.tiny else GEMMA3_1B, num_prompts=8 if args.tiny else 64)
         elif section == "throughput":
