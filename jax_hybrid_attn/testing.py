@@ -8,6 +8,7 @@ kernel that reads where it should not produces NaN.
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,7 +19,7 @@ from .masks import allowed_key_range
 from .metadata import AttentionMetadata, make_attention_metadata
 from .params import LayerAttentionParams
 
-__all__ = ["PagedInputs", "TOLERANCES", "random_paged_inputs", "pack_paged_inputs"]
+__all__ = ["PagedInputs", "TOLERANCES", "device_dependent_control_flow", "random_paged_inputs", "pack_paged_inputs"]
 
 TOLERANCES = {
     jnp.dtype(jnp.float32): dict(atol=2e-5, rtol=2e-5),
@@ -157,3 +158,29 @@ def pack_paged_inputs(
         keys=stored_keys,
         values=stored_values,
     )
+
+
+def device_dependent_control_flow(jaxpr: jax.extend.core.Jaxpr) -> list[str]:
+    """The `while` loops and `cond`s that a GPU runs in `jaxpr` (sub-jaxprs included), each as its primitive's name
+    and where it was traced. On a GPU, XLA reads such a loop's or branch's predicate back to the host before it
+    launches what follows, so the call cannot return before the device got there. Loops with a trip count known
+    when tracing are `scan`s, not listed. Of a platform selection (`lax.platform_dependent` without a CUDA
+    branch) only its default branch, the last, counts."""
+    found, platform_indices = [], set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "platform_index":
+            if any("cuda" in (names or ()) for names in eqn.params["platforms"]):
+                raise NotImplementedError(f"a platform selection with a CUDA branch: {eqn.params['platforms']}")
+            platform_indices.update(map(id, eqn.outvars))
+        selection = eqn.primitive.name == "cond" and id(eqn.invars[0]) in platform_indices
+        if eqn.primitive.name == "while" or (eqn.primitive.name == "cond" and not selection):
+            found.append(f"{eqn.primitive.name}: {eqn.source_info.traceback}")
+        for name, param in eqn.params.items():
+            if selection and name == "branches":
+                param = param[-1:]
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    found += device_dependent_control_flow(sub)
+    return found

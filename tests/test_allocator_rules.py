@@ -13,6 +13,7 @@ from jax_hybrid_attn.allocator.columns import HASHED, MAP_SLOT, STAMP, STAMP_COU
 from jax_hybrid_attn.allocator.config import SLIDING_WINDOW
 from jax_hybrid_attn.allocator.coordinator import find_longest_cache_hit
 from jax_hybrid_attn.allocator.pool import STAMP_RENORMALIZE_AT
+from jax_hybrid_attn.testing import device_dependent_control_flow
 
 from .allocator_cases import CONFIGS, Mirror, check_invariants, chunked, full, make_config, window
 
@@ -714,28 +715,6 @@ def test_colliding_inserts_of_a_deferring_step_are_placed_within_its_rounds():
     assert np.asarray(manager.state.pool.prefix_map)[0, :2].tolist() == blocks
 
 
-def _data_dependent_control_flow(jaxpr) -> list[str]:
-    """The `while` loops and the `cond`s that a GPU runs in `jaxpr` (sub-jaxprs included): of a platform selection
-    (`lax.platform_dependent` without a CUDA branch) only its default branch, the last."""
-    found, platform_indices = [], set()
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "platform_index":
-            assert not any("cuda" in (names or ()) for names in eqn.params["platforms"]), eqn.params
-            platform_indices.update(map(id, eqn.outvars))
-        selection = eqn.primitive.name == "cond" and id(eqn.invars[0]) in platform_indices
-        if eqn.primitive.name == "while" or (eqn.primitive.name == "cond" and not selection):
-            found.append(f"{eqn.primitive.name}: {eqn.source_info.traceback}")
-        for name, param in eqn.params.items():
-            if selection and name == "branches":
-                param = param[-1:]
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    sub = sub.jaxpr
-                if isinstance(sub, jax.extend.core.Jaxpr):
-                    found += _data_dependent_control_flow(sub)
-    return found
-
-
 @pytest.mark.parametrize("defer_rest", [False, True])
 def test_a_deferring_step_has_no_loop_or_branch_on_device_values(defer_rest):
     """On a GPU, XLA reads such a loop's or branch's predicate back to the host before it goes on."""
@@ -745,5 +724,5 @@ def test_a_deferring_step_has_no_loop_or_branch_on_device_values(defer_rest):
     jaxpr = jax.make_jaxpr(
         lambda state: allocate_slots.__wrapped__(config, state, rows, rows, rows, defer_rest=defer_rest)
     )(init_state(config))
-    found = _data_dependent_control_flow(jaxpr.jaxpr)
+    found = device_dependent_control_flow(jaxpr.jaxpr)
     assert (found == []) == defer_rest, found

@@ -110,6 +110,33 @@ def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_toke
     assert engine.stats.deferred_rows > 0 and engine.stats.preemptions == 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_decode_step_has_no_loop_or_branch_on_device_values(temperature):
+    """On a GPU, XLA reads such a predicate back before it launches what follows: with none in a decode step's two
+    calls, the host sends the next step while this one runs."""
+    from jax_hybrid_attn.testing import device_dependent_control_flow
+
+    config, model = tiny_model("gemma3_text")
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                                                max_model_len=64))  # fmt: skip
+    calls, allocate, run_model = {}, engine._allocate, engine._run_model
+
+    def recording(name, fn):
+        def record(*args, **kwargs):
+            calls[name] = (args, kwargs)
+            return fn(*args, **kwargs)
+
+        return record
+
+    engine._allocate, engine._run_model = recording("allocate", allocate), recording("run_model", run_model)
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=temperature))  # the last step decodes
+    for name, fn in (("allocate", allocate), ("run_model", run_model)):
+        args, kwargs = calls[name]
+        assert kwargs.get("defer_rest", True) and kwargs.get("max_query_len", 1) == 1, kwargs
+        jaxpr = jax.make_jaxpr(lambda *args, fn=fn, kwargs=kwargs: fn.__wrapped__(*args, **kwargs))(*args)
+        assert device_dependent_control_flow(jaxpr.jaxpr) == [], name
+
+
 def test_preemption_happens_and_does_not_change_sampled_outputs():
     config, model = tiny_model("gemma3_text")
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.9)
