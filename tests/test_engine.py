@@ -119,22 +119,23 @@ def test_a_decode_step_has_no_loop_or_branch_on_device_values(temperature):
     config, model = tiny_model("gemma3_text")
     engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                                                 max_model_len=64))  # fmt: skip
-    calls, allocate, run_model = {}, engine._allocate, engine._run_model
+    calls, allocate, run_model = [], engine._allocate, engine._run_model
 
-    def recording(name, fn):
+    def recording(fn):
         def record(*args, **kwargs):
-            calls[name] = (args, kwargs)
+            calls.append((fn, args, kwargs))
             return fn(*args, **kwargs)
 
         return record
 
-    engine._allocate, engine._run_model = recording("allocate", allocate), recording("run_model", run_model)
-    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=temperature))  # the last step decodes
-    for name, fn in (("allocate", allocate), ("run_model", run_model)):
-        args, kwargs = calls[name]
-        assert kwargs.get("defer_rest", True) and kwargs.get("max_query_len", 1) == 1, kwargs
+    engine._allocate, engine._run_model = recording(allocate), recording(run_model)
+    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=temperature))
+    steps = list(zip(calls[::2], calls[1::2], strict=True))  # (allocate, run_model) per step
+    decodes = [step for step in steps if step[0][2]["defer_rest"] and step[1][2]["max_query_len"] == 1]
+    assert decodes, [(a[2], m[2]) for a, m in steps]
+    for fn, args, kwargs in decodes[-1]:
         jaxpr = jax.make_jaxpr(lambda *args, fn=fn, kwargs=kwargs: fn.__wrapped__(*args, **kwargs))(*args)
-        assert device_dependent_control_flow(jaxpr.jaxpr) == [], name
+        assert device_dependent_control_flow(jaxpr.jaxpr) == [], fn
 
 
 def test_preemption_happens_and_does_not_change_sampled_outputs():

@@ -13,9 +13,10 @@ One `Engine.step`:
      request (its blocks are freed; it is recomputed later, from its prompt and outputs, with prefix hits on
      what is still cached).
 
-The host plans step n+1 before it has read step n, assuming step n goes as planned; the device computes step n+1
-from what step n really did (`device_step`), so a request that got no blocks in step n simply retries. What the
-lag costs: a request that ends on a stop token computes one token more, which is dropped.
+The host plans step n+2 before it has read step n (`STEPS_IN_FLIGHT`), assuming the steps in flight go as planned;
+the device computes each step from what the steps before it really did (`device_step`), so a request that got no
+blocks simply retries. What the lag costs: a request that ends on a stop token computes up to two tokens more,
+which are dropped.
 
 A decode step (one token per row) lets the allocator defer the rows it cannot serve at once (a new chunk to
 reach, a request that does not fit, the pool due for maintenance): they compute nothing and the next step, sent
@@ -58,6 +59,9 @@ __all__ = ["TENSOR_AXIS", "Engine", "tensor_parallel_mesh"]
 
 TENSOR_AXIS = "tensor"
 """The mesh axis a tensor-parallel engine splits heads over."""
+STEPS_IN_FLIGHT = 2
+"""Steps sent and not yet read back when `Engine.step` returns: the device has the next step queued while the
+host reads one back and plans another."""
 KV_HEADS_SPEC = P(None, None, None, TENSOR_AXIS, None)
 """A [B, 2, S, K, H] cache tensor split by KV heads."""
 
@@ -143,7 +147,7 @@ class Engine:
         self._shapes: set[tuple[int, int, bool, bool]] = set()  # step shapes sent so far (compiled)
         self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jha-device")
         self._device_calls: list[Future] = []  # calls on the worker whose errors are not yet looked at
-        self._in_flight: _SentStep | None = None  # the step sent and not yet read back
+        self._in_flight: collections.deque[_SentStep] = collections.deque()  # sent, not yet read back, oldest first
         self._deferred_rows = False  # the last step read back deferred rows: the next one serves every row
         self._last_read = time.perf_counter()
         self._compile_seconds = 0.0  # of the dispatches since the last read
@@ -209,21 +213,21 @@ class Engine:
     # ----------------------------------------------------------------------------------------------- step
 
     def step(self, on_token: Callable[[Hashable, int], None] | None = None) -> list[RequestOutput]:
-        """One scheduling step: send the next step to the device, then read the previous one back. Returns the
-        requests that finished in the step read back; `on_token(request_id, token)` is called for each of its
+        """One scheduling step: send the next step to the device, then read back the oldest step in flight once
+        more than `STEPS_IN_FLIGHT` are. Returns the requests that finished in the step read back; `on_token(request_id, token)` is called for each of its
         tokens. The device calls it makes may still be queued when it returns (`synchronize`)."""
-        previous, self._in_flight = self._in_flight, None
         rows = self._schedule()
         if rows:
-            self._in_flight = self._send(rows)
-        elif previous is None:
+            self._in_flight.append(self._send(rows))
+        elif not self._in_flight:
             if self.has_unfinished_requests():  # every request left is either running or waiting
                 raise RuntimeError(f"no step to run for {self.num_unfinished_requests} unfinished requests")
             return []
-        finished = [] if previous is None else self._read(previous, on_token)
-        if self._in_flight is not None and not self.has_unfinished_requests():
-            self._read(self._in_flight, on_token)  # only tokens past a stop token: nothing to keep
-            self._in_flight = None
+        finished = []
+        if len(self._in_flight) > STEPS_IN_FLIGHT or not rows:
+            finished = self._read(self._in_flight.popleft(), on_token)
+        while self._in_flight and not self.has_unfinished_requests():
+            self._read(self._in_flight.popleft(), on_token)  # only tokens past a stop token: nothing to keep
         return finished
 
     def generate(
