@@ -11,6 +11,7 @@ Shape letters: T tokens · N query heads · K kv heads · H head size · B block
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
@@ -21,7 +22,34 @@ from .layout import KVLayout, check_kv_layout
 from .metadata import AttentionMetadata
 from .params import CAUSAL, LayerAttentionParams
 
-__all__ = ["kv_heads_per_device", "replicate_kv_heads", "sharded_layer_attention"]
+__all__ = [
+    "TENSOR_AXIS",
+    "kv_cache_spec",
+    "kv_heads_per_device",
+    "replicate_kv_heads",
+    "sharded_layer_attention",
+    "tensor_parallel_mesh",
+]
+
+TENSOR_AXIS = "tensor"
+"""The mesh axis of `tensor_parallel_mesh` (the serving engine splits heads over it)."""
+
+
+def tensor_parallel_mesh(num_devices: int) -> Mesh | None:
+    """A one-axis mesh (`TENSOR_AXIS`) of the first `num_devices` of `jax.devices()`; None for one device."""
+    check_int("num_devices", num_devices)
+    if num_devices == 1:
+        return None
+    devices = jax.devices()
+    if num_devices > len(devices):
+        raise ValueError(f"tensor_parallel={num_devices} exceeds the {len(devices)} devices ({devices[0].platform})")
+    return Mesh(np.array(devices[:num_devices]), (TENSOR_AXIS,))
+
+
+def kv_cache_spec(axis: str, kv_layout: KVLayout = "NHD") -> P:
+    """The partition of a [B, 2, S, K, H] (NHD) or [B, 2, K, S, H] (HND) cache split by KV heads over `axis`."""
+    check_kv_layout(kv_layout)
+    return P(None, None, None, axis, None) if kv_layout == "NHD" else P(None, None, axis, None, None)
 
 
 def kv_heads_per_device(num_kv_heads: int, num_devices: int) -> int:
@@ -68,7 +96,7 @@ def sharded_layer_attention(
             f"{num_q_heads=} and {num_kv_heads=} must divide over {num_devices} devices (replicate_kv_heads first)"
         )
     heads = P(None, axis, None)
-    cache_spec = P(None, None, None, axis, None) if kv_layout == "NHD" else P(None, None, axis, None, None)
+    cache_spec = kv_cache_spec(axis, kv_layout)
 
     def per_device(q, k, v, kv_cache, metadata, sinks):
         return layer_attention(

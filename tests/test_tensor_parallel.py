@@ -22,7 +22,8 @@ CHECK = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from flax import nnx
     from jax.sharding import Mesh
-    from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams, TENSOR_AXIS
+    from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
+    from jax_hybrid_attn.sharding import TENSOR_AXIS
     from jax_hybrid_attn.models import DenseAttention, ModelConfig
     from jax_hybrid_attn.models.partitioning import shard_model
     from jax_hybrid_attn.testing import TOLERANCES

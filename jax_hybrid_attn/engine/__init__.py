@@ -8,7 +8,7 @@ over N devices (`models.partitioning`) and each layer attends per device (`shard
 """
 
 from .config import EngineConfig, EngineStats
-from .engine import TENSOR_AXIS, Engine, tensor_parallel_mesh
+from .engine import Engine
 from .kv_layout import KVCacheLayout
 from .paged_cache import PagedCache
 from .requests import FinishReason, RequestOutput
@@ -25,6 +25,4 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "sample_tokens",
-    "TENSOR_AXIS",
-    "tensor_parallel_mesh",
 ]

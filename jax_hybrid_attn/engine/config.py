@@ -81,6 +81,27 @@ class EngineStats:
     peak_blocks_in_use: int = 0
     peak_blocks_full_attention: int = 0  # what the same requests would hold with every group as full attention
 
+    def record_step(
+        self, num_tokens: int, decode_tokens: int, seconds: float, *, compiled: bool, blocks_in_use: int,
+        full_attention_blocks: int,
+    ) -> None:
+        """Count one step read back: its tokens (`decode_tokens` of them decodes), its host wall time (a step
+        that compiled is not timed; a step is a prefill step if it computes any prompt token), and the blocks in
+        use after it, with what the same requests would hold with every group as full attention."""
+        self.steps += 1
+        self.compile_steps += compiled
+        self.decode_tokens += decode_tokens
+        self.prefill_tokens += num_tokens - decode_tokens
+        if not compiled:
+            self.timed_decode_tokens += decode_tokens
+            self.timed_prefill_tokens += num_tokens - decode_tokens
+            if num_tokens > decode_tokens:
+                self.prefill_time += seconds
+            else:
+                self.decode_time += seconds
+        self.peak_blocks_in_use = max(self.peak_blocks_in_use, blocks_in_use)
+        self.peak_blocks_full_attention = max(self.peak_blocks_full_attention, full_attention_blocks)
+
     @property
     def prefill_tokens_per_s(self) -> float | None:
         return self.timed_prefill_tokens / self.prefill_time if self.prefill_time else None

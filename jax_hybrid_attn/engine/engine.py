@@ -42,39 +42,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..allocator import KVCacheManager
 from ..integers import cdiv, check_int, next_power_of_two
 from ..models.config import ModelConfig
 from ..models.partitioning import shard_model
+from ..sharding import TENSOR_AXIS, kv_cache_spec, tensor_parallel_mesh
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineStats
 from .device_step import NO_SLOT, DeviceState, StepPlan, StepResult, allocate, run_model
 from .kv_layout import KVCacheLayout
 from .requests import FinishReason, InFlightWork, Request, RequestOutput
 from .sampling import SamplingParams
 
-__all__ = ["TENSOR_AXIS", "Engine", "tensor_parallel_mesh"]
+__all__ = ["Engine"]
 
-TENSOR_AXIS = "tensor"
-"""The mesh axis a tensor-parallel engine splits heads over."""
 STEPS_IN_FLIGHT = 2
 """Steps sent and not yet read back when `Engine.step` returns: the device has the next step queued while the
 host reads one back and plans another."""
-KV_HEADS_SPEC = P(None, None, None, TENSOR_AXIS, None)
-"""A [B, 2, S, K, H] cache tensor split by KV heads."""
-
-
-def tensor_parallel_mesh(num_devices: int) -> Mesh | None:
-    """A one-axis mesh (`TENSOR_AXIS`) of the first `num_devices` devices; None for one device."""
-    if num_devices == 1:
-        return None
-    devices = jax.devices()
-    if num_devices > len(devices):
-        raise ValueError(f"tensor_parallel={num_devices} exceeds the {len(devices)} devices ({devices[0].platform})")
-    return Mesh(np.array(devices[:num_devices]), (TENSOR_AXIS,))
-
 
 
 class Engine:
@@ -129,7 +115,9 @@ class Engine:
         self._replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
         if self.mesh is not None:
             self.manager.state = jax.device_put(self.manager.state, self._replicated)
-        self.kv_caches = self.layout.allocate(None if self.mesh is None else NamedSharding(self.mesh, KV_HEADS_SPEC))
+        self.kv_caches = self.layout.allocate(
+            None if self.mesh is None else NamedSharding(self.mesh, kv_cache_spec(TENSOR_AXIS))
+        )
         # the weights travel as a flat list of arrays: flattening the model's `nnx.State` on every call costs more
         weights, weights_treedef = jax.tree.flatten(state)
         self._weights = tuple(weights)
@@ -198,10 +186,8 @@ class Engine:
     def synchronize(self) -> None:
         """Wait until every device call made so far is sent (the caches and the allocator's state are then the
         engine's to read); raises the first error of such a call."""
-        self._on_device(lambda: None)
-        calls, self._device_calls = self._device_calls, []
-        for call in calls:
-            call.result()
+        self._on_device(lambda: None).result()  # the worker runs calls in order: every earlier one is done
+        self._raise_device_errors()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._admitted)
@@ -391,8 +377,14 @@ class Engine:
                 if reason is not None:
                     request.finish_reason = reason
                     finished.append(self._release(request))
-        self._account(int(result.num_scheduled.sum()), decode_tokens, int(result.num_free_blocks), seconds,
-                      compiled=sent.compiled)  # fmt: skip
+        full_attention_blocks = self.allocator_config.num_groups * sum(
+            cdiv(r.num_computed_tokens, self.config.block_size) for r in self._admitted
+        )
+        self.stats.record_step(
+            int(result.num_scheduled.sum()), decode_tokens, seconds, compiled=sent.compiled,
+            blocks_in_use=self.layout.num_blocks - 1 - int(result.num_free_blocks),
+            full_attention_blocks=full_attention_blocks,
+        )  # fmt: skip
         self._preempt_for(failed)
         return finished
 
@@ -419,26 +411,6 @@ class Engine:
         self._admitted.remove(request)
         self._ids.discard(request.request_id)
         return RequestOutput.of(request)
-
-    def _account(self, num_tokens, decode_tokens, num_free_blocks, seconds, *, compiled: bool) -> None:
-        stats = self.stats
-        stats.steps += 1
-        stats.compile_steps += compiled
-        stats.decode_tokens += decode_tokens
-        stats.prefill_tokens += num_tokens - decode_tokens
-        if not compiled:  # a step is a prefill step if it computes any prompt token
-            stats.timed_decode_tokens += decode_tokens
-            stats.timed_prefill_tokens += num_tokens - decode_tokens
-            if num_tokens > decode_tokens:
-                stats.prefill_time += seconds
-            else:
-                stats.decode_time += seconds
-        in_use = self.layout.num_blocks - 1 - num_free_blocks
-        full = self.allocator_config.num_groups * sum(
-            cdiv(r.num_computed_tokens, self.config.block_size) for r in self._admitted
-        )
-        stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, in_use)
-        stats.peak_blocks_full_attention = max(stats.peak_blocks_full_attention, full)
 
     def _preempt_for(self, failed: list[Request]) -> None:
         """Each running request that got no blocks preempts the newest running request (possibly itself). The
