@@ -15,13 +15,12 @@ Shape letters: N query heads · K kv heads · H head size · D hidden size.
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..integers import check_int
-from ..sharding import kv_heads_per_device
+from ..sharding import kv_heads_per_device, replicate_kv_heads
 from .config import ModelConfig
 from .decoder import Decoder
 
@@ -64,15 +63,14 @@ def shard_weights(state: nnx.State, config: ModelConfig, mesh: Mesh, axis: str) 
     """The model's weights (`nnx.split`'s state, made for `config`) placed on `mesh`, split over `axis` (see the
     module docstring); KV heads repeated as `tensor_parallel_config` says."""
     num_devices = mesh.shape[axis]
-    sharded_config = tensor_parallel_config(config, num_devices)
-    repeats = sharded_config.num_kv_heads // config.num_kv_heads
+    tensor_parallel_config(config, num_devices)  # the heads and the MLP split evenly
 
     def place(path, x):
         name = jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
         parts = name.split(".")
-        if repeats > 1 and len(parts) > 1 and parts[-2] in KV_PROJECTIONS:  # [K * H, ...] -> [K * r * H, ...]
+        if len(parts) > 1 and parts[-2] in KV_PROJECTIONS:  # [K * H, ...], heads repeated when K < devices
             heads = x.reshape(config.num_kv_heads, config.head_dim, *x.shape[1:])
-            x = jnp.repeat(heads, repeats, axis=0).reshape(-1, *x.shape[1:])
+            x = replicate_kv_heads(heads, num_devices=num_devices, axis=0).reshape(-1, *x.shape[1:])
         return jax.device_put(x, NamedSharding(mesh, weight_spec(name, x.ndim, axis)))
 
     return jax.tree_util.tree_map_with_path(place, state)
