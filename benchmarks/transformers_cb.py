@@ -15,11 +15,13 @@ measured around the registered function.
 """
 
 import argparse
+import contextlib
 import os
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch and JAX share the GPU
 
+import jax
 import numpy as np
 import torch
 import transformers
@@ -29,6 +31,8 @@ from jax_hybrid_attn_torch import transformers_cb
 
 WORKLOADS = {"mixed": dict(num_prompts=256, lengths=(128, 1025), new_tokens=64),
              "long": dict(num_prompts=16, lengths=(8192, 8193), new_tokens=16)}  # fmt: skip
+
+MIN_NUM_BLOCKS = 1024  # transformers shares the blocks among its layer groups: a few long prompts need this many
 
 
 def prompts_of(workload: dict, vocab_size: int, *, tiny: bool) -> list[list[int]]:
@@ -45,7 +49,7 @@ def run(model, prompts, new_tokens: int, implementation: str, *, block_size: int
                                                pad_token_id=0)  # fmt: skip
     needed = sum(len(p) + new_tokens for p in prompts)
     batching = transformers.ContinuousBatchingConfig(
-        block_size=block_size, num_blocks=needed // block_size + 2 * len(prompts) + 16, max_batch_tokens=8192,
+        block_size=block_size, num_blocks=max(needed // block_size + 2 * len(prompts) + 16, MIN_NUM_BLOCKS), max_batch_tokens=8192,
         use_cuda_graph=False, use_async_batching=False,
     )  # fmt: skip
     started = time.perf_counter()
@@ -61,8 +65,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model and few short prompts (a CPU dry run)")
     parser.add_argument("--workloads", default="mixed,long")
-    parser.add_argument("--mixed-prompts", type=int, default=WORKLOADS["mixed"]["num_prompts"],
-                        help="how many prompts the mixed workload has")  # fmt: skip
+    parser.add_argument("--num-prompts", type=int, help="prompts per workload (default: the workload's own)")
+    parser.add_argument("--trace", metavar="DIR", help="profile the second paged|jax_hybrid run into DIR (CUPTI)")
     args = parser.parse_args()
     shape = TINY if args.tiny else GEMMA3_1B
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,8 +91,8 @@ def main():
     block_size = 16 if args.tiny else 256
     for workload_name in args.workloads.split(","):
         workload = WORKLOADS[workload_name]
-        if workload_name == "mixed":
-            workload = dict(workload, num_prompts=args.mixed_prompts)
+        if args.num_prompts:
+            workload = dict(workload, num_prompts=args.num_prompts)
         prompts = prompts_of(workload, config.vocab_size, tiny=args.tiny)
         prompt_tokens = sum(map(len, prompts))
         results = {}
@@ -97,8 +101,10 @@ def main():
                 _, cold = run(model, prompts, workload["new_tokens"], implementation, block_size=block_size)
                 print(f"{workload_name} | {implementation} | first run (compiles) {cold:.2f} s", flush=True)
             host.update(seconds=0.0, calls=0)
-            results[implementation] = run(model, prompts, workload["new_tokens"], implementation,
-                                          block_size=block_size)  # fmt: skip
+            profile = args.trace and implementation == name
+            with jax.profiler.trace(f"{args.trace}/{workload_name}") if profile else contextlib.nullcontext():
+                results[implementation] = run(model, prompts, workload["new_tokens"], implementation,
+                                              block_size=block_size)  # fmt: skip
             print(f"{workload_name} | {implementation} | {results[implementation][1]:.2f} s", flush=True)
         base_tokens, base_seconds = results["paged|sdpa"]
         for implementation, (tokens, seconds) in results.items():

@@ -137,6 +137,14 @@ def _padded_rows(rows: torch.Tensor, num_rows: int) -> jax.Array:
     return to_jax(out, name="step index")
 
 
+def _kept_writes(cache, write_index: torch.Tensor) -> torch.Tensor:
+    """[T] slots with transformers' trash slot as `PAD_SLOT_ID`: it sends every token it does not keep (padding,
+    a sliding group's tokens already out of the window) to that one slot; thousands of writes to one slot would
+    serialize the cache write, and a dropped write costs nothing."""
+    trash = getattr(cache, "write_trash_index", None)
+    return write_index if trash is None else torch.where(write_index == trash, PAD_SLOT_ID, write_index)
+
+
 def _plan_step(cache, kwargs, num_tokens: int) -> _Step:
     """The step's static shape and indices, from what continuous batching passes the layers. On torch's side
     (small index ops, no host sync): each full group's block tables from its slots in position order, each
@@ -193,7 +201,8 @@ def _plan_step(cache, kwargs, num_tokens: int) -> _Step:
         query_start_loc=starts(cu_q),
         cu_seq_lens_k={name: starts(cu) for name, cu in cu_k.items()},
         write_index=[
-            to_jax(_padded_int32(index[:num_tokens], shape.num_tokens, PAD_SLOT_ID), name="write_index")
+            to_jax(_padded_int32(_kept_writes(cache, index[:num_tokens]), shape.num_tokens, PAD_SLOT_ID),
+                   name="write_index")  # fmt: skip
             for index in kwargs["write_index"]
         ],
         reads=[_padded_rows(window_slots(g) if w != 1 else block_tables(g), shape.num_reqs)

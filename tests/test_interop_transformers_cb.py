@@ -9,7 +9,10 @@ A spy on the registered function counts its calls, so a test cannot pass through
 import functools
 import types
 
+import numpy as np
 import pytest
+
+from jax_hybrid_attn import PAD_SLOT_ID
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -166,3 +169,25 @@ def test_llama4_chunked_layers_fail_clearly():
     kv = torch.zeros(1, 2, 2, 64)
     with pytest.raises(NotImplementedError, match="chunked_attention"):
         transformers_cb.continuous_batching_attention(layer, q, kv, kv, None, cache=cache)
+
+
+def test_each_step_writes_each_cache_slot_once(monkeypatch, calls):
+    """transformers sends the tokens a sliding group drops to one trash slot; the step's writes name every slot
+    at most once (many writes to one slot serialize the cache write on a GPU)."""
+    planned = []
+
+    def recording(*args, **kwargs):
+        step = plan_step(*args, **kwargs)
+        planned.append([np.asarray(index) for index in step.write_index])
+        return step
+
+    plan_step = transformers_cb._plan_step
+    monkeypatch.setattr(transformers_cb, "_plan_step", recording)
+    model, prompts = build("gemma3")
+    continuous_batching(model, prompts[3:], NAME)  # 30 tokens: two chunks, most of them outside the window
+    assert planned and calls
+    for step in planned:
+        for index in step:
+            written = index[index != PAD_SLOT_ID]
+            assert len(set(written.tolist())) == len(written), f"a slot named twice in {index}"
+    assert any((index == PAD_SLOT_ID).sum() > 0 for step in planned for index in step[:1])

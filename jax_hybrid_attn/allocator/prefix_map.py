@@ -113,7 +113,10 @@ def finish_inserts(
     a later request misses them)."""
     if max_rounds is None:
         return jax.lax.while_loop(lambda carry: jnp.any(carry[1].pending), _place_round, (prefix_map, inserts))
-    table, inserts = jax.lax.fori_loop(0, max_rounds, lambda _, carry: _place_round(carry), (prefix_map, inserts))
+    # unrolled: one straight-line program, with no loop for a GPU runtime to step through
+    table, inserts = jax.lax.fori_loop(
+        0, max_rounds, lambda _, carry: _place_round(carry), (prefix_map, inserts), unroll=True
+    )
     left = inserts.pending
     return table, dataclasses.replace(
         inserts, pending=jnp.zeros_like(left), dropped=inserts.dropped + jnp.sum(left, dtype=jnp.int32)

@@ -19,6 +19,9 @@ from .config import AllocatorConfig
 from .hashing import chain_block_hash, root_hash
 from .state import AllocatorState, RequestTable
 
+MAX_UNROLLED_HASH_BLOCKS = 4
+"""A step that fills at most this many hash blocks per row hashes them in straight-line code."""
+
 __all__ = ["add_requests", "append_token_ids"]
 
 
@@ -46,8 +49,13 @@ def _extend_hashes(
         index = jnp.clip(k, 0, config.hash_blocks_per_row - 1)
         return hashes.at[jnp.where(active, slots, drop), index].set(block_hash, mode="drop")
 
-    steps = jnp.max(last - first, initial=0) if max_new_blocks is None else max_new_blocks
-    return dataclasses.replace(req, block_hashes=jax.lax.fori_loop(0, steps, one, req.block_hashes))
+    if max_new_blocks is None:
+        steps = jnp.max(last - first, initial=0)
+        return dataclasses.replace(req, block_hashes=jax.lax.fori_loop(0, steps, one, req.block_hashes))
+    # a trip count known when compiling; a short loop is unrolled (no loop for a GPU runtime to step through)
+    unroll = max_new_blocks <= MAX_UNROLLED_HASH_BLOCKS
+    hashes = jax.lax.fori_loop(0, max_new_blocks, one, req.block_hashes, unroll=unroll)
+    return dataclasses.replace(req, block_hashes=hashes)
 
 
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))

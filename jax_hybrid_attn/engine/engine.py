@@ -307,6 +307,9 @@ class Engine:
             1 if max(needs) == 1 else self.config.max_num_batched_tokens,
             not bool((plan.temperature > 0).any()),
         )
+        # Copied to the device here, off the device worker (whose sending of calls paces the GPU); the slots,
+        # known only once the worker has added the step's new requests, follow there
+        plan = jax.device_put(plan, self._replicated)
         # A decode step lets the allocator defer the rows it cannot serve at once (then nothing in the step makes
         # the host wait for the device); the step after one that deferred rows serves every row.
         defer_rest = shape[1] == 1 and not self._deferred_rows
@@ -330,8 +333,8 @@ class Engine:
         computed counts become their outputs."""
         slots = [self.manager.slot(request_id) for request_id in request_ids]
         pad = self.config.max_num_seqs - len(slots)
-        plan = plan._replace(slots=np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=NO_SLOT))
-        plan = jax.device_put(plan, self._replicated)
+        slots = np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=NO_SLOT)
+        plan = plan._replace(slots=jax.device_put(slots, self._replicated))
         state = DeviceState(tuple(self.kv_caches), self.manager.state, self._num_computed)
         state, out, known = self._allocate(state, plan, defer_rest=defer_rest)
         state, result = self._run_model(
