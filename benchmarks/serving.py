@@ -34,7 +34,7 @@ import numpy as np
 
 from jax_hybrid_attn.allocator import KVCacheManager, max_concurrency
 from jax_hybrid_attn.engine import Engine, EngineConfig, KVCacheLayout, SamplingParams
-from jax_hybrid_attn.engine.device_step import DeviceState
+from jax_hybrid_attn.engine.device_step import STEP_SHAPE, DeviceState
 from jax_hybrid_attn.models import ModelConfig, embedded_config, load_model, random_model
 from jax_hybrid_attn.models.partitioning import tensor_parallel_config
 
@@ -286,7 +286,7 @@ MODEL_CALL_VARIANTS = {  # XLA options of the model's jitted call, compared side
 
 def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None) -> None:
     """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together.
-    Timed: the engine's steps (wall), and the same step's two jitted calls replayed back to back on copies of its
+    Timed: the engine's steps (wall), and the same step's jitted call replayed back to back on copies of its
     inputs (no host work in between but XLA's own). Profiled (CUPTI, under `trace` or a temporary directory): the
     time the GPU runs kernels or copies during `steps` engine steps and `steps` replays. Each of
     `MODEL_CALL_VARIANTS` in turn."""
@@ -302,15 +302,17 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     while engine._waiting or not all(request.output_token_ids for request in engine._admitted):
         engine.step()  # every prompt prefilled
     engine.synchronize()
-    default = engine._run_model
+    defaults = engine._run_model, engine._allocate_and_run
     for name, options in MODEL_CALL_VARIANTS.items():
-        engine._run_model = jax.jit(default.__wrapped__, static_argnames=("num_tokens", "max_query_len", "greedy_only"),
-                                    donate_argnames=("state",), compiler_options=options)  # fmt: skip
+        engine._run_model, engine._allocate_and_run = (
+            jax.jit(call.__wrapped__, static_argnames=static, donate_argnames=("state",), compiler_options=options)
+            for call, static in zip(defaults, (STEP_SHAPE, ("defer_rest", *STEP_SHAPE)))
+        )  # fmt: skip
         line = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)
         line = f"{name} | decode step of {num_requests} requests: {line}"
         print("busy", line, flush=True)
         rows.append(("busy", line))
-    engine._run_model = default
+    engine._run_model, engine._allocate_and_run = defaults
 
 
 def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
@@ -328,27 +330,22 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
 
     engine_busy, engine_span = profiled(f"{trace}/engine", engine_steps)
 
-    allocate, run_model, recorded = engine._allocate, engine._run_model, {}
+    device_step, recorded = engine._device_step, {}
 
-    def recording_allocate(state, plan, **options):  # the allocator's state before one step, copied
+    def recording(state, plan, **options):  # the allocator's state before one step, copied
         recorded.update(allocator=jax.tree.map(jnp.copy, state.allocator), num_computed=jnp.copy(state.num_computed),
-                        allocate_options=options)  # fmt: skip
-        return allocate(state, plan, **options)
+                        plan=plan, options=options)  # fmt: skip
+        return device_step(state, plan, **options)
 
-    def recording_model(weights, state, out, known, plan, **shape):
-        recorded.update(weights=weights, plan=plan, shape=shape)
-        return run_model(weights, state, out, known, plan, **shape)
-
-    engine._allocate, engine._run_model = recording_allocate, recording_model
+    engine._device_step = recording
     engine.step()
     engine.synchronize()  # the step is sent (by the engine's device worker)
-    engine._allocate, engine._run_model = allocate, run_model
+    engine._device_step = device_step
     caches = tuple(engine.kv_caches)  # a replay rewrites the recorded step's K/V, in the same slots
 
-    def replay(allocator, caches):  # the step's two calls, as the engine sends them
+    def replay(allocator, caches):  # the step's calls, as the engine sends them
         state = DeviceState(caches, allocator, jnp.copy(recorded["num_computed"]))
-        state, out, known = allocate(state, recorded["plan"], **recorded["allocate_options"])
-        state, result = run_model(recorded["weights"], state, out, known, recorded["plan"], **recorded["shape"])
+        state, result = device_step(state, recorded["plan"], **recorded["options"])
         return state.kv_caches, result
 
     def replays():

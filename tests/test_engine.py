@@ -112,30 +112,26 @@ def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_toke
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_decode_step_has_no_loop_or_branch_on_device_values(temperature):
-    """On a GPU, XLA reads such a predicate back before it launches what follows: with none in a decode step's two
-    calls, the host sends the next step while this one runs."""
+    """On a GPU, XLA reads such a predicate back before it launches what follows: with none in a decode step's
+    call, the host sends the next step while this one runs."""
     from jax_hybrid_attn.testing import device_dependent_control_flow
 
     config, model = tiny_model("gemma3_text")
     engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                                                 max_model_len=64))  # fmt: skip
-    calls, allocate, run_model = [], engine._allocate, engine._run_model
+    calls, allocate_and_run = [], engine._allocate_and_run
 
-    def recording(fn):
-        def record(*args, **kwargs):
-            calls.append((fn, args, kwargs))
-            return fn(*args, **kwargs)
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return allocate_and_run(*args, **kwargs)
 
-        return record
-
-    engine._allocate, engine._run_model = recording(allocate), recording(run_model)
+    engine._allocate_and_run = recording
     engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=temperature))
-    steps = list(zip(calls[::2], calls[1::2], strict=True))  # (allocate, run_model) per step
-    decodes = [step for step in steps if step[0][2]["defer_rest"] and step[1][2]["max_query_len"] == 1]
-    assert decodes, [(a[2], m[2]) for a, m in steps]
-    for fn, args, kwargs in decodes[-1]:
-        jaxpr = jax.make_jaxpr(lambda *args, fn=fn, kwargs=kwargs: fn.__wrapped__(*args, **kwargs))(*args)
-        assert device_dependent_control_flow(jaxpr.jaxpr) == [], fn
+    decodes = [(args, kwargs) for args, kwargs in calls if kwargs["defer_rest"]]
+    assert decodes and all(kwargs["max_query_len"] == 1 for _, kwargs in calls), [kwargs for _, kwargs in calls]
+    args, kwargs = decodes[-1]
+    jaxpr = jax.make_jaxpr(lambda *args: allocate_and_run.__wrapped__(*args, **kwargs))(*args)
+    assert device_dependent_control_flow(jaxpr.jaxpr) == []
 
 
 def test_preemption_happens_and_does_not_change_sampled_outputs():

@@ -1,6 +1,8 @@
-"""The device half of an engine step, two jitted calls sent back to back: `allocate` (the allocator's step,
-compiled once), then `run_model` (each group's metadata, the model over the paged caches, sampling, the sampled
-tokens back into the allocator; compiled per step shape).
+"""The device half of an engine step: `allocate` (the allocator's step), then `run_model` (each group's metadata,
+the model over the paged caches, sampling, the sampled tokens back into the allocator). A step that prefills
+sends them as two jitted calls, back to back: the allocator compiled once, the model per step shape. A decode
+step sends `allocate_and_run`, the two as one call: decode steps are short enough that launching the calls paces
+the GPU, and one call launches less (the allocator's outputs stay inside it).
 
 Everything a step needs from the steps before it stays on the device: the allocator's state (the known tokens
 of each request, their block tables), the KV caches and each request's count of computed tokens. The host sends
@@ -30,10 +32,12 @@ from .kv_layout import KVCacheLayout
 from .paged_cache import PagedCache
 from .sampling import sample_tokens
 
-__all__ = ["NO_SLOT", "DeviceState", "StepPlan", "StepResult", "allocate", "run_model"]
+__all__ = ["NO_SLOT", "STEP_SHAPE", "DeviceState", "StepPlan", "StepResult", "allocate", "allocate_and_run", "run_model"]
 
 NO_SLOT = -1
 """`StepPlan.slots` of a padding row."""
+STEP_SHAPE = ("num_tokens", "max_query_len", "greedy_only")
+"""`run_model`'s static arguments: a step's shape (each one compiles)."""
 
 
 class DeviceState(NamedTuple):
@@ -176,3 +180,29 @@ def run_model(
         num_scheduled=out.num_scheduled_tokens, sampled=sampled, tokens=tokens, num_free_blocks=allocator.pool.num_free,
     )  # fmt: skip
     return DeviceState(cache.tensors, allocator, num_computed), result
+
+
+def allocate_and_run(
+    graphdef: nnx.GraphDef,
+    weights_treedef: PyTreeDef,
+    allocator_config: AllocatorConfig,
+    layout: KVCacheLayout,
+    implementation: str | None,
+    interpret: bool,
+    weights: Sequence[Array],
+    state: DeviceState,
+    plan: StepPlan,
+    *,
+    defer_rest: bool,
+    num_tokens: int,
+    max_query_len: int,
+    greedy_only: bool,
+    mesh: Mesh | None = None,
+    axis: str | None = None,
+) -> tuple[DeviceState, StepResult]:
+    """`allocate` then `run_model`, as one call (jit it with the keyword options static, `state` donated)."""
+    state, out, known = allocate(allocator_config, state, plan, defer_rest=defer_rest)
+    return run_model(
+        graphdef, weights_treedef, allocator_config, layout, implementation, interpret, weights, state, out, known,
+        plan, num_tokens=num_tokens, max_query_len=max_query_len, greedy_only=greedy_only, mesh=mesh, axis=axis,
+    )  # fmt: skip
