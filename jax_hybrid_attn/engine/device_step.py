@@ -183,26 +183,11 @@ def run_model(
 
 
 def allocate_and_run(
-    graphdef: nnx.GraphDef,
-    weights_treedef: PyTreeDef,
-    allocator_config: AllocatorConfig,
-    layout: KVCacheLayout,
-    implementation: str | None,
-    interpret: bool,
-    weights: Sequence[Array],
-    state: DeviceState,
-    plan: StepPlan,
-    *,
-    defer_rest: bool,
-    num_tokens: int,
-    max_query_len: int,
-    greedy_only: bool,
-    mesh: Mesh | None = None,
-    axis: str | None = None,
-) -> tuple[DeviceState, StepResult]:
-    """`allocate` then `run_model`, as one call (jit it with the keyword options static, `state` donated)."""
+    graphdef, weights_treedef, allocator_config: AllocatorConfig, layout, implementation, interpret, weights,
+    state: DeviceState, plan: StepPlan, *, defer_rest: bool, **options,
+) -> tuple[DeviceState, StepResult]:  # fmt: skip
+    """`allocate` then `run_model` (same arguments), as one call: jit it with `defer_rest` and `run_model`'s keyword
+    options static, `state` donated."""
     state, out, known = allocate(allocator_config, state, plan, defer_rest=defer_rest)
-    return run_model(
-        graphdef, weights_treedef, allocator_config, layout, implementation, interpret, weights, state, out, known,
-        plan, num_tokens=num_tokens, max_query_len=max_query_len, greedy_only=greedy_only, mesh=mesh, axis=axis,
-    )  # fmt: skip
+    model_args = (graphdef, weights_treedef, allocator_config, layout, implementation, interpret, weights)
+    return run_model(*model_args, state, out, known, plan, **options)
