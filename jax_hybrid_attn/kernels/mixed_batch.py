@@ -101,15 +101,11 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     logit_scale = jnp.reshape(params.sm_scale * k_scale, (1,)).astype(jnp.float32)
     unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)
     block_tables = jnp.clip(metadata.block_tables, 0, num_blocks - 1)  # never a page outside the pool
-    # Query tokens start as NaN and every tile overwrites its own: a token no tile computes (a request whose
-    # query is above a max_query_len that skipped the prefill launch) stays flagged. Padding tokens get zeros.
     # K and V come from one array [B, 2, ...] (passed twice, indexed on axis 1) or from the pair's two arrays
     stacked = not is_kv_pair(kv_cache)
     k_source, v_source = (kv_cache, kv_cache) if stacked else kv_cache
-    is_query = jnp.arange(num_tokens)[:, None, None] < metadata.num_actual_tokens
-    out = jnp.where(is_query, jnp.full_like(q, jnp.nan), jnp.zeros_like(q))
 
-    def run(tiles, config):
+    def run(tiles, config):  # [NT, K, rows, H] float32: each tile's merged output rows
         tokens, heads = query_tiles.tile_rows(
             tiles, metadata.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads,
             num_tokens=num_tokens, rows=config.rows,
@@ -120,18 +116,20 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
             kv_layout=kv_layout, stacked=stacked, config=config, interpret=interpret,
         )  # fmt: skip
         sinks_rows = None if sinks is None else sinks.astype(jnp.float32)[heads]
-        rows = query_tiles.merge_splits(partial_out, lse, sinks_rows) * v_scale
-        return tokens, heads, jnp.where(unservable[tiles.request][:, None, None, None], jnp.nan, rows)
+        return query_tiles.merge_splits(partial_out, lse, sinks_rows)
 
     ctas_per_split = max(1, metadata.num_reqs * num_kv_heads)
     decode_splits = max(1, min(MAX_DECODE_SPLITS, math.ceil(TARGET_DECODE_CTAS / ctas_per_split)))
     decode_config, prefill_config = kernel_configs(
         head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=decode_splits
     )
-    tokens, heads, rows = run(query_tiles.decode_tiles(query_lens, group_size), decode_config)
-    out = query_tiles.scatter_rows(out, rows, tokens, heads)
+    decode_rows = run(query_tiles.decode_tiles(query_lens, group_size), decode_config)
+    prefill_rows = None  # a static max_query_len that fits one decode tile skips the prefill launch
     if metadata.max_query_len > query_tiles.tokens_per_tile(group_size):
         tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
-        tokens, heads, rows = run(tiles, prefill_config)
-        out = query_tiles.scatter_rows(out, rows, tokens, heads)
-    return out
+        prefill_rows = run(tiles, prefill_config)
+    out = query_tiles.token_outputs(
+        decode_rows, prefill_rows, metadata.query_start_loc, query_lens, unservable, metadata.num_actual_tokens,
+        group_size=group_size, num_tokens=num_tokens,
+    )  # fmt: skip
+    return (out * v_scale).astype(q.dtype)

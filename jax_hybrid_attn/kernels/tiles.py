@@ -11,7 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from .._compat import register_pytree_dataclass
 from ..integers import cdiv
@@ -25,7 +25,7 @@ __all__ = [
     "tile_rows",
     "pack_query_rows",
     "merge_splits",
-    "scatter_rows",
+    "token_outputs",
 ]
 
 
@@ -112,6 +112,46 @@ def merge_splits(partial_out, lse, sinks_rows):
     return out / jnp.where(denominator > 0, denominator, 1.0)[..., None]
 
 
-def scatter_rows(out: Float[Array, "T N H"], rows: Float[Array, "NT K rows H"], tokens, heads) -> jax.Array:
-    """Write each row back to its token and head; rows of token T (padding) are dropped."""
-    return out.at[tokens[:, None, :], heads[None, :, :]].set(rows.astype(out.dtype), mode="drop")
+def token_outputs(
+    decode_rows: Float[Array, "R K rows H"],
+    prefill_rows: Float[Array, "NT K rows H"] | None,
+    query_start_loc: Int[Array, "R+1"],
+    query_lens: Int[Array, "R"],
+    flagged: Bool[Array, "R"],
+    num_actual_tokens: Int[Array, ""],
+    *,
+    group_size: int,
+    num_tokens: int,
+) -> Float[Array, "T N H"]:
+    """Each token's output, gathered from its request's tile: the request's decode tile (`decode_tiles`) or its
+    prefill tile (`prefill_tiles`; `prefill_rows` None where that launch was skipped). Padding tokens (from
+    `num_actual_tokens` on) get zeros. NaN flags the tokens of `flagged` requests and those no tile holds (a
+    prefill token without a prefill launch).
+
+    A gather per token rather than a scatter per row: no output to fill first, and XLA fuses the gather with the
+    merge of the splits before it."""
+    num_reqs, num_kv_heads = decode_rows.shape[:2]
+    token = jnp.arange(num_tokens)
+    request = jnp.clip(jnp.searchsorted(query_start_loc, token, side="right") - 1, 0, num_reqs - 1)
+    offset = token - query_start_loc[request]  # within its request's query
+    head = jnp.arange(num_kv_heads * group_size)
+    kv_head, g = head // group_size, head % group_size
+
+    def gather(rows, tile, offset_in_tile):  # [T] tile and token offset within it -> [T, N, H]
+        per_block = ROWS // group_size  # tokens per 64-row warpgroup block
+        row = (offset_in_tile // per_block * ROWS + offset_in_tile % per_block * group_size)[:, None] + g[None, :]
+        return rows[tile[:, None], kv_head[None, :], row]
+
+    held = (offset >= 0) & (offset < query_lens[request]) & ~flagged[request]
+    is_decode = query_lens[request] <= tokens_per_tile(group_size)
+    out = gather(decode_rows, request, jnp.where(is_decode, offset, 0))
+    if prefill_rows is None:
+        held &= is_decode
+    else:
+        per_tile = tokens_per_tile(group_size, prefill_rows.shape[2])
+        tiles_per_request = jnp.where(query_lens > tokens_per_tile(group_size), cdiv(query_lens, per_tile), 0)
+        first_tile = jnp.cumsum(tiles_per_request) - tiles_per_request
+        tile = jnp.clip(first_tile[request] + offset // per_tile, 0, prefill_rows.shape[0] - 1)
+        out = jnp.where(is_decode[:, None, None], out, gather(prefill_rows, tile, offset % per_tile))
+    out = jnp.where(held[:, None, None], out, jnp.nan)
+    return jnp.where((token < num_actual_tokens)[:, None, None], out, 0.0)
