@@ -14,6 +14,9 @@ then ``PYTHONPATH=.:/tmp/pkgs``.)
    stream; torch compares JAX's output with the expected one on the same stream. Mismatches are counted on the
    device over all trials.
 3. Zero-copy: the data pointers of q, k, v, the cache and the output on both sides of each conversion.
+4. Whether a conversion waits on the host: with tens of milliseconds of torch work queued on the GPU, the host
+   time of an ordered import, an unordered one and an export (a conversion that waits takes about as long as the
+   queued work).
 
 Prints a short table last.
 """
@@ -216,6 +219,39 @@ def stream_race(backend, cache, q, k, v, device, trials, rows):
     rows.append((f"stream race, {trials} trials", f"{int(mismatches)} mismatches"))
 
 
+def conversion_waits(device, rows, *, queued_matmuls: int = 20):
+    """Host time of one conversion while torch work is queued, against the time that work takes."""
+    if device.type != "cuda":
+        return
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    x = torch.randn(1024, 1024, device=device, dtype=torch.bfloat16)
+    exported = jnp.ones((1024, 1024), jnp.bfloat16)
+
+    def queue_work():
+        for _ in range(queued_matmuls):
+            a @ a
+
+    conversions = {
+        "ordered import (to_jax)": lambda: to_jax(x),
+        "unordered import (already_ordered=True)": lambda: to_jax(x, already_ordered=True),
+        "export (to_torch)": lambda: backend_module.to_torch(exported),
+    }
+    sync(device)
+    started = time.perf_counter()
+    queue_work()
+    sync(device)
+    work = time.perf_counter() - started
+    for name, convert in conversions.items():
+        convert()  # warm
+        sync(device)
+        queue_work()
+        started = time.perf_counter()
+        convert()
+        seconds = time.perf_counter() - started
+        sync(device)
+        rows.append((f"host time of an {name}, {work * 1e3:.0f} ms of work queued", f"{seconds * 1e6:.0f} us"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=1000)
@@ -235,6 +271,7 @@ def main():
     host_breakdown(backend, cache, q, k, v, args.reps, rows)
     zero_copy(backend, cache, q, k, v, rows)
     stream_race(backend, cache, q, k, v, device, args.trials, rows)
+    conversion_waits(device, rows)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; torch {torch.__version__} on {device}")
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
