@@ -105,31 +105,29 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     stacked = not is_kv_pair(kv_cache)
     k_source, v_source = (kv_cache, kv_cache) if stacked else kv_cache
 
-    def run(tiles, config):  # [NT, K, rows, H] float32: each tile's merged output rows
+    def run(tiles, config):  # each tile's partial outputs [NT, K, splits, rows, H] and log-sum-exps
         tokens, heads = query_tiles.tile_rows(
             tiles, metadata.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads,
             num_tokens=num_tokens, rows=config.rows,
         )  # fmt: skip
-        partial_out, lse = attention_partials(
+        return attention_partials(
             query_tiles.pack_query_rows(q, tokens, heads), k_source, v_source, tiles, seq_lens, query_lens,
             block_tables, logit_scale, block_size=block_size, group_size=group_size, params=params,
             kv_layout=kv_layout, stacked=stacked, config=config, interpret=interpret,
         )  # fmt: skip
-        sinks_rows = None if sinks is None else sinks.astype(jnp.float32)[heads]
-        return query_tiles.merge_splits(partial_out, lse, sinks_rows)
 
     ctas_per_split = max(1, metadata.num_reqs * num_kv_heads)
     decode_splits = max(1, min(MAX_DECODE_SPLITS, math.ceil(TARGET_DECODE_CTAS / ctas_per_split)))
     decode_config, prefill_config = kernel_configs(
         head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=decode_splits
     )
-    decode_rows = run(query_tiles.decode_tiles(query_lens, group_size), decode_config)
-    prefill_rows = None  # a static max_query_len that fits one decode tile skips the prefill launch
+    decode = run(query_tiles.decode_tiles(query_lens, group_size), decode_config)
+    prefill = None  # a static max_query_len that fits one decode tile skips the prefill launch
     if metadata.max_query_len > query_tiles.tokens_per_tile(group_size):
         tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
-        prefill_rows = run(tiles, prefill_config)
+        prefill = run(tiles, prefill_config)
     out = query_tiles.token_outputs(
-        decode_rows, prefill_rows, metadata.query_start_loc, query_lens, unservable, metadata.num_actual_tokens,
-        group_size=group_size, num_tokens=num_tokens,
+        decode, prefill, metadata.query_start_loc, query_lens, unservable, metadata.num_actual_tokens,
+        None if sinks is None else sinks.astype(jnp.float32), group_size=group_size, num_tokens=num_tokens,
     )  # fmt: skip
     return (out * v_scale).astype(q.dtype)

@@ -96,62 +96,66 @@ def pack_query_rows(q: Float[Array, "T N H"], tokens, heads) -> Float[Array, "NT
     return q.at[tokens[:, None, :], heads[None, :, :]].get(mode="fill", fill_value=0)
 
 
-def merge_splits(partial_out, lse, sinks_rows):
-    """Combine splits: [NT, K, splits, rows, H] with lse [NT, K, splits, rows] -> [NT, K, rows, H] float32.
+def merge_splits(partial_out, lse, sinks):
+    """Combine splits: [T, N, splits, H] with lse [T, N, splits] -> [T, N, H] float32.
 
-    `sinks_rows` [K, rows] (or None) adds one unscaled logit per row to the softmax denominator only."""
-    lse_max = lse.max(axis=2)
-    if sinks_rows is not None:
-        lse_max = jnp.maximum(lse_max, sinks_rows)
+    `sinks` [N] (or None) adds one unscaled logit per head to the softmax denominator only."""
+    lse_max = lse.max(axis=-1)
+    if sinks is not None:
+        lse_max = jnp.maximum(lse_max, sinks)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    weights = jnp.exp(lse - lse_max[:, :, None])  # [NT, K, splits, rows]
-    denominator = weights.sum(axis=2)
-    if sinks_rows is not None:
-        denominator = denominator + jnp.exp(sinks_rows - lse_max)
-    out = jnp.einsum("tksi,tksih->tkih", weights, partial_out.astype(jnp.float32))
+    weights = jnp.exp(lse - lse_max[..., None])  # [T, N, splits]
+    denominator = weights.sum(axis=-1)
+    if sinks is not None:
+        denominator = denominator + jnp.exp(sinks - lse_max)
+    out = (weights[..., None] * partial_out.astype(jnp.float32)).sum(axis=-2)
     return out / jnp.where(denominator > 0, denominator, 1.0)[..., None]
 
 
 def token_outputs(
-    decode_rows: Float[Array, "R K rows H"],
-    prefill_rows: Float[Array, "NT K rows H"] | None,
+    decode: tuple[Float[Array, "R K S rows H"], Float[Array, "R K S rows"]],
+    prefill: tuple[Float[Array, "NT K 1 rows H"], Float[Array, "NT K 1 rows"]] | None,
     query_start_loc: Int[Array, "R+1"],
     query_lens: Int[Array, "R"],
     flagged: Bool[Array, "R"],
     num_actual_tokens: Int[Array, ""],
+    sinks: Float[Array, "N"] | None,
     *,
     group_size: int,
     num_tokens: int,
 ) -> Float[Array, "T N H"]:
-    """Each token's output, gathered from its request's tile: the request's decode tile (`decode_tiles`) or its
-    prefill tile (`prefill_tiles`; `prefill_rows` None where that launch was skipped). Padding tokens (from
+    """Each token's output (float32) from its request's tile: the partial outputs and log-sum-exps
+    (`attention_partials`) of the request's decode tile (`decode_tiles`) or of its prefill tile (`prefill_tiles`;
+    None where that launch was skipped), merged over the splits (`merge_splits`). Padding tokens (from
     `num_actual_tokens` on) get zeros. NaN flags the tokens of `flagged` requests and those no tile holds (a
     prefill token without a prefill launch).
 
-    A gather per token rather than a scatter per row: no output to fill first, and XLA fuses the gather with the
-    merge of the splits before it."""
-    num_reqs, num_kv_heads = decode_rows.shape[:2]
+    Each token gathers its own rows first, so the merge reads only rows that hold a token (a decode tile has 64
+    rows, of which a one-token query fills G)."""
+    num_reqs, num_kv_heads = decode[0].shape[:2]
     token = jnp.arange(num_tokens)
     request = jnp.clip(jnp.searchsorted(query_start_loc, token, side="right") - 1, 0, num_reqs - 1)
     offset = token - query_start_loc[request]  # within its request's query
     head = jnp.arange(num_kv_heads * group_size)
     kv_head, g = head // group_size, head % group_size
 
-    def gather(rows, tile, offset_in_tile):  # [T] tile and token offset within it -> [T, N, H]
+    def merged(launch, tile, offset_in_tile):  # [T] tile and token offset within it -> [T, N, H]
+        partial_out, lse = launch
         per_block = ROWS // group_size  # tokens per 64-row warpgroup block
         row = (offset_in_tile // per_block * ROWS + offset_in_tile % per_block * group_size)[:, None] + g[None, :]
-        return rows[tile[:, None], kv_head[None, :], row]
+        index = (tile[:, None], kv_head[None, :], slice(None), row)  # -> [T, N, splits, ...]
+        return merge_splits(partial_out[index], lse[index], sinks)
 
     held = (offset >= 0) & (offset < query_lens[request]) & ~flagged[request]
     is_decode = query_lens[request] <= tokens_per_tile(group_size)
-    out = gather(decode_rows, request, jnp.where(is_decode, offset, 0))
-    if prefill_rows is None:
+    out = merged(decode, request, jnp.where(is_decode, offset, 0))
+    if prefill is None:
         held &= is_decode
     else:
-        per_tile = tokens_per_tile(group_size, prefill_rows.shape[2])
+        per_tile = tokens_per_tile(group_size, prefill[0].shape[3])
         tiles_per_request = jnp.where(query_lens > tokens_per_tile(group_size), cdiv(query_lens, per_tile), 0)
         first_tile = jnp.cumsum(tiles_per_request) - tiles_per_request
-        tile = jnp.clip(first_tile[request] + offset // per_tile, 0, prefill_rows.shape[0] - 1)
-        out = jnp.where(is_decode[:, None, None], out, gather(prefill_rows, tile, offset % per_tile))
+        tile = jnp.clip(first_tile[request] + offset // per_tile, 0, prefill[0].shape[0] - 1)
+        out = jnp.where(is_decode[:, None, None], out, merged(prefill, tile, offset % per_tile))
     out = jnp.where(held[:, None, None], out, jnp.nan)
     return jnp.where((token < num_actual_tokens)[:, None, None], out, 0.0)
