@@ -344,12 +344,11 @@ class Engine:
         return result
 
     def _device_step(
-        self, state: DeviceState, plan: StepPlan, *, defer_rest: bool, num_tokens: int, max_query_len: int,
-        greedy_only: bool,
-    ) -> tuple[DeviceState, StepResult]:  # fmt: skip
-        """(On the device worker.) A decode step as one call; a step that prefills as two (`device_step`)."""
-        shape = dict(num_tokens=num_tokens, max_query_len=max_query_len, greedy_only=greedy_only)
-        if max_query_len == 1:
+        self, state: DeviceState, plan: StepPlan, *, defer_rest: bool, **shape
+    ) -> tuple[DeviceState, StepResult]:
+        """(On the device worker.) A decode step as one call; a step that prefills as two (`device_step`). `shape`:
+        the `STEP_SHAPE` values."""
+        if shape["max_query_len"] == 1:
             return self._allocate_and_run(self._weights, state, plan, defer_rest=defer_rest, **shape)
         state, out, known = self._allocate(state, plan, defer_rest=defer_rest)
         return self._run_model(self._weights, state, out, known, plan, **shape)

@@ -22,6 +22,7 @@ __all__ = [
     "QueryTiles",
     "decode_tiles",
     "prefill_tiles",
+    "prefill_tiles_per_request",
     "tile_rows",
     "pack_query_rows",
     "merge_splits",
@@ -55,14 +56,19 @@ def decode_tiles(query_lens: Int[Array, "R"], group_size: int) -> QueryTiles:
     )
 
 
+def prefill_tiles_per_request(query_lens: Int[Array, "R"], group_size: int, *, rows: int) -> Int[Array, "R"]:
+    """Prefill tiles of `rows` rows each request takes: none for a query that fits one decode tile."""
+    is_prefill = query_lens > tokens_per_tile(group_size)
+    return jnp.where(is_prefill, cdiv(query_lens, tokens_per_tile(group_size, rows)), 0)
+
+
 def prefill_tiles(query_lens: Int[Array, "R"], group_size: int, num_tokens: int, *, rows: int) -> QueryTiles:
     """Tiles of `tokens_per_tile` tokens over the requests whose query does not fit one decode tile.
 
     The table has ``R + T // tokens_per_tile`` entries, enough for any lengths summing to T."""
     per_tile = tokens_per_tile(group_size, rows)
     num_reqs = query_lens.shape[0]
-    is_prefill = query_lens > tokens_per_tile(group_size)
-    tiles_per_request = jnp.where(is_prefill, cdiv(query_lens, per_tile), 0)
+    tiles_per_request = prefill_tiles_per_request(query_lens, group_size, rows=rows)
     ends = jnp.cumsum(tiles_per_request)
     index = jnp.arange(num_reqs + num_tokens // per_tile, dtype=jnp.int32)
     request = jnp.minimum(jnp.searchsorted(ends, index, side="right"), num_reqs - 1).astype(jnp.int32)
@@ -152,8 +158,9 @@ def token_outputs(
     if prefill is None:
         held &= is_decode
     else:
-        per_tile = tokens_per_tile(group_size, prefill[0].shape[3])
-        tiles_per_request = jnp.where(query_lens > tokens_per_tile(group_size), cdiv(query_lens, per_tile), 0)
+        rows = prefill[0].shape[3]
+        per_tile = tokens_per_tile(group_size, rows)
+        tiles_per_request = prefill_tiles_per_request(query_lens, group_size, rows=rows)
         first_tile = jnp.cumsum(tiles_per_request) - tiles_per_request
         tile = jnp.clip(first_tile[request] + offset // per_tile, 0, prefill[0].shape[0] - 1)
         out = jnp.where(is_decode[:, None, None], out, merged(prefill, tile, offset % per_tile))
