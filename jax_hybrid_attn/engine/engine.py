@@ -343,11 +343,10 @@ class Engine:
         self._num_computed = state.num_computed
         return result
 
-    def _device_step(
-        self, state: DeviceState, plan: StepPlan, *, defer_rest: bool, **shape
-    ) -> tuple[DeviceState, StepResult]:
-        """(On the device worker.) A decode step as one call; a step that prefills as two (`device_step`). `shape`:
-        the `STEP_SHAPE` values."""
+    def _device_step(self, state: DeviceState, plan: StepPlan, *, defer_rest: bool,
+                     **shape) -> tuple[DeviceState, StepResult]:  # fmt: skip
+        """(On the device worker.) A decode step as one call, a step that prefills as two (`device_step`); `shape`
+        holds the `STEP_SHAPE` values."""
         if shape["max_query_len"] == 1:
             return self._allocate_and_run(self._weights, state, plan, defer_rest=defer_rest, **shape)
         state, out, known = self._allocate(state, plan, defer_rest=defer_rest)
