@@ -286,7 +286,7 @@ MODEL_CALL_VARIANTS = {  # XLA options of the model's jitted call, compared side
 
 def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None) -> None:
     """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together.
-    Timed: the engine's steps (wall), and the same step's jitted call replayed back to back on copies of its
+    Timed: the engine's steps (wall), and the same step's two jitted calls replayed back to back on copies of its
     inputs (no host work in between but XLA's own). Profiled (CUPTI, under `trace` or a temporary directory): the
     time the GPU runs kernels or copies during `steps` engine steps and `steps` replays. Each of
     `MODEL_CALL_VARIANTS` in turn."""
@@ -302,17 +302,15 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     while engine._waiting or not all(request.output_token_ids for request in engine._admitted):
         engine.step()  # every prompt prefilled
     engine.synchronize()
-    defaults = engine._run_model, engine._allocate_and_run
+    default = engine._run_model
     for name, options in MODEL_CALL_VARIANTS.items():
-        engine._run_model, engine._allocate_and_run = (
-            jax.jit(call.__wrapped__, static_argnames=static, donate_argnames=("state",), compiler_options=options)
-            for call, static in zip(defaults, (STEP_SHAPE, ("defer_rest", *STEP_SHAPE)))
-        )  # fmt: skip
+        engine._run_model = jax.jit(default.__wrapped__, static_argnames=STEP_SHAPE, donate_argnames=("state",),
+                                    compiler_options=options)  # fmt: skip
         line = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)
         line = f"{name} | decode step of {num_requests} requests: {line}"
         print("busy", line, flush=True)
         rows.append(("busy", line))
-    engine._run_model, engine._allocate_and_run = defaults
+    engine._run_model = default
 
 
 def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:

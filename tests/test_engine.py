@@ -112,25 +112,26 @@ def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_toke
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_decode_step_has_no_loop_or_branch_on_device_values(temperature):
-    """On a GPU, XLA reads such a predicate back before it launches what follows: with none in a decode step's
-    call, the host sends the next step while this one runs."""
+    """On a GPU, XLA reads such a predicate back before it launches what follows: with none in a decode step's two
+    calls, the host sends the next step while this one runs."""
     from jax_hybrid_attn.testing import device_dependent_control_flow
 
     config, model = tiny_model("gemma3_text")
     engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                                                 max_model_len=64))  # fmt: skip
-    calls, allocate_and_run = [], engine._allocate_and_run
+    calls, device_step = [], engine._device_step
 
     def recording(*args, **kwargs):
         calls.append((args, kwargs))
-        return allocate_and_run(*args, **kwargs)
+        return device_step(*args, **kwargs)
 
-    engine._allocate_and_run = recording
+    engine._device_step = recording
     engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=temperature))
     decodes = [(args, kwargs) for args, kwargs in calls if kwargs["defer_rest"]]
-    assert decodes and all(kwargs["max_query_len"] == 1 for _, kwargs in calls), [kwargs for _, kwargs in calls]
+    assert decodes and all(kwargs["max_query_len"] == 1 for _, kwargs in decodes), [kwargs for _, kwargs in calls]
     args, kwargs = decodes[-1]
-    jaxpr = jax.make_jaxpr(lambda *args: allocate_and_run.__wrapped__(*args, **kwargs))(*args)
+    jaxpr = jax.make_jaxpr(lambda *args: device_step(*args, **kwargs))(*args)  # both calls, as sub-jaxprs
+    assert [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns] == ["jit", "jit"]
     assert device_dependent_control_flow(jaxpr.jaxpr) == []
 
 

@@ -2,8 +2,8 @@
 
 Data flow of one step: `Engine.step` plans (host) → `device_step.allocate` (the allocator's `allocate_slots`) →
 `device_step.run_model`: `metadata_from_step` per KV-cache group → the model's forward through `PagedCache` →
-`layer_attention` → the kernels; then sampling, and the sampled tokens back into the allocator (a decode step
-sends the two as one call, `device_step.allocate_and_run`). The host reads a step back while the next one runs.
+`layer_attention` → the kernels; then sampling, and the sampled tokens back into the allocator. The host reads a
+step back while the next one runs.
 With ``EngineConfig(tensor_parallel=N)`` the model's heads and MLP are split over N devices
 (`models.partitioning`) and each layer attends per device (`sharding.sharded_layer_attention`).
 """

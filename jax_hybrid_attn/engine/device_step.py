@@ -1,8 +1,6 @@
-"""The device half of an engine step: `allocate` (the allocator's step), then `run_model` (each group's metadata,
-the model over the paged caches, sampling, the sampled tokens back into the allocator). A step that prefills
-sends them as two jitted calls, back to back: the allocator compiled once, the model per step shape. A decode
-step sends `allocate_and_run`, the two as one call: decode steps are short enough that launching the calls paces
-the GPU, and one call launches less (the allocator's outputs stay inside it).
+"""The device half of an engine step, two jitted calls sent back to back: `allocate` (the allocator's step,
+compiled once), then `run_model` (each group's metadata, the model over the paged caches, sampling, the sampled
+tokens back into the allocator; compiled per step shape).
 
 Everything a step needs from the steps before it stays on the device: the allocator's state (the known tokens
 of each request, their block tables), the KV caches and each request's count of computed tokens. The host sends
@@ -32,7 +30,7 @@ from .kv_layout import KVCacheLayout
 from .paged_cache import PagedCache
 from .sampling import sample_tokens
 
-__all__ = ["NO_SLOT", "STEP_SHAPE", "DeviceState", "StepPlan", "StepResult", "allocate", "allocate_and_run", "run_model"]
+__all__ = ["NO_SLOT", "STEP_SHAPE", "DeviceState", "StepPlan", "StepResult", "allocate", "run_model"]
 
 NO_SLOT = -1
 """`StepPlan.slots` of a padding row."""
@@ -181,13 +179,3 @@ def run_model(
     )  # fmt: skip
     return DeviceState(cache.tensors, allocator, num_computed), result
 
-
-def allocate_and_run(
-    graphdef, weights_treedef, allocator_config: AllocatorConfig, layout, implementation, interpret, weights,
-    state: DeviceState, plan: StepPlan, *, defer_rest: bool, **options,
-) -> tuple[DeviceState, StepResult]:  # fmt: skip
-    """`allocate` then `run_model` (same arguments), as one call: jit it with `defer_rest` and `run_model`'s keyword
-    options static, `state` donated."""
-    state, out, known = allocate(allocator_config, state, plan, defer_rest=defer_rest)
-    model_args = (graphdef, weights_treedef, allocator_config, layout, implementation, interpret, weights)
-    return run_model(*model_args, state, out, known, plan, **options)

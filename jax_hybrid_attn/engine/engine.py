@@ -3,11 +3,10 @@
 One `Engine.step`:
   1. plan (host): the admitted requests in arrival order, then new ones while request slots are free, each
      with as many tokens as it still needs (its prompt in chunks, or one decode token) within the token budget;
-  2. send the plan to the device (`device_step`: a decode step as one jitted call, a step that prefills as two;
-     nothing read back): the allocator finds prefix hits and hands out blocks in every KV-cache group; then
-     `metadata_from_step` per group, the model's forward through `PagedCache` (each layer writes its K/V by slot
-     and attends, `layer_attention`), the logits of each row's last token, sampling, and the sampled tokens back
-     into the allocator (for prefix hashing);
+  2. send the plan to the device (`device_step`, two jitted calls, nothing read back): the allocator finds
+     prefix hits and hands out blocks in every KV-cache group; then `metadata_from_step` per group, the model's
+     forward through `PagedCache` (each layer writes its K/V by slot and attends, `layer_attention`), the logits
+     of each row's last token, sampling, and the sampled tokens back into the allocator (for prefix hashing);
   3. read the previous step's results back (the one read of a step) while this one runs: each request that
      finished its prompt or decoded gets its token, stops at an end or stop token, `max_tokens` or
      `max_model_len`, and frees its blocks; a running request that got no blocks preempts the newest running
@@ -52,7 +51,7 @@ from ..models.config import ModelConfig
 from ..models.partitioning import shard_model
 from ..sharding import TENSOR_AXIS, kv_cache_spec, tensor_parallel_mesh
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineStats
-from .device_step import NO_SLOT, STEP_SHAPE, DeviceState, StepPlan, StepResult, allocate, allocate_and_run, run_model
+from .device_step import NO_SLOT, STEP_SHAPE, DeviceState, StepPlan, StepResult, allocate, run_model
 from .kv_layout import KVCacheLayout
 from .requests import FinishReason, InFlightWork, Request, RequestOutput
 from .sampling import SamplingParams
@@ -123,19 +122,15 @@ class Engine:
         weights, weights_treedef = jax.tree.flatten(state)
         self._weights = tuple(weights)
         self._num_computed = jax.device_put(jnp.zeros(config.max_num_seqs, jnp.int32), self._replicated)
-        model_args = (graphdef, weights_treedef, self.allocator_config, self.layout, config.implementation,
-                      config.interpret)  # fmt: skip
-        sharding = dict(mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS)
         self._allocate = jax.jit(
             partial(allocate, self.allocator_config), static_argnames=("defer_rest",), donate_argnames=("state",)
         )
         self._run_model = jax.jit(
-            partial(run_model, *model_args, **sharding), static_argnames=STEP_SHAPE, donate_argnames=("state",)
-        )
-        self._allocate_and_run = jax.jit(
-            partial(allocate_and_run, *model_args, **sharding), static_argnames=("defer_rest", *STEP_SHAPE),
+            partial(run_model, graphdef, weights_treedef, self.allocator_config, self.layout, config.implementation,
+                    config.interpret, mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS),  # fmt: skip
+            static_argnames=STEP_SHAPE,
             donate_argnames=("state",),
-        )  # fmt: skip
+        )
         self.stats = EngineStats()
         self._shapes: set[tuple[int, int, bool, bool]] = set()  # step shapes sent so far (compiled)
         self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jha-device")
@@ -345,10 +340,8 @@ class Engine:
 
     def _device_step(self, state: DeviceState, plan: StepPlan, *, defer_rest: bool,
                      **shape) -> tuple[DeviceState, StepResult]:  # fmt: skip
-        """(On the device worker.) A decode step as one call, a step that prefills as two (`device_step`); `shape`
-        holds the `STEP_SHAPE` values."""
-        if shape["max_query_len"] == 1:
-            return self._allocate_and_run(self._weights, state, plan, defer_rest=defer_rest, **shape)
+        """(On the device worker.) The step's two calls: the allocator's step, then the model (`device_step`);
+        `shape` holds the `STEP_SHAPE` values."""
         state, out, known = self._allocate(state, plan, defer_rest=defer_rest)
         return self._run_model(self._weights, state, out, known, plan, **shape)
 
