@@ -73,9 +73,11 @@ def test_kernel_matches_reference(case):
 @pytest.mark.parametrize("kv_fp8", [False, True])
 def test_no_races_detected(kv_fp8):
     """A decode tile (producer + one consumer) and prefill tiles (producer + two consumers), edge steps
-    with V rows zeroed by consumer 0 for both (bf16) or in each consumer's staging buffer (fp8)."""
+    with V rows zeroed by consumer 0 for both (bf16) or in each consumer's staging buffer (fp8). The last
+    request's keys (107..149) span two key steps of 128, both edge steps: consumer 0 zeroes two slots in a row."""
     case = dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
-                causal=True, dtype=jnp.bfloat16, kv_fp8=kv_fp8, kv_layout="NHD", batch=([1, 20], [40, 33]))  # fmt: skip
+                causal=True, dtype=jnp.bfloat16, kv_fp8=kv_fp8, kv_layout="NHD",
+                batch=([1, 20, 20], [40, 33, 150]))  # fmt: skip
     out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
     assert not races_found()
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])

@@ -12,7 +12,7 @@ cores (a schedule barrier, as FlashAttention-3 does).
 Masks are applied only on steps that straddle an edge of a consumer's key range. On a step that holds keys
 outside the tile's range (a block's unwritten tail, or a clamped duplicate block), V rows that no query
 sees are zeroed first: stale or NaN memory must not reach ``0 * V``. With two consumers, consumer 0 zeroes
-and signals consumer 1 through a barrier. A float8_e4m3fn cache is converted to q's dtype in each
+and signals consumer 1 through the slot's barrier. A float8_e4m3fn cache is converted to q's dtype in each
 consumer's staging buffers (zeroing happens there); its k scale multiplies the logits and its v scale is
 applied after the split merge. P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
 which runs wgmma only from shared memory, it goes through a shared-memory tile instead.
@@ -244,11 +244,11 @@ def _paged_attention_kernel(
                     def _():
                         v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
                         plgpu.commit_smem()
-                        plgpu.barrier_arrive(v_zeroed)
+                        plgpu.barrier_arrive(v_zeroed.at[slot])
 
                     @pl.when(holds_foreign_keys(step) & (wg == 1))
                     def _():
-                        plgpu.barrier_wait(v_zeroed)
+                        plgpu.barrier_wait(v_zeroed.at[slot])
 
             return v_ring.at[slot]
 
@@ -382,7 +382,10 @@ def _paged_attention_kernel(
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
-        plgpu.Barrier() if num_consumers > 1 and not converts else None,
+        # One per ring slot: consumer 0 may zero the next step's slot (edge steps come in pairs when a tile's
+        # keys span two steps) before consumer 1 has waited for this one; with one barrier its phase would
+        # complete twice unobserved. A slot is zeroed again only after consumer 1 released it.
+        plgpu.Barrier(num_barriers=num_stages) if num_consumers > 1 and not converts else None,
         plgpu.Barrier(num_arrivals=num_consumers) if num_consumers > 1 and config.ping_pong else None,
         collective_axes="wg",
     )
