@@ -9,7 +9,9 @@ then ``PYTHONPATH=.:/tmp/pkgs``.)
 1. Decode shape: 64 requests with 8,192-token contexts, 32 query / 8 KV heads, head_dim 128, bf16, block 16, a
    torch-owned cache. The backend's `run` (import q/k/v/cache, write k/v, attend, export the output) against the
    same jitted JAX work called directly on JAX arrays. Both are timed over back-to-back calls (as layers run)
-   with one sync at the end; the host overhead is the time `run` takes to return, the GPU being busy.
+   with one sync at the end; the host overhead is the time `run` takes to return, the GPU being busy. Also with
+   q, k and v as views of one projection output (vLLM's case: one import instead of three). ``--trace DIR``
+   adds the host time per run by profiler event.
 2. Stream race: torch zeroes q, sleeps on the GPU, then writes q on a side stream; `run` is called under that
    stream; torch compares JAX's output with the expected one on the same stream. Mismatches are counted on the
    device over all trials.
@@ -36,6 +38,7 @@ from jax_hybrid_attn_torch import AttentionLayer, PagedAttentionBackend, to_jax
 
 from jax_hybrid_attn import make_attention_metadata, paged_attention
 from jax_hybrid_attn.kv_cache import write_kv
+from trace_summary import profiled
 
 
 def decode_inputs(num_reqs, context, num_heads, num_kv_heads, head_dim, block_size, device):
@@ -115,7 +118,13 @@ def time_layer_calls(device, args, rows):
         jax.block_until_ready((out, cache_j))
         return (time.perf_counter() - start) / reps
 
-    def time_backend():
+    # vLLM's way: q, k and v are column blocks of one projection output (the backend imports it once)
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+    q_view, k_view, v_view = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
+    backend.run("layer", q_view, k_view, v_view, cache)  # compile
+    sync(device)
+
+    def time_backend(q, k, v):
         host = 0.0
         start = time.perf_counter()
         for _ in range(reps):
@@ -126,19 +135,24 @@ def time_layer_calls(device, args, rows):
         del out
         return (time.perf_counter() - start) / reps, host / reps
 
-    direct_s, backend_s = [], []
+    direct_s, backend_s, fused_s = [], [], []
     for _ in range(args.rounds):  # interleaved, medians
         direct_s.append(time_direct())
-        backend_s.append(time_backend())
+        backend_s.append(time_backend(q, k, v))
+        fused_s.append(time_backend(q_view, k_view, v_view))
     direct_t = float(np.median(direct_s)) * 1e6
     backend_t = float(np.median([b for b, _ in backend_s])) * 1e6
     host_t = float(np.median([h for _, h in backend_s])) * 1e6
+    fused_t = float(np.median([b for b, _ in fused_s])) * 1e6
+    fused_host_t = float(np.median([h for _, h in fused_s])) * 1e6
     label = f"B={num_reqs} ctx={context} {num_heads}/{num_kv_heads} D={head_dim} bf16"
     rows.append((f"layer call, direct JAX ({label})", f"{direct_t:.1f} us/call"))
     rows.append(
         ("layer call, torch backend run", f"{backend_t:.1f} us/call = {backend_t / direct_t:.3f}x direct")
     )
     rows.append(("host time of run (GPU busy)", f"{host_t:.1f} us/call"))
+    rows.append(("run, q/k/v views of one qkv tensor", f"{fused_t:.1f} us/call = {fused_t / direct_t:.3f}x direct, "
+                 f"host {fused_host_t:.1f} us/call"))  # fmt: skip
     rows.append(("backend vs direct output", f"max |diff| {error:.3g}"))
     return backend, cache, metadata, q, k, v
 
@@ -259,6 +273,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--profile", action="store_true", help="print where run() spends its host time")
+    parser.add_argument("--trace", metavar="DIR", help="profile --reps runs into DIR: host time per run by event")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
@@ -268,6 +283,10 @@ def main():
         profiler.runcall(lambda: [backend.run("layer", q, k, v, cache) for _ in range(args.reps)])
         sync(device)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    if args.trace:
+        summary = profiled(args.trace, lambda: [backend.run("layer", q, k, v, cache) for _ in range(args.reps)])
+        rows.append(("GPU ops per run (trace)", f"{summary.gpu_ops / args.reps:.1f}"))
+        rows += [("host per run (trace)", line) for line in summary.host_lines(per=args.reps, top=12)]
     host_breakdown(backend, cache, q, k, v, args.reps, rows)
     zero_copy(backend, cache, q, k, v, rows)
     stream_race(backend, cache, q, k, v, device, args.trials, rows)

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import time
 import traceback
@@ -39,6 +40,7 @@ import numpy as np
 from jax_hybrid_attn import CAUSAL, LayerAttentionParams, make_attention_metadata, paged_attention, reference
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES
+from trace_summary import profiled
 
 INPUT_COPIES = 3
 FP8 = jnp.float8_e4m3fn
@@ -167,7 +169,7 @@ def parity_error(w: Workload, fn, q, kv_cache, metadata, sinks) -> float:
     return float(jnp.abs(ours.astype(jnp.float32) - expected.astype(jnp.float32)).max())
 
 
-def run_ours(w: Workload, *, ceiling_gbps: float | None, interpret: bool, calls: int) -> dict:
+def run_ours(w: Workload, *, ceiling_gbps: float | None, interpret: bool, calls: int, trace: str | None) -> dict:
     argument_sets = []
     for seed in range(1 if interpret else INPUT_COPIES):
         q, kv_cache, metadata, sinks = inputs(w, seed)
@@ -178,6 +180,11 @@ def run_ours(w: Workload, *, ceiling_gbps: float | None, interpret: bool, calls:
     row = dict(id=w.id, name=w.name, impl="ours", parity_error=error, parity="PASS" if error <= tolerance else "FAIL")
     row["ms"] = per_call_ms(fn, argument_sets, calls=calls)
     row["kernel_ms"] = cupti_ms(fn, argument_sets[0], repeats=10)
+    if trace:  # what the host does per call, and how many GPU ops a call runs
+        directory = f"{trace}/{re.sub(r'[^0-9A-Za-z]+', '_', w.name)}"
+        summary = profiled(directory, lambda: per_call_ms(fn, argument_sets, calls=calls))
+        row["gpu_ops_per_call"] = summary.gpu_ops / (calls + len(argument_sets))
+        row["host_per_call"] = summary.host_lines(per=calls + len(argument_sets), top=10)
     return _rates(w, row, ceiling_gbps)
 
 
@@ -368,6 +375,8 @@ def _line(row: dict) -> str:
         fields.append(f"{row['kernel_gbps']:.0f} GB/s (call {row['gbps']:.0f})")
     if "ideal_ms" in row:
         fields.append(f"{(row['kernel_ms'] or row['ms']) / row['ideal_ms']:.2f}x ideal {row['ideal_ms']:.3f} ms")
+    if "gpu_ops_per_call" in row:
+        fields.append(f"{row['gpu_ops_per_call']:.1f} GPU ops per call")
     if "parity" in row:
         fields.append(f"parity {row['parity']} ({row['parity_error']:.3g})")
     return " | ".join(fields)
@@ -380,6 +389,8 @@ def main():
     parser.add_argument("--calls", type=int, default=50, help="back-to-back calls per timing")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="ours only, tiny shapes, interpret mode (CPU dry run)")
+    parser.add_argument("--trace", metavar="DIR", help="also profile ours per workload into DIR: GPU ops and host "
+                        "time per call")  # fmt: skip
     args = parser.parse_args()
     if args.tiny:
         os.environ.setdefault("PJRT_NPROC", "8")
@@ -390,11 +401,14 @@ def main():
     rows = []
     for w in (w for w in workloads(args.tiny) if w.id in wanted):
         try:
-            rows.append(run_ours(w, ceiling_gbps=limits["stream_gbps"], interpret=args.tiny, calls=args.calls))
+            rows.append(run_ours(w, ceiling_gbps=limits["stream_gbps"], interpret=args.tiny, calls=args.calls,
+                                 trace=args.trace))  # fmt: skip
         except Exception as error:
             traceback.print_exc(limit=2)
             rows.append(dict(id=w.id, name=w.name, impl="ours", error=f"{type(error).__name__}: {str(error)[:200]}"))
         print(_line(rows[-1]), flush=True)
+        for line in rows[-1].get("host_per_call", ()):
+            print(f"    host per call: {line}", flush=True)
         if not (args.no_peers or args.tiny):
             for row in peer_rows(w, limits["stream_gbps"], calls=args.calls):
                 rows.append(row)

@@ -18,13 +18,9 @@ Prints one line per measurement and a summary table last.
 """
 
 import argparse
-import glob
-import gzip
-import json
 import os
 import tempfile
 import time
-from collections.abc import Callable
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # transformers shares the GPU
 
@@ -37,6 +33,7 @@ from jax_hybrid_attn.engine import Engine, EngineConfig, KVCacheLayout, Sampling
 from jax_hybrid_attn.engine.device_step import STEP_SHAPE, DeviceState
 from jax_hybrid_attn.models import ModelConfig, embedded_config, load_model, random_model
 from jax_hybrid_attn.models.partitioning import tensor_parallel_config
+from trace_summary import profiled
 
 CAPACITY_LEN = 32_768
 CAPACITY_MEMORY = 40 * 2**30
@@ -245,39 +242,6 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
     rows.append(("throughput", line))
 
 
-def gpu_busy_in_trace(directory: str) -> tuple[float, float]:
-    """(busy, span) in ms: the time in which some GPU stream runs a kernel or a copy, and the time from the first
-    to the last of them, from the trace `jax.profiler.trace(..., create_perfetto_trace=True)` wrote under
-    `directory`. (nan, nan) where the trace has no GPU (a CPU dry run)."""
-    (path,) = glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)
-    with gzip.open(path) as file:
-        events = json.load(file)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    names = {(e["pid"], e.get("tid"), e["name"]): str(e.get("args", {}).get("name", ""))
-             for e in events if e.get("ph") == "M"}  # fmt: skip
-    gpu_pids = {pid for (pid, _, kind), name in names.items() if kind == "process_name" and "GPU" in name}
-    streams = {(pid, tid) for (pid, tid, kind), name in names.items()  # kernels and copies, not module or op lines
-               if pid in gpu_pids and kind == "thread_name" and name.startswith("Stream")}  # fmt: skip
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events
-                   if e.get("ph") == "X" and (e["pid"], e["tid"]) in streams)  # fmt: skip
-    if not spans:
-        return float("nan"), float("nan")
-    busy, end = 0.0, -float("inf")
-    for start, stop in spans:
-        busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
-    return busy / 1e3, (end - spans[0][0]) / 1e3
-
-
-def profiled(directory: str, run: Callable[[], None]) -> tuple[float, float]:
-    """`gpu_busy_in_trace` of `run()` under the profiler (Python tracer off: it would slow the host side)."""
-    options = jax.profiler.ProfileOptions()
-    options.python_tracer_level = 0
-    with jax.profiler.trace(directory, create_perfetto_trace=True, profiler_options=options):
-        run()
-    return gpu_busy_in_trace(directory)
-
-
 MODEL_CALL_VARIANTS = {  # XLA options of the model's jitted call, compared side by side by `busy_share`
     "default": {},
     "no CUDA graphs in the model's call": {"xla_gpu_enable_command_buffer": ""},
@@ -326,7 +290,7 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
             engine.step()
         engine.synchronize()
 
-    engine_busy, engine_span = profiled(f"{trace}/engine", engine_steps)
+    engine_trace = profiled(f"{trace}/engine", engine_steps)
 
     device_step, recorded = engine._device_step, {}
 
@@ -358,11 +322,14 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
 
     replays()  # warm
     replay_time = replays()
-    replay_busy, replay_span = profiled(f"{trace}/replay", replays)
+    replay_trace = profiled(f"{trace}/replay", replays)
     engine.kv_caches = list(caches)
-    return (f"engine {step_time:.2f} ms per step, GPU busy {engine_busy / engine_span:.0%} of it "
-            f"({engine_busy / steps:.2f} ms of kernels and copies per step); the step's calls replayed back to back "
-            f"{replay_time:.2f} ms, GPU busy {replay_busy / replay_span:.0%}")  # fmt: skip
+    busy = engine_trace.gpu_busy_ms
+    return (f"engine {step_time:.2f} ms per step, GPU busy {busy / engine_trace.gpu_span_ms:.0%} of it "
+            f"({busy / steps:.2f} ms of kernels and copies per step, {engine_trace.gpu_ops / steps:.0f} of them); "
+            f"the step's calls replayed back to back {replay_time:.2f} ms, GPU busy "
+            f"{replay_trace.gpu_busy_ms / replay_trace.gpu_span_ms:.0%}; host per engine step: "
+            + "; ".join(engine_trace.host_lines(per=steps, top=8)))  # fmt: skip
 
 
 def main():

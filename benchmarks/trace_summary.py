@@ -1,0 +1,75 @@
+"""What a `jax.profiler` trace says about a run: the GPU's busy time, and where the host spent its time.
+
+    summary = profiled(directory, run)    # run() under the profiler (Python tracer off), then `summarize`
+    summary.gpu_busy_ms, summary.gpu_span_ms, summary.gpu_ops, summary.host_ms_by_name
+
+Shared by the benchmarks in this folder; it reads the Perfetto trace (``*.trace.json.gz``) that
+``jax.profiler.trace(..., create_perfetto_trace=True)`` writes.
+"""
+
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+from collections.abc import Callable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSummary:
+    """gpu_busy_ms: time in which some GPU stream runs a kernel or a copy; gpu_span_ms: from the first of them to
+    the last; gpu_ops: how many ran; host_ms_by_name: total duration of each host event name (its own time and
+    the time of what it calls, so nested names overlap), largest first. NaN and zero counts where the trace has
+    no GPU (a CPU dry run)."""
+
+    gpu_busy_ms: float
+    gpu_span_ms: float
+    gpu_ops: int
+    host_ms_by_name: dict[str, float]
+
+    def host_lines(self, *, per: int = 1, top: int = 12) -> list[str]:
+        """The `top` host event names, each as "name: ms" divided by `per` (e.g. per call)."""
+        return [f"{name}: {ms / per:.3f} ms" for name, ms in list(self.host_ms_by_name.items())[:top]]
+
+
+def load_events(directory: str) -> list[dict]:
+    """The events of the one Perfetto trace under `directory`."""
+    (path,) = glob.glob(f"{directory}/**/*.trace.json.gz", recursive=True)
+    with gzip.open(path) as file:
+        events = json.load(file)
+    return events["traceEvents"] if isinstance(events, dict) else events
+
+
+def summarize(events: list[dict]) -> TraceSummary:
+    names = {(e["pid"], e.get("tid"), e["name"]): str(e.get("args", {}).get("name", ""))
+             for e in events if e.get("ph") == "M"}  # fmt: skip
+    processes = {pid: name for (pid, _, kind), name in names.items() if kind == "process_name"}
+    gpu_pids = {pid for pid, name in processes.items() if "GPU" in name}
+    host_pids = {pid for pid, name in processes.items() if "host" in name.lower()}
+    streams = {(pid, tid) for (pid, tid, kind), name in names.items()  # kernels and copies, not module or op lines
+               if pid in gpu_pids and kind == "thread_name" and name.startswith("Stream")}  # fmt: skip
+    complete = [e for e in events if e.get("ph") == "X"]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in complete if (e["pid"], e["tid"]) in streams)
+    host = collections.Counter()
+    for e in complete:
+        if e["pid"] in host_pids:
+            host[e["name"]] += e["dur"] / 1e3
+    host_ms = dict(host.most_common())
+    if not spans:
+        return TraceSummary(float("nan"), float("nan"), 0, host_ms)
+    busy, end = 0.0, -float("inf")
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return TraceSummary(busy / 1e3, (end - spans[0][0]) / 1e3, len(spans), host_ms)
+
+
+def profiled(directory: str, run: Callable[[], None]) -> TraceSummary:
+    """`summarize` the trace of `run()` under the profiler (Python tracer off: it would slow the host side)."""
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    with jax.profiler.trace(directory, create_perfetto_trace=True, profiler_options=options):
+        run()
+    return summarize(load_events(directory))
