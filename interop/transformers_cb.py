@@ -373,7 +373,8 @@ def _window_buffer(k, v, k_cache, v_cache, query_start_loc, cu_seq_lens_k, cache
     first_page = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(pages_of)[:-1].astype(jnp.int32)])
     position = jnp.arange(shape.buffer_pages * page)
     buffer_page = position // page
-    request = jnp.clip(jnp.searchsorted(first_page, buffer_page, side="right") - 1, 0, shape.num_reqs - 1)
+    found = jnp.searchsorted(first_page, buffer_page, side="right", method="compare_all")  # loop-free on a GPU
+    request = jnp.clip(found - 1, 0, shape.num_reqs - 1)
     offset = (buffer_page - first_page[request]) * page + position % page
     valid = (offset < seq_lens[request]) & (buffer_page < first_page[request] + pages_of[request])
     from_cache = offset < cached_lens[request]

@@ -33,6 +33,7 @@ __all__ = [
     "reorder_decodes_first",
     "make_local_attention_virtual_batches",
     "expand_block_tables",
+    "token_requests",
 ]
 
 
@@ -178,6 +179,16 @@ def make_attention_metadata(
     )
 
 
+def token_requests(query_start_loc: Int[Array, "R+1"], tokens: Int[Array, "..."]) -> Int[Array, "..."]:
+    """The request each token index of `tokens` belongs to: the last one whose query starts at or before it,
+    clipped to [0, R-1] (padding tokens past the last query: the last request).
+
+    A comparison with every request's start, not a binary search: `jnp.searchsorted`'s default is a loop of
+    log2(R) steps, which a GPU runs as a launch per step."""
+    found = jnp.searchsorted(query_start_loc, tokens, side="right", method="compare_all")
+    return jnp.clip(found - 1, 0, query_start_loc.shape[0] - 2)
+
+
 def metadata_from_lengths(
     query_lens: Int[Array, "R"],
     seq_lens: Int[Array, "R"],
@@ -196,7 +207,7 @@ def metadata_from_lengths(
     if min(block_tables.shape) == 0:  # no request, or no block: every token is padding
         slot_mapping = jnp.full(num_tokens, PAD_SLOT_ID, jnp.int32)
     else:
-        request = jnp.clip(jnp.searchsorted(query_start_loc, token, side="right") - 1, 0, seq_lens.shape[0] - 1)
+        request = token_requests(query_start_loc, token)
         position = seq_lens[request] - query_lens[request] + token - query_start_loc[request]
         block = block_tables[request, jnp.clip(position // block_size, 0, block_tables.shape[1] - 1)]
         is_query = token < query_start_loc[-1]

@@ -14,7 +14,7 @@ from jaxtyping import Array, Float
 
 from .layout import KVCache, KVLayout, kv_halves_nhd
 from .masks import attention_mask
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, token_requests
 from .params import CAUSAL, LayerAttentionParams
 from .validation import check_paged_attention_args, unservable_requests
 
@@ -83,7 +83,7 @@ def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, 
     query_lens = metadata.query_lens
 
     def attend(token):
-        request = jnp.clip(jnp.searchsorted(metadata.query_start_loc, token, side="right") - 1, 0, num_reqs - 1)
+        request = token_requests(metadata.query_start_loc, token)
         seq_len = metadata.seq_lens[request]
         q_pos = seq_len - query_lens[request] + token - metadata.query_start_loc[request]
         allowed = attention_mask(q_pos, key_positions, seq_len, params=params)  # [P*S]

@@ -3,6 +3,7 @@
 The same cases run at larger shapes on the H200 through benchmarks/paged_attention_h200.py.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,3 +144,36 @@ def test_interpret_mode_refuses_a_small_cpu_thread_pool(monkeypatch):
     monkeypatch.setenv("PJRT_NPROC", "2")
     with pytest.raises(RuntimeError, match="PJRT_NPROC"):
         paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, interpret=True)
+
+
+
+def _loops_outside_kernels(jaxpr) -> tuple[list[str], int]:
+    """The `scan`s and `while`s of `jaxpr` outside the Pallas kernels (`mpmd_map`), with where they were traced,
+    and the number of kernels."""
+    loops, kernels = [], 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("scan", "while"):
+            loops.append(f"{eqn.primitive.name}: {eqn.source_info.traceback}")
+        if eqn.primitive.name == "mpmd_map":
+            kernels += 1
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    inner_loops, inner_kernels = _loops_outside_kernels(sub)
+                    loops, kernels = loops + inner_loops, kernels + inner_kernels
+    return loops, kernels
+
+
+@pytest.mark.parametrize(("query_lens", "launches"), [([1, 1, 1], 1), ([1, 3, 40], 2)], ids=["decodes", "mixed"])
+def test_the_wrapper_around_the_kernels_has_no_loop(query_lens, launches):
+    """On a GPU each step of a loop is a launch of its own (a binary search over the requests would be log2(R)
+    launches per layer): the packing and merging around the kernels is loop-free."""
+    inputs = random_paged_inputs(0, query_lens=query_lens, seq_lens=[40, 20, 60], num_q_heads=8, num_kv_heads=2,
+                                 head_dim=64, block_size=16, dtype=jnp.bfloat16)  # fmt: skip
+    jaxpr = jax.make_jaxpr(lambda q, c, m: paged_attention(q, c, m, interpret=True))(
+        inputs.q, inputs.kv_cache, inputs.metadata
+    )
+    assert _loops_outside_kernels(jaxpr.jaxpr) == ([], launches)

@@ -15,6 +15,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from .._compat import register_pytree_dataclass
 from ..integers import cdiv
+from ..metadata import token_requests
 from .paged_attention import ROWS
 
 __all__ = [
@@ -71,7 +72,9 @@ def prefill_tiles(query_lens: Int[Array, "R"], group_size: int, num_tokens: int,
     tiles_per_request = prefill_tiles_per_request(query_lens, group_size, rows=rows)
     ends = jnp.cumsum(tiles_per_request)
     index = jnp.arange(num_reqs + num_tokens // per_tile, dtype=jnp.int32)
-    request = jnp.minimum(jnp.searchsorted(ends, index, side="right"), num_reqs - 1).astype(jnp.int32)
+    # loop-free (see `metadata.token_requests`)
+    request = jnp.minimum(jnp.searchsorted(ends, index, side="right", method="compare_all"), num_reqs - 1)
+    request = request.astype(jnp.int32)
     local = index - (ends[request] - tiles_per_request[request])
     query_start = local * per_tile
     query_len = jnp.where(index < ends[-1], jnp.clip(query_lens[request] - query_start, 0, per_tile), 0)
@@ -140,7 +143,7 @@ def token_outputs(
     rows, of which a one-token query fills G)."""
     num_reqs, num_kv_heads = decode[0].shape[:2]
     token = jnp.arange(num_tokens)
-    request = jnp.clip(jnp.searchsorted(query_start_loc, token, side="right") - 1, 0, num_reqs - 1)
+    request = token_requests(query_start_loc, token)
     offset = token - query_start_loc[request]  # within its request's query
     head = jnp.arange(num_kv_heads * group_size)
     kv_head, g = head // group_size, head % group_size
