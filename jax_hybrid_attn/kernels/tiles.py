@@ -141,7 +141,7 @@ def token_outputs(
 
     Each token gathers its own rows first, so the merge reads only rows that hold a token (a decode tile has 64
     rows, of which a one-token query fills G)."""
-    num_reqs, num_kv_heads = decode[0].shape[:2]
+    num_kv_heads = decode[0].shape[1]
     token = jnp.arange(num_tokens)
     request = token_requests(query_start_loc, token)
     offset = token - query_start_loc[request]  # within its request's query
