@@ -291,6 +291,7 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
         engine.synchronize()
 
     engine_trace = profiled(f"{trace}/engine", engine_steps)
+    phases = _host_phases(engine, steps=steps)
 
     device_step, recorded = engine._device_step, {}
 
@@ -328,8 +329,39 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
     return (f"engine {step_time:.2f} ms per step, GPU busy {busy / engine_trace.gpu_span_ms:.0%} of it "
             f"({busy / steps:.2f} ms of kernels and copies per step, {engine_trace.gpu_ops / steps:.0f} of them); "
             f"the step's calls replayed back to back {replay_time:.2f} ms, GPU busy "
-            f"{replay_trace.gpu_busy_ms / replay_trace.gpu_span_ms:.0%}; host per engine step: "
-            + "; ".join(engine_trace.host_lines(per=steps, top=8)))  # fmt: skip
+            f"{replay_trace.gpu_busy_ms / replay_trace.gpu_span_ms:.0%}; the engine's thread per step: {phases}; "
+            "host per engine step by profiler event: " + "; ".join(engine_trace.host_lines(per=steps, top=8)))  # fmt: skip
+
+
+def _host_phases(engine: Engine, *, steps: int) -> str:
+    """Wall time per step of the engine's own thread in planning, sending (handing over to its device worker) and
+    reading back, of the reading the part spent waiting for the device, and of the device worker in sending the
+    step's calls."""
+    names = ("plan", "send", "read", "worker sending the calls")
+    spent = dict.fromkeys((*names[:3], "of it waiting", names[3]), 0.0)
+    originals = engine._schedule, engine._send, engine._read, engine._dispatch, jax.device_get
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - started
+
+        return call
+
+    engine._schedule, engine._send, engine._read, engine._dispatch = (
+        timed(name, fn) for name, fn in zip(names, originals[:4], strict=True)
+    )
+    jax.device_get = timed("of it waiting", originals[4])  # the engine's one read of a step
+    try:
+        for _ in range(steps):
+            engine.step()
+        engine.synchronize()
+    finally:
+        engine._schedule, engine._send, engine._read, engine._dispatch, jax.device_get = originals
+    return ", ".join(f"{name} {seconds / steps * 1e3:.2f} ms" for name, seconds in spent.items())
 
 
 def main():
