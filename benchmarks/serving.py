@@ -337,30 +337,32 @@ def _host_phases(engine: Engine, *, steps: int) -> str:
     """Wall time per step of the engine's own thread in planning, sending (handing over to its device worker) and
     reading back, of the reading the part spent waiting for the device, and of the device worker in sending the
     step's calls."""
-    names = ("plan", "send", "read", "worker sending the calls")
-    spent = dict.fromkeys((*names[:3], "of it waiting", names[3]), 0.0)
-    originals = engine._schedule, engine._send, engine._read, engine._dispatch, jax.device_get
+    timed = {  # phase: the function it is the time of (`jax.device_get`: the engine's one read of a step)
+        "plan": (engine, "_schedule"), "send": (engine, "_send"), "read": (engine, "_read"),
+        "of it waiting": (jax, "device_get"), "worker sending the calls": (engine, "_dispatch"),
+    }  # fmt: skip
+    spent = dict.fromkeys(timed, 0.0)
+    originals = {name: getattr(owner, attribute) for name, (owner, attribute) in timed.items()}
 
-    def timed(name, fn):
+    def timing(name):
         def call(*args, **kwargs):
             started = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                return originals[name](*args, **kwargs)
             finally:
                 spent[name] += time.perf_counter() - started
 
         return call
 
-    engine._schedule, engine._send, engine._read, engine._dispatch = (
-        timed(name, fn) for name, fn in zip(names, originals[:4], strict=True)
-    )
-    jax.device_get = timed("of it waiting", originals[4])  # the engine's one read of a step
+    for name, (owner, attribute) in timed.items():
+        setattr(owner, attribute, timing(name))
     try:
         for _ in range(steps):
             engine.step()
         engine.synchronize()
     finally:
-        engine._schedule, engine._send, engine._read, engine._dispatch, jax.device_get = originals
+        for name, (owner, attribute) in timed.items():
+            setattr(owner, attribute, originals[name])
     return ", ".join(f"{name} {seconds / steps * 1e3:.2f} ms" for name, seconds in spent.items())
 
 
