@@ -32,6 +32,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import jax_hybrid_attn_torch.backend as backend_module
+import jax_hybrid_attn_torch.dlpack as dlpack_module
 import numpy as np
 import torch
 from jax_hybrid_attn_torch import AttentionLayer, PagedAttentionBackend, to_jax
@@ -110,6 +111,11 @@ def time_layer_calls(device, args, rows):
     sync(device)
     error = float((out_t.float().cpu() - torch.from_numpy(np.array(out_j.astype(jnp.float32)))).abs().max())
 
+    def direct_call():
+        nonlocal cache_j
+        out, cache_j = direct(q_j, k_j, v_j, cache_j, jax_metadata)
+        return out
+
     def time_direct():
         nonlocal cache_j
         start = time.perf_counter()
@@ -124,22 +130,26 @@ def time_layer_calls(device, args, rows):
     backend.run("layer", q_view, k_view, v_view, cache)  # compile
     sync(device)
 
-    def time_backend(q, k, v):
-        host = 0.0
+    def time_backend(q, k, v, *, keep_output=True):
+        host, out = 0.0, None
         start = time.perf_counter()
         for _ in range(reps):
             call = time.perf_counter()
-            out = backend.run("layer", q, k, v, cache)
+            if keep_output:  # the previous output lives until the next one replaces it
+                out = backend.run("layer", q, k, v, cache)
+            else:
+                backend.run("layer", q, k, v, cache)
             host += time.perf_counter() - call
         sync(device)
         del out
         return (time.perf_counter() - start) / reps, host / reps
 
-    direct_s, backend_s, fused_s = [], [], []
+    direct_s, backend_s, fused_s, dropped_s = [], [], [], []
     for _ in range(args.rounds):  # interleaved, medians
         direct_s.append(time_direct())
         backend_s.append(time_backend(q, k, v))
         fused_s.append(time_backend(q_view, k_view, v_view))
+        dropped_s.append(time_backend(q, k, v, keep_output=False))
     direct_t = float(np.median(direct_s)) * 1e6
     backend_t = float(np.median([b for b, _ in backend_s])) * 1e6
     host_t = float(np.median([h for _, h in backend_s])) * 1e6
@@ -153,28 +163,88 @@ def time_layer_calls(device, args, rows):
     rows.append(("host time of run (GPU busy)", f"{host_t:.1f} us/call"))
     rows.append(("run, q/k/v views of one qkv tensor", f"{fused_t:.1f} us/call = {fused_t / direct_t:.3f}x direct, "
                  f"host {fused_host_t:.1f} us/call"))  # fmt: skip
+    dropped_t = float(np.median([b for b, _ in dropped_s])) * 1e6
+    rows.append(
+        ("run, each output dropped at once", f"{dropped_t:.1f} us/call = {dropped_t / direct_t:.3f}x direct")
+    )
     rows.append(("backend vs direct output", f"max |diff| {error:.3g}"))
-    return backend, cache, metadata, q, k, v
+    return backend, cache, q, k, v, direct_call
 
 
-def host_breakdown(backend, cache, q, k, v, reps, rows):
-    """Host time of each part of `run`, the GPU being busy: imports, the jitted call, the export."""
+def host_parts(backend, cache, q, k, v, direct_call, reps, rows):
+    """Host time of each part of `run` and of its peers, timed one part at a time over `reps` calls, the GPU kept
+    busy by the calls themselves: DLPack imports with and without an event, an export, the backend's jitted call on
+    JAX-owned and on imported arrays, the direct call, and a trivial jitted call. "Ordered" imports make JAX wait
+    for torch's stream (an event on each side); "already ordered" ones carry no event."""
     spec = backend.layers["layer"]
-    parts = np.zeros(3)
-    for _ in range(reps):
-        start = time.perf_counter()
-        arrays = [to_jax(t) for t in (q, k, v, cache)]
-        imported = time.perf_counter()
-        out, _ = backend_module._layer_step(
-            backend._packed, *arrays, None, None, None, None, layout=backend._layout, group=0, params=spec.params,
-            kv_layout="NHD", implementation=None, interpret=False,
+    device, stream = dlpack_module._DLPACK_TARGETS[q.__dlpack_device__()]
+    dl_type = int(q.__dlpack_device__()[0])
+    owned = [to_jax(t).copy() for t in (q, k, v)]  # JAX-owned copies
+    owned_cache = [to_jax(cache).copy()]
+    trivial = jax.jit(lambda x: x + 1)
+    small = jnp.ones((16,), jnp.float32)
+
+    def layer_step(q_in, k_in, v_in, cache_in):
+        return backend_module._layer_step(
+            backend._packed, q_in, k_in, v_in, cache_in, None, None, None, None, layout=backend._layout, group=0,
+            params=spec.params, kv_layout=backend.kv_layout, implementation=None, interpret=False,
         )  # fmt: skip
-        called = time.perf_counter()
-        backend_module.to_torch(out)
-        parts += [imported - start, called - imported, time.perf_counter() - called]
-    sync(cache.device)
-    imports, call, export = parts / reps * 1e6
-    rows.append(("host: 4 imports / jitted call / export", f"{imports:.1f} / {call:.1f} / {export:.1f} us"))
+
+    exported = layer_step(*owned, to_jax(cache).copy())[0]
+    # what XLA returns for a donated import: the cache `run` holds between calls
+    held = [layer_step(*owned, to_jax(cache.clone()))[1]]
+
+    def on_owned_cache(q_in, k_in, v_in):
+        _, owned_cache[0] = layer_step(q_in, k_in, v_in, owned_cache[0])
+
+    def on_held_cache(q_in, k_in, v_in):
+        _, held[0] = layer_step(q_in, k_in, v_in, held[0])
+
+    def ordered():
+        return to_jax(q), *(to_jax(t, already_ordered=True) for t in (k, v))
+
+    def capsule_to_buffer():  # the capsules are made outside the timed loop
+        capsules = [q.__dlpack__(stream=stream) for _ in range(reps)]
+        start = time.perf_counter()
+        for capsule in capsules:
+            dlpack_module._managed_tensor_to_buffer(capsule, device, stream, None, dl_type)
+        return time.perf_counter() - start
+
+    parts = {
+        "torch capsule (q.__dlpack__, event on torch's stream)": lambda: q.__dlpack__(stream=stream),
+        "JAX buffer from that capsule (definition event)": capsule_to_buffer,
+        "import, ordered (to_jax)": lambda: to_jax(q),
+        "import, already ordered (no event)": lambda: to_jax(q, already_ordered=True),
+        "export (to_torch)": lambda: backend_module.to_torch(exported),
+        "trivial jitted call (x + 1)": lambda: trivial(small),
+        "direct call (write_kv + paged_attention, JAX arrays)": direct_call,
+        "jitted layer call, JAX-owned arrays": lambda: on_owned_cache(*owned),
+        "jitted layer call, JAX-owned q/k/v, held cache": lambda: on_held_cache(*owned),
+        "ordered import of q + jitted call": lambda: on_owned_cache(to_jax(q), *owned[1:]),
+        "already-ordered import of q + jitted call": lambda: on_owned_cache(
+            to_jax(q, already_ordered=True), *owned[1:]
+        ),
+        "ordered q, already-ordered k/v + call, held cache": lambda: on_held_cache(*ordered()),
+        "already-ordered q/k/v + call, held cache (no wait)": lambda: on_held_cache(
+            *(to_jax(t, already_ordered=True) for t in (q, k, v))
+        ),
+        "4 imports (q ordered) + call, cache imported": lambda: layer_step(
+            *ordered(), to_jax(cache, already_ordered=True)
+        ),
+        "backend run": lambda: backend.run("layer", q, k, v, cache),
+    }
+    for name, part in parts.items():
+        if part is capsule_to_buffer:
+            seconds = part()
+        else:
+            part()
+            sync(cache.device)
+            start = time.perf_counter()
+            for _ in range(reps):
+                part()
+            seconds = time.perf_counter() - start
+        sync(cache.device)
+        rows.append((f"host: {name}", f"{seconds / reps * 1e6:.1f} us"))
 
 
 def zero_copy(backend, cache, q, k, v, rows):
@@ -263,7 +333,9 @@ def conversion_waits(device, rows, *, queued_matmuls: int = 20):
         convert()
         seconds = time.perf_counter() - started
         sync(device)
-        rows.append((f"host time of an {name}, {work * 1e3:.0f} ms of work queued", f"{seconds * 1e6:.0f} us"))
+        rows.append(
+            (f"host time of an {name}, {work * 1e3:.0f} ms of work queued", f"{seconds * 1e6:.0f} us")
+        )
 
 
 def main():
@@ -273,21 +345,25 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--profile", action="store_true", help="print where run() spends its host time")
-    parser.add_argument("--trace", metavar="DIR", help="profile --reps runs into DIR: host time per run by event")
+    parser.add_argument(
+        "--trace", metavar="DIR", help="profile --reps runs into DIR: host time per run by event"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
-    backend, cache, _, q, k, v = time_layer_calls(device, args, rows)
+    backend, cache, q, k, v, direct_call = time_layer_calls(device, args, rows)
     if args.profile:
         profiler = cProfile.Profile()
         profiler.runcall(lambda: [backend.run("layer", q, k, v, cache) for _ in range(args.reps)])
         sync(device)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     if args.trace:
-        summary = profiled(args.trace, lambda: [backend.run("layer", q, k, v, cache) for _ in range(args.reps)])
+        summary = profiled(
+            args.trace, lambda: [backend.run("layer", q, k, v, cache) for _ in range(args.reps)]
+        )
         rows.append(("GPU ops per run (trace)", f"{summary.gpu_ops / args.reps:.1f}"))
         rows += [("host per run (trace)", line) for line in summary.host_lines(per=args.reps, top=12)]
-    host_breakdown(backend, cache, q, k, v, args.reps, rows)
+    host_parts(backend, cache, q, k, v, direct_call, args.reps, rows)
     zero_copy(backend, cache, q, k, v, rows)
     stream_race(backend, cache, q, k, v, device, args.trials, rows)
     conversion_waits(device, rows)

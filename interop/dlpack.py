@@ -59,17 +59,19 @@ def to_jax(
         stream) instead of raising.
       alignment: bytes the data pointer must be a multiple of (at least `ALIGNMENT`; Mosaic GPU kernel operands
         need 256).
-      already_ordered: an earlier import in this call already made JAX's stream wait for torch's current stream,
-        after the work that produced this tensor: skip that wait (torch records an event and JAX's stream waits on
-        it for every ordered import, which costs host time). Only for tensors whose producing work was queued
-        before that import and not changed since.
+      already_ordered: an earlier import whose array goes to the same jitted call already made JAX wait for
+        torch's current stream, after the work that produced this tensor: the array then carries no event of its
+        own. (An ordered import makes torch record an event, JAX's stream wait on it and JAX record a definition
+        event that the jitted call then waits on: host time at the import and again in the call, per array; see
+        benchmarks/RESULTS.md.) Only for tensors whose producing work was queued before that import and not
+        changed since, used by the same call.
 
     Raises:
       ValueError: not compact (and ``copy=False``), a dtype JAX would silently narrow, or a misaligned pointer.
     """
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.numel() and not is_compact(tensor):
+    if tensor.numel() and not (tensor.is_contiguous() or is_compact(tensor)):
         if not copy:
             raise ValueError(
                 f"{name} with shape {tuple(tensor.shape)} and strides {tensor.stride()} is not compact (a slice?): "
@@ -100,10 +102,9 @@ def _import(tensor: torch.Tensor, *, already_ordered: bool = False) -> jax.Array
     device, stream = target
     if _managed_tensor_to_buffer is None or device is None:
         return jax.dlpack.from_dlpack(tensor)
-    torch_stream = NO_STREAM_SYNC if already_ordered or stream is None else stream
-    return _managed_tensor_to_buffer(
-        tensor.__dlpack__(stream=torch_stream), device, stream, None, int(dl_device[0])
-    )
+    if already_ordered or stream is None:  # no event on either side: JAX takes the buffer as ready
+        return _managed_tensor_to_buffer(tensor.__dlpack__(stream=NO_STREAM_SYNC), device, None, None, int(dl_device[0]))
+    return _managed_tensor_to_buffer(tensor.__dlpack__(stream=stream), device, stream, None, int(dl_device[0]))
 
 
 def _dlpack_target(dl_device_type: int, device_id: int):
