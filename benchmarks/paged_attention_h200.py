@@ -226,11 +226,29 @@ def prefill_section(rows, *, sweep):
                 record(rows, name, f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s")
             except Exception as exc:
                 record(rows, name, f"ERROR {type(exc).__name__}")
-    prefill_sweep = [(128, 2, False), (64, 3, True), (64, 4, True)] if sweep else []
-    for block_kv, stages, ping_pong in prefill_sweep:
-        config = KernelConfig(block_kv=block_kv, num_stages=stages, num_consumers=2, ping_pong=ping_pong)
+    # The tilings behind the default (each checked against the reference)
+    prefill_sweep = [
+        dict(block_kv=128, num_stages=2, ping_pong=False),
+        dict(block_kv=64, num_stages=3),
+        dict(block_kv=64, num_stages=4),
+    ]
+    for options in prefill_sweep if sweep else []:
+        config = KernelConfig(num_consumers=2, **options)
+        label = " ".join(f"{name}={value}" for name, value in options.items())
         with kernel_configs_replaced(prefill=config):
-            prefill(f"sweep prefill 8x4096 full block_kv={block_kv} stages={stages} ping_pong={ping_pong}", CAUSAL)
+            prefill(f"sweep prefill 8x4096 full {label}", CAUSAL)
+
+
+def prefill_block_size_sweep(rows):
+    """The default kernel on 8 x 4096 causal prefills with larger cache blocks: a step of 128 keys takes one TMA
+    copy per block, 128 // S of them (8 at S = 16)."""
+    num_reqs, seq_len = 8, 4096
+    for block_size in (64, 128, 256):
+        shape = dict(SHAPE, block_size=block_size)
+        q, kv_cache, metadata = device_batch(2, num_reqs=num_reqs, query_len=seq_len, seq_len=seq_len, **shape)
+        time_prefill(rows, q, kv_cache, metadata, f"sweep prefill 8x4096 full block_size={block_size}", CAUSAL,
+                     num_reqs=num_reqs, seq_len=seq_len)  # fmt: skip
+        del q, kv_cache
 
 
 def main():
@@ -247,6 +265,8 @@ def main():
         decode_section(rows, sweep=args.sweep)
     if "prefill" in sections:
         prefill_section(rows, sweep=args.sweep)
+        if args.sweep:
+            prefill_block_size_sweep(rows)
     print("\n== summary ==")
     for row in rows:
         print(" | ".join(row))
