@@ -3,6 +3,8 @@
 The same cases run at larger shapes on the H200 through benchmarks/paged_attention_h200.py.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 
 from jax_hybrid_attn import LayerAttentionParams, paged_attention, reference
 from jax_hybrid_attn._compat import interpret_params, races_found
+from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
 from .sampling import covering_sample
@@ -111,6 +114,48 @@ def test_blocks_larger_than_a_kernel_step(kv_pair):
                 batch=([1, 130, 1], [300, 260, 513]))  # fmt: skip
     out, expected = run_case(case, seed=5)
     assert np.isfinite(out).all(), "a NaN-filled block was read"
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+
+
+@pytest.fixture
+def overlapped_softmax(monkeypatch):
+    """Both kernels with `KernelConfig.overlap_softmax` (each step's softmax overlapping the previous PV wgmma)."""
+    original = mixed_batch.kernel_configs
+
+    def overlapped(*args, **kwargs):
+        return tuple(dataclasses.replace(c, overlap_softmax=True) for c in original(*args, **kwargs))
+
+    monkeypatch.setattr(mixed_batch, "kernel_configs", overlapped)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=40), logits_soft_cap=None, sm_scale=0.3,
+             with_sinks=True, causal=True, dtype=jnp.bfloat16, kv_fp8=False, kv_layout="NHD",
+             batch=([2, 33, 1], [129, 99, 64])),
+        dict(block_size=32, heads=(4, 4), mask=dict(attention_chunk_size=64), logits_soft_cap=30.0,
+             with_sinks=False, causal=True, dtype=jnp.float16, kv_fp8=True, kv_layout="HND", kv_pair=True,
+             batch=([1, 70], [200, 330])),
+        dict(block_size=64, heads=(4, 2), mask={}, logits_soft_cap=None, with_sinks=False, causal=False,
+             dtype=jnp.bfloat16, kv_fp8=False, kv_layout="NHD", batch=([3, 70], [300, 330])),
+    ],
+    ids=["window-sinks-scale", "chunk-softcap-fp8-pair", "non-causal"],
+)  # fmt: skip
+def test_overlapped_softmax_matches_reference(case, overlapped_softmax):
+    """The pipelined consumer loop: first step without PV, each later step issuing the previous PV, the last PV
+    after the loops; masked edge steps at both ends, a prefill over more key steps than ring slots."""
+    out, expected = run_case(case, seed=11)
+    assert np.isfinite(out).all(), "a NaN-filled block was read"
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
+
+
+def test_overlapped_softmax_has_no_races(overlapped_softmax):
+    case = dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
+                causal=True, dtype=jnp.bfloat16, kv_fp8=False, kv_layout="NHD",
+                batch=([1, 20, 200], [40, 33, 300]))  # fmt: skip
+    out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
+    assert not races_found()
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
 
 

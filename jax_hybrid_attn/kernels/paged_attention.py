@@ -22,6 +22,7 @@ combines them with the sinks, which enter the denominator only.
 """
 
 import dataclasses
+import itertools
 import math
 from functools import partial
 
@@ -44,13 +45,16 @@ SMEM_BUDGET_BYTES = 227 * 1024 - 4096  # H100/H200 per-block maximum, less room 
 class KernelConfig:
     """`block_kv` keys per step (whole blocks), `num_stages` ring slots, `num_splits` CTAs per tile and head,
     `num_consumers` warpgroups of 64 query rows sharing the K/V stream, which take turns on the tensor
-    cores when `ping_pong` is set."""
+    cores when `ping_pong` is set. With `overlap_softmax` each consumer issues a step's QK wgmma together with
+    the previous step's PV wgmma and computes the step's softmax while the PV one runs (FlashAttention-3's
+    intra-warpgroup pipelining)."""
 
     block_kv: int = 128
     num_stages: int = 2
     num_splits: int = 1
     num_consumers: int = 1
     ping_pong: bool = True
+    overlap_softmax: bool = False
 
     def __post_init__(self):
         if self.block_kv % 64 or self.block_kv <= 0:
@@ -252,25 +256,19 @@ def _paged_attention_kernel(
 
             return v_ring.at[slot]
 
-        def step_body(step, carry, *, masked):
-            acc, m_i, l_i = carry
-            slot = lax.rem(step - my_lo, num_stages)
+        def key_operand(step, slot):
+            """The K operand of this step (converted into staging for a float8 cache, which frees the slot)."""
             plgpu.barrier_wait(k_loaded.at[slot])
-            if converts:
-                k = stage(k_ring.at[slot], k_staging, step, zero=False)
-                plgpu.barrier_arrive(k_consumed.at[slot])
-            else:
-                k = k_ring.at[slot]
-
-            def compute_qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
-                if schedule is not None:
-                    take_turn(schedule)
-                return acc_ref[...]
-
-            logits = pl.run_scoped(compute_qk, plgpu.ACC((ROWS, block_kv), jnp.float32)) * logit_scale
             if not converts:
-                plgpu.barrier_arrive(k_consumed.at[slot])
+                return k_ring.at[slot]
+            k = stage(k_ring.at[slot], k_staging, step, zero=False)
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            return k
+
+        def online_softmax(step, scores, m_i, l_i, *, masked):
+            """The step's raw scores -> base-2 logits (scaled, soft-capped, masked on edge steps) -> p in q's dtype,
+            the new row maxima and sums, and the factor alpha that rescales what was accumulated before."""
+            logits = scores * logit_scale
             if logits_soft_cap is not None:
                 logits = (logits_soft_cap * LOG2E) * jnp.tanh(logits / logits_soft_cap)
             if masked:
@@ -281,9 +279,24 @@ def _paged_attention_kernel(
             m_new = jnp.maximum(m_i, logits.max(axis=1))
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
+            return p.astype(dtype), m_new, l_i * alpha + p.sum(axis=1), alpha
+
+        def step_body(step, carry, *, masked):
+            acc, m_i, l_i = carry
+            slot = lax.rem(step - my_lo, num_stages)
+            k = key_operand(step, slot)
+
+            def compute_qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
+                if schedule is not None:
+                    take_turn(schedule)
+                return acc_ref[...]
+
+            scores = pl.run_scoped(compute_qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            if not converts:
+                plgpu.barrier_arrive(k_consumed.at[slot])
+            p, m_new, l_i, alpha = online_softmax(step, scores, m_i, l_i, masked=masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p = p.astype(dtype)
             if schedule is not None:
                 plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(v_loaded.at[slot])
@@ -291,33 +304,119 @@ def _paged_attention_kernel(
             if schedule is not None:
                 plgpu.barrier_wait(schedule)
 
-            if p_in_registers:
-
-                def compute_pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p, v)
-
-                acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-            else:  # interpret mode: wgmma operands from shared memory, a fresh accumulator added in registers
-                p_smem[...] = p
-                plgpu.commit_smem()
-
-                def compute_pv(pv_ref):
-                    plgpu.wgmma(pv_ref, p_smem, v)
-                    return pv_ref[...]
-
-                acc = acc + pl.run_scoped(compute_pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+            acc = accumulate_pv(acc, p, v)
             if not converts:
                 plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, l_i
+
+        def issue_pv(acc_ref, p, v):
+            """Start acc += p @ v (p from registers; in interpret mode through this consumer's shared tile)."""
+            if p_in_registers:
+                plgpu.wgmma(acc_ref, p, v)
+            else:
+                p_smem[...] = p
+                plgpu.commit_smem()
+                plgpu.wgmma(acc_ref, p_smem, v)
+
+        def accumulate_pv(acc, p, v):
+            """acc + p @ v. Interpret mode cannot start an accumulator from registers: a fresh one is added."""
+            if p_in_registers:
+                return pl.run_state(partial(issue_pv, p=p, v=v))(plgpu.ACC.init(acc))
+
+            def fresh_pv(pv_ref):
+                issue_pv(pv_ref, p, v)
+                return pv_ref[...]
+
+            return acc + pl.run_scoped(fresh_pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+
+        def previous_values(step):
+            """Wait for the previous step's V (foreign rows zeroed) and for this consumer's turn to issue."""
+            prev_slot = lax.rem(step - 1 - my_lo, num_stages)
+            plgpu.barrier_wait(v_loaded.at[prev_slot])
+            v = prepare_v(step - 1, prev_slot, masked=True)  # zeroes only where the step holds foreign keys
+            if schedule is not None:
+                plgpu.barrier_wait(schedule)
+            return v, prev_slot
+
+        def overlapped_step(step, carry, *, masked, first=False):
+            """Issue this step's QK wgmma, then the previous step's PV wgmma (p kept in registers since); wait for
+            QK only and compute this step's softmax while PV runs. The carry holds p of the last step, whose PV
+            is still to issue, and an accumulator already rescaled to the last step's row maxima."""
+            acc, m_i, l_i, p_prev = carry
+            slot = lax.rem(step - my_lo, num_stages)
+            k = key_operand(step, slot)
+            v_prev, prev_slot = (None, None) if first else previous_values(step)
+
+            def scores_with_pv(acc_ref):
+                """Issue QK, then PV of the previous step into `acc_ref`; the scores once QK alone is done."""
+
+                def qk_with_pv(scores_ref):
+                    plgpu.wgmma(scores_ref, q_smem, k.transpose((1, 0)))
+                    if not first:
+                        issue_pv(acc_ref, p_prev, v_prev)
+                    if schedule is not None:
+                        take_turn(schedule)
+                    if not p_in_registers:  # interpret mode runs each wgmma at once: nothing to wait for
+                        return scores_ref[...]
+                    return plgpu.wgmma_accumulator_load(scores_ref, wait_n=0 if first else 1)
+
+                scores = pl.run_scoped(qk_with_pv, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                if not converts:
+                    plgpu.barrier_arrive(k_consumed.at[slot])
+                return scores
+
+            if p_in_registers:  # the softmax runs inside the accumulator's scope: PV is still in flight
+
+                def overlapped(refs):
+                    acc_ref, softmax_refs = refs
+                    scores = scores_with_pv(acc_ref)
+                    for ref, value in zip(softmax_refs, online_softmax(step, scores, m_i, l_i, masked=masked)):
+                        ref[...] = value
+
+                softmax_init = (p_prev, m_i, l_i, m_i)  # (p, m, l, alpha): overwritten
+                acc, (p, m_new, l_new, alpha) = pl.run_state(overlapped)((plgpu.ACC.init(acc), softmax_init))
+            else:  # interpret mode: the same order, the previous PV into a fresh accumulator
+
+                def fresh(pv_ref):
+                    return scores_with_pv(pv_ref), pv_ref[...]
+
+                scores, pv = pl.run_scoped(fresh, plgpu.ACC((ROWS, head_dim), jnp.float32))
+                acc = acc + pv
+                p, m_new, l_new, alpha = online_softmax(step, scores, m_i, l_i, masked=masked)
+            if not first and not converts:
+                plgpu.barrier_arrive(v_consumed.at[prev_slot])
+            if schedule is not None:
+                plgpu.barrier_arrive(schedule)
+            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l_new, p
+
+        def last_pv(_, carry):
+            acc, m_i, l_i, p = carry
+            v, slot = previous_values(my_hi)
+            acc = accumulate_pv(acc, p, v)
+            if not converts:
+                plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, m_i, l_i, p
 
         carry = (
             plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((ROWS,), MASKED_LOGIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
-        carry = lax.fori_loop(my_lo, inner_lo, partial(step_body, masked=True), carry)
-        carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
-        return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
+        if not config.overlap_softmax:
+            carry = lax.fori_loop(my_lo, inner_lo, partial(step_body, masked=True), carry)
+            carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
+            return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
+        # The first step (masked: a superset) issues no PV; every later one issues the PV of the step before
+        # it; the last PV is issued after the loops. Each loop runs 0 or more steps, as without overlap.
+        p_init = plgpu.layout_cast(jnp.zeros((ROWS, block_kv), dtype), plgpu.Layout.WGMMA)
+        carry = (*carry, p_init)
+        rest = my_lo + 1
+        carry = lax.fori_loop(my_lo, jnp.minimum(rest, my_hi), partial(overlapped_step, masked=True, first=True), carry)
+        bounds = (rest, jnp.maximum(inner_lo, rest), jnp.maximum(inner_hi, rest), my_hi)
+        for (lo, hi), masked in zip(itertools.pairwise(bounds), (True, False, True)):
+            carry = lax.fori_loop(lo, hi, partial(overlapped_step, masked=masked), carry)
+        acc, m_i, l_i, _ = lax.fori_loop(0, (my_hi > my_lo).astype(jnp.int32), last_pv, carry)
+        return acc, m_i, l_i
 
     def body(q_smem, lse_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
              k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
