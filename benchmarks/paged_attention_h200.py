@@ -250,6 +250,7 @@ def prefill_section(rows, *, sweep):
         dict(block_kv=64, num_stages=3),
         dict(block_kv=64, num_stages=4),
         dict(overlap_softmax=True, ping_pong=False),
+        dict(early_k_wait=True),
     ]
     for options in prefill_sweep if sweep else []:
         config = KernelConfig(num_consumers=2, **options)

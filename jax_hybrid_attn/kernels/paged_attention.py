@@ -47,7 +47,8 @@ class KernelConfig:
     `num_consumers` warpgroups of 64 query rows sharing the K/V stream, which take turns on the tensor
     cores when `ping_pong` is set. With `overlap_softmax` each consumer issues a step's QK wgmma together with
     the previous step's PV wgmma and computes the step's softmax while the PV one runs (FlashAttention-3's
-    intra-warpgroup pipelining)."""
+    intra-warpgroup pipelining). With `early_k_wait` (without the overlap) a consumer waits for the next
+    step's K while its PV wgmma runs instead of at the start of that step."""
 
     block_kv: int = 128
     num_stages: int = 2
@@ -55,6 +56,7 @@ class KernelConfig:
     num_consumers: int = 1
     ping_pong: bool = True
     overlap_softmax: bool = False
+    early_k_wait: bool = False
 
     def __post_init__(self):
         if self.block_kv % 64 or self.block_kv <= 0:
@@ -256,9 +258,15 @@ def _paged_attention_kernel(
 
             return v_ring.at[slot]
 
-        def key_operand(step, slot):
+        early_k_wait = config.early_k_wait and not config.overlap_softmax
+
+        def wait_for_keys(step):
+            plgpu.barrier_wait(k_loaded.at[lax.rem(step - my_lo, num_stages)])
+
+        def key_operand(step, slot, *, waited=False):
             """The K operand of this step (converted into staging for a float8 cache, which frees the slot)."""
-            plgpu.barrier_wait(k_loaded.at[slot])
+            if not waited:
+                plgpu.barrier_wait(k_loaded.at[slot])
             if not converts:
                 return k_ring.at[slot]
             k = stage(k_ring.at[slot], k_staging, step, zero=False)
@@ -284,7 +292,7 @@ def _paged_attention_kernel(
         def step_body(step, carry, *, masked):
             acc, m_i, l_i = carry
             slot = lax.rem(step - my_lo, num_stages)
-            k = key_operand(step, slot)
+            k = key_operand(step, slot, waited=early_k_wait)
 
             def compute_qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
@@ -304,7 +312,10 @@ def _paged_attention_kernel(
             if schedule is not None:
                 plgpu.barrier_wait(schedule)
 
-            acc = accumulate_pv(acc, p, v)
+            def wait_for_next_keys():
+                pl.when(step + 1 < my_hi)(partial(wait_for_keys, step + 1))
+
+            acc = accumulate_pv(acc, p, v, while_running=wait_for_next_keys if early_k_wait else None)
             if not converts:
                 plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, l_i
@@ -318,13 +329,20 @@ def _paged_attention_kernel(
                 plgpu.commit_smem()
                 plgpu.wgmma(acc_ref, p_smem, v)
 
-        def accumulate_pv(acc, p, v):
-            """acc + p @ v. Interpret mode cannot start an accumulator from registers: a fresh one is added."""
+        def accumulate_pv(acc, p, v, *, while_running=None):
+            """acc + p @ v, calling `while_running` once the wgmma is issued. Interpret mode cannot start an
+            accumulator from registers: a fresh one is added."""
+
+            def issue(acc_ref):
+                issue_pv(acc_ref, p, v)
+                if while_running is not None:
+                    while_running()
+
             if p_in_registers:
-                return pl.run_state(partial(issue_pv, p=p, v=v))(plgpu.ACC.init(acc))
+                return pl.run_state(issue)(plgpu.ACC.init(acc))
 
             def fresh_pv(pv_ref):
-                issue_pv(pv_ref, p, v)
+                issue(pv_ref)
                 return pv_ref[...]
 
             return acc + pl.run_scoped(fresh_pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
@@ -370,7 +388,8 @@ def _paged_attention_kernel(
                 def overlapped(refs):
                     acc_ref, softmax_refs = refs
                     scores = scores_with_pv(acc_ref)
-                    for ref, value in zip(softmax_refs, online_softmax(step, scores, m_i, l_i, masked=masked)):
+                    softmax = online_softmax(step, scores, m_i, l_i, masked=masked)
+                    for ref, value in zip(softmax_refs, softmax):
                         ref[...] = value
 
                 softmax_init = (p_prev, m_i, l_i, m_i)  # (p, m, l, alpha): overwritten
@@ -403,6 +422,8 @@ def _paged_attention_kernel(
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
         if not config.overlap_softmax:
+            if early_k_wait:  # the first step's K; each step waits for the next one's under its PV wgmma
+                pl.when(my_lo < my_hi)(partial(wait_for_keys, my_lo))
             carry = lax.fori_loop(my_lo, inner_lo, partial(step_body, masked=True), carry)
             carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
             return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
@@ -411,7 +432,8 @@ def _paged_attention_kernel(
         p_init = plgpu.layout_cast(jnp.zeros((ROWS, block_kv), dtype), plgpu.Layout.WGMMA)
         carry = (*carry, p_init)
         rest = my_lo + 1
-        carry = lax.fori_loop(my_lo, jnp.minimum(rest, my_hi), partial(overlapped_step, masked=True, first=True), carry)
+        first_step = partial(overlapped_step, masked=True, first=True)
+        carry = lax.fori_loop(my_lo, jnp.minimum(rest, my_hi), first_step, carry)
         bounds = (rest, jnp.maximum(inner_lo, rest), jnp.maximum(inner_hi, rest), my_hi)
         for (lo, hi), masked in zip(itertools.pairwise(bounds), (True, False, True)):
             carry = lax.fori_loop(lo, hi, partial(overlapped_step, masked=masked), carry)
