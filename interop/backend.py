@@ -387,7 +387,7 @@ class PagedAttentionBackend:
             )
         if tensor.dim() == 2:
             tensor = tensor.view(shape)
-        if tensor.is_contiguous() or is_compact(tensor):  # one DLPack cannot share is refused by to_jax
+        if is_compact(tensor):  # a tensor DLPack cannot share is refused by to_jax, padded or not
             tensor = padded_rows(tensor, padded_tokens)
         return tensor
 

@@ -31,6 +31,8 @@ ALIGNMENT = 16
 
 def is_compact(tensor: torch.Tensor) -> bool:
     """Whether the tensor's elements fill one dense block of memory in some axis order (what JAX accepts)."""
+    if tensor.is_contiguous():  # the common case, answered by torch at no Python cost
+        return True
     order = sorted(range(tensor.dim()), key=lambda axis: tensor.stride(axis))
     expected = 1
     for axis in order:
@@ -71,7 +73,7 @@ def to_jax(
     """
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.numel() and not (tensor.is_contiguous() or is_compact(tensor)):
+    if tensor.numel() and not is_compact(tensor):
         if not copy:
             raise ValueError(
                 f"{name} with shape {tuple(tensor.shape)} and strides {tensor.stride()} is not compact (a slice?): "
@@ -102,9 +104,10 @@ def _import(tensor: torch.Tensor, *, already_ordered: bool = False) -> jax.Array
     device, stream = target
     if _managed_tensor_to_buffer is None or device is None:
         return jax.dlpack.from_dlpack(tensor)
+    dl_type = int(dl_device[0])
     if already_ordered or stream is None:  # no event on either side: JAX takes the buffer as ready
-        return _managed_tensor_to_buffer(tensor.__dlpack__(stream=NO_STREAM_SYNC), device, None, None, int(dl_device[0]))
-    return _managed_tensor_to_buffer(tensor.__dlpack__(stream=stream), device, stream, None, int(dl_device[0]))
+        return _managed_tensor_to_buffer(tensor.__dlpack__(stream=NO_STREAM_SYNC), device, None, None, dl_type)
+    return _managed_tensor_to_buffer(tensor.__dlpack__(stream=stream), device, stream, None, dl_type)
 
 
 def _dlpack_target(dl_device_type: int, device_id: int):
