@@ -23,7 +23,7 @@ from jax.experimental.mosaic.gpu import profiler
 
 from jax_hybrid_attn import CAUSAL, LayerAttentionParams, make_attention_metadata, paged_attention, reference
 from jax_hybrid_attn.kernels import mixed_batch
-from jax_hybrid_attn.kernels.paged_attention import KernelConfig
+from jax_hybrid_attn.kernels.config import KernelConfig
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 

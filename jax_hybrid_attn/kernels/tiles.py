@@ -16,7 +16,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._compat import register_pytree_dataclass
 from ..integers import cdiv
 from ..metadata import token_requests
-from .paged_attention import ROWS
+from .config import ROWS
 
 __all__ = [
     "ROWS",

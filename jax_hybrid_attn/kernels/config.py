@@ -1,0 +1,61 @@
+"""The paged-attention kernel's options: tiling, pipeline depth, splits, consumers and loop variants.
+
+`KernelConfig` is a static argument of the kernel (`paged_attention.attention_partials`); `default_config` picks
+the measured best that fits in a CTA's shared memory.
+"""
+
+import dataclasses
+
+ROWS = 64  # wgmma M: query rows per consumer warpgroup
+SMEM_BUDGET_BYTES = 227 * 1024 - 4096  # H100/H200 per-block maximum, less room for barriers and alignment
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+    """`block_kv` keys per step (whole blocks), `num_stages` ring slots, `num_splits` CTAs per tile and head,
+    `num_consumers` warpgroups of 64 query rows sharing the K/V stream, which take turns on the tensor
+    cores when `ping_pong` is set. With `overlap_softmax` each consumer issues a step's QK wgmma together with
+    the previous step's PV wgmma and computes the step's softmax while the PV one runs (FlashAttention-3's
+    intra-warpgroup pipelining). With `early_k_wait` (without the overlap) a consumer waits for the next
+    step's K while its PV wgmma runs instead of at the start of that step."""
+
+    block_kv: int = 128
+    num_stages: int = 2
+    num_splits: int = 1
+    num_consumers: int = 1
+    ping_pong: bool = True
+    overlap_softmax: bool = False
+    early_k_wait: bool = False
+
+    def __post_init__(self):
+        if self.block_kv % 64 or self.block_kv <= 0:
+            raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
+        if self.num_stages < 1 or self.num_splits < 1:
+            raise ValueError(f"num_stages={self.num_stages}, num_splits={self.num_splits} must be >= 1")
+        if self.num_consumers not in (1, 2):
+            raise ValueError(f"num_consumers={self.num_consumers} must be 1 or 2")
+
+    @property
+    def rows(self) -> int:
+        """Query rows per tile."""
+        return ROWS * self.num_consumers
+
+    def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int) -> int:
+        """Shared memory on the GPU: q/output tiles, the K and V ring, fp8 staging buffers (barriers aside)."""
+        q_tiles = self.num_consumers * (ROWS * head_dim * q_itemsize + ROWS * 4)
+        ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
+        staging = (
+            self.num_consumers * 2 * self.block_kv * head_dim * q_itemsize if kv_itemsize != q_itemsize else 0
+        )
+        return q_tiles + ring + staging
+
+
+def default_config(head_dim: int, q_itemsize: int, kv_itemsize: int, *, num_splits: int, num_consumers: int):
+    """The measured best on the H200 (benchmarks/RESULTS.md), shrunk until it fits in shared memory."""
+    for block_kv, num_stages in ((128, 2), (64, 3), (64, 2), (64, 1)):
+        config = KernelConfig(
+            block_kv=block_kv, num_stages=num_stages, num_splits=num_splits, num_consumers=num_consumers
+        )
+        if config.smem_bytes(head_dim, q_itemsize, kv_itemsize) <= SMEM_BUDGET_BYTES:
+            return config
+    raise NotImplementedError(f"{head_dim=} does not fit the kernel's shared memory")
