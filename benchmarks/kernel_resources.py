@@ -2,7 +2,7 @@
 
 Run from the repository root on the GPU machine:
 
-    PYTHONPATH=. python benchmarks/kernel_resources.py [--variant overlap_softmax]
+    PYTHONPATH=. python benchmarks/kernel_resources.py [--variant early_k_wait]
 
 Mosaic GPU prints ptxas's verbose output when ``MOSAIC_GPU_DUMP_PTXAS`` is set; this script sets it, compiles one
 small causal prefill per configuration (32 query / 8 KV heads, head_dim 128, block 16, bf16) and prints the lines
@@ -69,7 +69,7 @@ def captured_fds():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--variant", default="overlap_softmax", help="a boolean KernelConfig field to turn on"
+        "--variant", default="early_k_wait", help="a boolean KernelConfig field to turn on"
     )
     args = parser.parse_args()
     for options in ({}, {args.variant: True}):

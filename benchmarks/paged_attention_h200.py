@@ -249,7 +249,6 @@ def prefill_section(rows, *, sweep):
         dict(block_kv=128, num_stages=2, ping_pong=False),
         dict(block_kv=64, num_stages=3),
         dict(block_kv=64, num_stages=4),
-        dict(overlap_softmax=True, ping_pong=False),
         dict(early_k_wait=True),
     ]
     for options in prefill_sweep if sweep else []:
@@ -257,10 +256,6 @@ def prefill_section(rows, *, sweep):
         label = " ".join(f"{name}={value}" for name, value in options.items())
         with kernel_configs_replaced(prefill=config):
             prefill(f"sweep prefill 8x4096 full {label}", CAUSAL)
-    if sweep:  # the softmax overlapped with the PV wgmma, every mask
-        with kernel_configs_replaced(prefill=KernelConfig(num_consumers=2, overlap_softmax=True)):
-            for label, params in MASKS:
-                prefill(f"sweep prefill 8x4096 {label} overlap_softmax=True", params)
 
 
 def prefill_block_size_sweep(rows):

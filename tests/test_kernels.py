@@ -85,25 +85,19 @@ def with_kernel_options(monkeypatch, **options):
 
 
 @pytest.fixture
-def overlapped_softmax(monkeypatch):
-    """Each step's softmax overlapping the previous step's PV wgmma."""
-    with_kernel_options(monkeypatch, overlap_softmax=True)
-
-
-@pytest.fixture
 def early_k_wait(monkeypatch):
     """Each step's wait for the next step's K under its PV wgmma."""
     with_kernel_options(monkeypatch, early_k_wait=True)
 
 
 @pytest.mark.parametrize(
-    ("kv_fp8", "options"), [(False, None), (True, None), (False, "overlapped_softmax"), (True, "early_k_wait")]
+    ("kv_fp8", "options"), [(False, None), (True, None), (True, "early_k_wait")]
 )
 def test_no_races_detected(kv_fp8, options, request):
     """A decode tile (producer + one consumer) and prefill tiles (producer + two consumers), edge steps
     with V rows zeroed by consumer 0 for both (bf16) or in each consumer's staging buffer (fp8). The last
     request's keys (107..149) span two key steps of 128, both edge steps: consumer 0 zeroes two slots in a row.
-    Also with the overlapped softmax, whose loop releases each V slot one step later, and the early K wait."""
+    Also with the early K wait."""
     if options is not None:
         request.getfixturevalue(options)
     case = dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
@@ -158,12 +152,9 @@ def test_blocks_larger_than_a_kernel_step(kv_pair):
     ],
     ids=["window-sinks-scale", "chunk-softcap-fp8-pair", "non-causal"],
 )  # fmt: skip
-@pytest.mark.parametrize("options", ["overlapped_softmax", "early_k_wait"])
-def test_kernel_options_match_reference(case, options, request):
-    """The consumer loop's options. The overlapped softmax: first step without PV, each later step issuing the
-    previous PV, the last PV after the loops. The early K wait: the first step's K before the loops, each later
-    one under the PV before it. Masked edge steps at both ends, a prefill over more key steps than ring slots."""
-    request.getfixturevalue(options)
+def test_early_k_wait_matches_reference(case, early_k_wait):
+    """The first step's K awaited before the loops, each later one under the PV before it. Masked edge steps at
+    both ends, a prefill over more key steps than ring slots."""
     out, expected = run_case(case, seed=11)
     assert np.isfinite(out).all(), "a NaN-filled block was read"
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])

@@ -14,17 +14,14 @@ SMEM_BUDGET_BYTES = 227 * 1024 - 4096  # H100/H200 per-block maximum, less room 
 class KernelConfig:
     """`block_kv` keys per step (whole blocks), `num_stages` ring slots, `num_splits` CTAs per tile and head,
     `num_consumers` warpgroups of 64 query rows sharing the K/V stream, which take turns on the tensor
-    cores when `ping_pong` is set. With `overlap_softmax` each consumer issues a step's QK wgmma together with
-    the previous step's PV wgmma and computes the step's softmax while the PV one runs (FlashAttention-3's
-    intra-warpgroup pipelining). With `early_k_wait` (without the overlap) a consumer waits for the next
-    step's K while its PV wgmma runs instead of at the start of that step."""
+    cores when `ping_pong` is set. With `early_k_wait` a consumer waits for the next step's K while its PV
+    wgmma runs instead of at the start of that step."""
 
     block_kv: int = 128
     num_stages: int = 2
     num_splits: int = 1
     num_consumers: int = 1
     ping_pong: bool = True
-    overlap_softmax: bool = False
     early_k_wait: bool = False
 
     def __post_init__(self):

@@ -25,7 +25,6 @@ This module is the kernel body and its launcher only (its options are in `config
 protocol share its refs and are easiest to check together.
 """
 
-import itertools
 import math
 from functools import partial
 
@@ -209,15 +208,13 @@ def _paged_attention_kernel(
 
             return v_ring.at[slot]
 
-        early_k_wait = config.early_k_wait and not config.overlap_softmax
-
         def wait_for_keys(step):
             plgpu.barrier_wait(k_loaded.at[lax.rem(step - my_lo, num_stages)])
 
         def key_operand(step, slot, *, waited=False):
             """The K operand of this step (converted into staging for a float8 cache, which frees the slot)."""
             if not waited:
-                plgpu.barrier_wait(k_loaded.at[slot])
+                wait_for_keys(step)
             if not converts:
                 return k_ring.at[slot]
             k = stage(k_ring.at[slot], k_staging, step, zero=False)
@@ -243,7 +240,7 @@ def _paged_attention_kernel(
         def step_body(step, carry, *, masked):
             acc, m_i, l_i = carry
             slot = lax.rem(step - my_lo, num_stages)
-            k = key_operand(step, slot, waited=early_k_wait)
+            k = key_operand(step, slot, waited=config.early_k_wait)
 
             def compute_qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
@@ -266,26 +263,23 @@ def _paged_attention_kernel(
             def wait_for_next_keys():
                 pl.when(step + 1 < my_hi)(partial(wait_for_keys, step + 1))
 
-            acc = accumulate_pv(acc, p, v, while_running=wait_for_next_keys if early_k_wait else None)
+            acc = accumulate_pv(acc, p, v, while_running=wait_for_next_keys if config.early_k_wait else None)
             if not converts:
                 plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, l_i
 
-        def issue_pv(acc_ref, p, v):
-            """Start acc += p @ v (p from registers; in interpret mode through this consumer's shared tile)."""
-            if p_in_registers:
-                plgpu.wgmma(acc_ref, p, v)
-            else:
-                p_smem[...] = p
-                plgpu.commit_smem()
-                plgpu.wgmma(acc_ref, p_smem, v)
-
         def accumulate_pv(acc, p, v, *, while_running=None):
-            """acc + p @ v, calling `while_running` once the wgmma is issued. Interpret mode cannot start an
-            accumulator from registers: a fresh one is added."""
+            """acc + p @ v, calling `while_running` once the wgmma is issued. P comes from registers; interpret
+            mode takes it through this consumer's shared tile and, as it cannot start an accumulator from
+            registers, adds a fresh one."""
 
             def issue(acc_ref):
-                issue_pv(acc_ref, p, v)
+                if p_in_registers:
+                    plgpu.wgmma(acc_ref, p, v)
+                else:
+                    p_smem[...] = p
+                    plgpu.commit_smem()
+                    plgpu.wgmma(acc_ref, p_smem, v)
                 if while_running is not None:
                     while_running()
 
@@ -298,98 +292,16 @@ def _paged_attention_kernel(
 
             return acc + pl.run_scoped(fresh_pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
 
-        def previous_values(step):
-            """Wait for the previous step's V (foreign rows zeroed) and for this consumer's turn to issue."""
-            prev_slot = lax.rem(step - 1 - my_lo, num_stages)
-            plgpu.barrier_wait(v_loaded.at[prev_slot])
-            v = prepare_v(step - 1, prev_slot, masked=True)  # zeroes only where the step holds foreign keys
-            if schedule is not None:
-                plgpu.barrier_wait(schedule)
-            return v, prev_slot
-
-        def overlapped_step(step, carry, *, masked, first=False):
-            """Issue this step's QK wgmma, then the previous step's PV wgmma (p kept in registers since); wait for
-            QK only and compute this step's softmax while PV runs. The carry holds p of the last step, whose PV
-            is still to issue, and an accumulator already rescaled to the last step's row maxima."""
-            acc, m_i, l_i, p_prev = carry
-            slot = lax.rem(step - my_lo, num_stages)
-            k = key_operand(step, slot)
-            v_prev, prev_slot = (None, None) if first else previous_values(step)
-
-            def scores_with_pv(acc_ref):
-                """Issue QK, then PV of the previous step into `acc_ref`; the scores once QK alone is done."""
-
-                def qk_with_pv(scores_ref):
-                    plgpu.wgmma(scores_ref, q_smem, k.transpose((1, 0)))
-                    if not first:
-                        issue_pv(acc_ref, p_prev, v_prev)
-                    if schedule is not None:
-                        take_turn(schedule)
-                    if not p_in_registers:  # interpret mode runs each wgmma at once: nothing to wait for
-                        return scores_ref[...]
-                    return plgpu.wgmma_accumulator_load(scores_ref, wait_n=0 if first else 1)
-
-                scores = pl.run_scoped(qk_with_pv, plgpu.ACC((ROWS, block_kv), jnp.float32))
-                if not converts:
-                    plgpu.barrier_arrive(k_consumed.at[slot])
-                return scores
-
-            if p_in_registers:  # the softmax runs inside the accumulator's scope: PV is still in flight
-
-                def overlapped(refs):
-                    acc_ref, softmax_refs = refs
-                    scores = scores_with_pv(acc_ref)
-                    softmax = online_softmax(step, scores, m_i, l_i, masked=masked)
-                    for ref, value in zip(softmax_refs, softmax):
-                        ref[...] = value
-
-                softmax_init = (p_prev, m_i, l_i, m_i)  # (p, m, l, alpha): overwritten
-                acc, (p, m_new, l_new, alpha) = pl.run_state(overlapped)((plgpu.ACC.init(acc), softmax_init))
-            else:  # interpret mode: the same order, the previous PV into a fresh accumulator
-
-                def fresh(pv_ref):
-                    return scores_with_pv(pv_ref), pv_ref[...]
-
-                scores, pv = pl.run_scoped(fresh, plgpu.ACC((ROWS, head_dim), jnp.float32))
-                acc = acc + pv
-                p, m_new, l_new, alpha = online_softmax(step, scores, m_i, l_i, masked=masked)
-            if not first and not converts:
-                plgpu.barrier_arrive(v_consumed.at[prev_slot])
-            if schedule is not None:
-                plgpu.barrier_arrive(schedule)
-            return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l_new, p
-
-        def last_pv(_, carry):
-            acc, m_i, l_i, p = carry
-            v, slot = previous_values(my_hi)
-            acc = accumulate_pv(acc, p, v)
-            if not converts:
-                plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, m_i, l_i, p
-
         carry = (
             plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
             plgpu.layout_cast(jnp.full((ROWS,), MASKED_LOGIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
         )
-        if not config.overlap_softmax:
-            if early_k_wait:  # the first step's K; each step waits for the next one's under its PV wgmma
-                pl.when(my_lo < my_hi)(partial(wait_for_keys, my_lo))
-            carry = lax.fori_loop(my_lo, inner_lo, partial(step_body, masked=True), carry)
-            carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
-            return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
-        # The first step (masked: a superset) issues no PV; every later one issues the PV of the step before
-        # it; the last PV is issued after the loops. Each loop runs 0 or more steps, as without overlap.
-        p_init = plgpu.layout_cast(jnp.zeros((ROWS, block_kv), dtype), plgpu.Layout.WGMMA)
-        carry = (*carry, p_init)
-        rest = my_lo + 1
-        first_step = partial(overlapped_step, masked=True, first=True)
-        carry = lax.fori_loop(my_lo, jnp.minimum(rest, my_hi), first_step, carry)
-        bounds = (rest, jnp.maximum(inner_lo, rest), jnp.maximum(inner_hi, rest), my_hi)
-        for (lo, hi), masked in zip(itertools.pairwise(bounds), (True, False, True)):
-            carry = lax.fori_loop(lo, hi, partial(overlapped_step, masked=masked), carry)
-        acc, m_i, l_i, _ = lax.fori_loop(0, (my_hi > my_lo).astype(jnp.int32), last_pv, carry)
-        return acc, m_i, l_i
+        if config.early_k_wait:  # the first step's K; each step waits for the next one's under its PV wgmma
+            pl.when(my_lo < my_hi)(partial(wait_for_keys, my_lo))
+        carry = lax.fori_loop(my_lo, inner_lo, partial(step_body, masked=True), carry)
+        carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
+        return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
 
     def body(q_smem, lse_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
              k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
