@@ -1,12 +1,12 @@
-"""What ptxas reports for the prefill kernel (registers, spills, serialized wgmma), default against a variant.
+"""What ptxas reports for the prefill kernel (registers, spills, serialized wgmma), default against variants.
 
 Run from the repository root on the GPU machine:
 
-    PYTHONPATH=. python benchmarks/kernel_resources.py [--variant early_k_wait]
+    PYTHONPATH=. python benchmarks/kernel_resources.py [--variant early_k_wait=1 --variant consumer_registers=224,producer_registers=56]
 
 Mosaic GPU prints ptxas's verbose output when ``MOSAIC_GPU_DUMP_PTXAS`` is set; this script sets it, compiles one
 small causal prefill per configuration (32 query / 8 KV heads, head_dim 128, block 16, bf16) and prints the lines
-about registers, spills and wgmma serialization.
+about registers, spills and wgmma serialization. A variant sets integer fields of the prefill's `KernelConfig`.
 """
 
 import argparse
@@ -26,7 +26,8 @@ from jax_hybrid_attn import paged_attention
 from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.testing import random_paged_inputs
 
-INTERESTING = re.compile(r"registers|spill|serializ|warning", re.IGNORECASE)
+INTERESTING = re.compile(r"registers|spill|serializ|warning|entry function", re.IGNORECASE)
+DEFAULT_VARIANTS = ("early_k_wait=1", "consumer_registers=224,producer_registers=56")
 
 
 def compile_prefill(**options) -> None:
@@ -34,6 +35,8 @@ def compile_prefill(**options) -> None:
     mixed_batch.kernel_configs = lambda *a, **k: tuple(
         dataclasses.replace(c, **options) for c in original(*a, **k)
     )
+    jax.clear_caches()  # the same shapes would otherwise reuse the last configuration's executable
+    mixed_batch._paged_attention_kernels.clear_cache()
     try:
         inputs = random_paged_inputs(0, query_lens=[300], seq_lens=[300], num_q_heads=32, num_kv_heads=8,
                                      head_dim=128, block_size=16, dtype=jnp.bfloat16)  # fmt: skip
@@ -69,10 +72,11 @@ def captured_fds():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--variant", default="early_k_wait", help="a boolean KernelConfig field to turn on"
+        "--variant", action="append", help="comma-separated FIELD=INT settings of KernelConfig (repeatable)"
     )
     args = parser.parse_args()
-    for options in ({}, {args.variant: True}):
+    variants = [dict(setting.split("=") for setting in v.split(",")) for v in args.variant or DEFAULT_VARIANTS]
+    for options in [{}] + [{name: int(value) for name, value in v.items()} for v in variants]:
         print(f"== {options or 'default'}", flush=True)
         with captured_fds() as output:
             compile_prefill(**options)

@@ -13,6 +13,7 @@ import pytest
 from jax_hybrid_attn import LayerAttentionParams, paged_attention, reference
 from jax_hybrid_attn._compat import interpret_params, races_found
 from jax_hybrid_attn.kernels import mixed_batch
+from jax_hybrid_attn.kernels.config import KernelConfig
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
 from .sampling import covering_sample
@@ -175,6 +176,22 @@ def test_unsupported_combinations_raise(change, message):
     with pytest.raises(NotImplementedError, match=message):
         paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, implementation="kernel",
                         k_scale=inputs.k_scale, v_scale=inputs.v_scale)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(block_kv=100), "block_kv=100"),
+        (dict(num_stages=0), "num_stages=0"),
+        (dict(num_consumers=3), "num_consumers=3"),
+        (dict(consumer_registers=236), "consumer_registers=236"),
+        (dict(producer_registers=16), "producer_registers=16"),
+        (dict(num_consumers=2, consumer_registers=232, producer_registers=48), "3 x 168 registers"),
+    ],
+)
+def test_kernel_config_rejects_bad_values(options, message):
+    with pytest.raises(ValueError, match=message):
+        KernelConfig(**options)
 
 
 def test_cpu_default_is_the_reference():

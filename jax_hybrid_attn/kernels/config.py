@@ -8,6 +8,8 @@ import dataclasses
 
 ROWS = 64  # wgmma M: query rows per consumer warpgroup
 SMEM_BUDGET_BYTES = 227 * 1024 - 4096  # H100/H200 per-block maximum, less room for barriers and alignment
+REGISTER_FILE = 64 * 1024  # 32-bit registers per SM
+WARPGROUP_THREADS = 128
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -15,7 +17,10 @@ class KernelConfig:
     """`block_kv` keys per step (whole blocks), `num_stages` ring slots, `num_splits` CTAs per tile and head,
     `num_consumers` warpgroups of 64 query rows sharing the K/V stream, which take turns on the tensor
     cores when `ping_pong` is set. With `early_k_wait` a consumer waits for the next step's K while its PV
-    wgmma runs instead of at the start of that step."""
+    wgmma runs instead of at the start of that step. With two consumers the registers per thread are split
+    `consumer_registers` / `producer_registers` (``setmaxnreg``: multiples of 8 in [24, 256], together at most the
+    registers the CTA launched with: `setmaxnreg` only moves registers between its warpgroups, and a consumer's
+    increase waits forever for registers nobody released)."""
 
     block_kv: int = 128
     num_stages: int = 2
@@ -23,6 +28,8 @@ class KernelConfig:
     num_consumers: int = 1
     ping_pong: bool = True
     early_k_wait: bool = False
+    consumer_registers: int = 232
+    producer_registers: int = 40
 
     def __post_init__(self):
         if self.block_kv % 64 or self.block_kv <= 0:
@@ -31,6 +38,21 @@ class KernelConfig:
             raise ValueError(f"num_stages={self.num_stages}, num_splits={self.num_splits} must be >= 1")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"num_consumers={self.num_consumers} must be 1 or 2")
+        for name in ("consumer_registers", "producer_registers"):
+            count = getattr(self, name)
+            if count % 8 or not 24 <= count <= 256:
+                raise ValueError(f"{name}={count} must be a multiple of 8 in [24, 256]")
+        used = self.num_consumers * self.consumer_registers + self.producer_registers
+        if self.num_consumers > 1 and used > (self.num_consumers + 1) * self.launch_registers:
+            raise ValueError(
+                f"consumer_registers={self.consumer_registers}, producer_registers={self.producer_registers}: "
+                f"more than the {self.num_consumers + 1} x {self.launch_registers} registers per thread launched"
+            )
+
+    @property
+    def launch_registers(self) -> int:
+        """Registers per thread the CTA launches with: the register file over its threads, rounded down to 8."""
+        return REGISTER_FILE // (WARPGROUP_THREADS * (self.num_consumers + 1)) // 8 * 8
 
     @property
     def rows(self) -> int:

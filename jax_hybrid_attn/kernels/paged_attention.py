@@ -39,7 +39,6 @@ from .config import ROWS
 
 LOG2E = math.log2(math.e)
 MASKED_LOGIT = -1e30  # finite, so fully masked steps never produce inf - inf
-CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40  # per thread, with two consumers and one producer
 
 
 def smem_transforms(head_dim: int, dtype) -> tuple:
@@ -163,10 +162,6 @@ def _paged_attention_kernel(
         # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
         logit_scale = logit_scale_ref[0] if logits_soft_cap is not None else logit_scale_ref[0] * LOG2E
 
-        rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
-        cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-        q_pos = my_first_q_pos + rows // group_size
-
         def stage(ring_slot, staging, step, *, zero):
             """Convert a float8 step into q's dtype (zeroing foreign V rows) in this consumer's buffer,
             64 rows at a time to bound registers. sm90 converts e4m3 only to f16: bf16 goes through f32."""
@@ -227,7 +222,10 @@ def _paged_attention_kernel(
             logits = scores * logit_scale
             if logits_soft_cap is not None:
                 logits = (logits_soft_cap * LOG2E) * jnp.tanh(logits / logits_soft_cap)
-            if masked:
+            if masked:  # positions built here, not before the loops, where they would hold registers throughout
+                rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                q_pos = my_first_q_pos + rows // group_size
                 k_pos = step * block_kv + cols
                 logits = jnp.where(
                     attention_mask(q_pos, k_pos, seq_len, params=params), logits, MASKED_LOGIT
@@ -311,12 +309,12 @@ def _paged_attention_kernel(
         @pl.when(wg == num_consumers)
         def _():
             if num_consumers > 1:
-                plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+                plgpu.set_max_registers(config.producer_registers, action="decrease")
             producer(*ring)
 
         def run_consumer(wg):
             if num_consumers > 1:
-                plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+                plgpu.set_max_registers(config.consumer_registers, action="increase")
             rows = pl.ds(wg * ROWS, ROWS)
             plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[wg], q_loaded.at[wg])
             plgpu.barrier_wait(q_loaded.at[wg])
