@@ -74,6 +74,22 @@ def kernel_ms(fn, *args, repeats=30):
     return statistics.median(profiler.measure(fn)(*args)[1] for _ in range(repeats))
 
 
+def kernel_breakdown(fn, *args, repeats=10) -> list[tuple[str, float]]:
+    """Each kernel of one call of `fn` (in launch order): its name and median CUPTI time in ms."""
+    jax.block_until_ready(fn(*args))
+    runs = [profiler.measure(fn, aggregate=False)(*args)[1] for _ in range(repeats)]
+    return [(name, statistics.median(run[i][1] for run in runs)) for i, (name, _) in enumerate(runs[0])]
+
+
+def breakdown_text(kernels, flops) -> str:
+    """The Mosaic GPU kernels with their TFLOP/s (the attention kernel's own rate), then the rest by time."""
+    mosaic = [ms for name, ms in kernels if "mosaic" in name]
+    rest = sorted(((ms, name) for name, ms in kernels if "mosaic" not in name), reverse=True)
+    parts = [f"Mosaic GPU kernels {' + '.join(f'{ms:.3f}' for ms in mosaic)} ms ({flops / sum(mosaic) / 1e9:.0f} TFLOP/s)"]
+    parts.append(f"other {sum(ms for ms, _ in rest):.3f} ms: " + ", ".join(f"{name[:40]} {ms:.3f}" for ms, name in rest[:4]))
+    return "; ".join(parts)
+
+
 def visible_keys(query_len, seq_len, params=CAUSAL):
     """Per query of one request: number of keys it attends to, and the blocks' worth of keys loaded."""
     q_pos = np.arange(seq_len - query_len, seq_len)
@@ -124,8 +140,10 @@ def time_decode(rows, name, q, kv_cache, metadata, options, full_ms):
     return full_ms or ms
 
 
-def time_prefill(rows, q, kv_cache, metadata, name, params, *, num_reqs, seq_len):
-    """One prefill timing line: TFLOP/s of the visible (query, key) pairs; returns the flop count."""
+def time_prefill(rows, q, kv_cache, metadata, name, params, *, num_reqs, seq_len, breakdown=False):
+    """One prefill timing line: TFLOP/s of the visible (query, key) pairs, and with `breakdown` a line of the
+    call's kernels (the attention kernels' own rate beside the packing and merging around them); returns the
+    flop count."""
     counts, _ = visible_keys(seq_len, seq_len, params)
     flops = 4 * num_reqs * 32 * 128 * int(counts.sum())
     fn = jax.jit(partial(paged_attention, params=params))
@@ -140,6 +158,8 @@ def time_prefill(rows, q, kv_cache, metadata, name, params, *, num_reqs, seq_len
         record(rows, name, f"ERROR {type(exc).__name__}: {str(exc)[:200]}")
         return flops
     record(rows, name, f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s", f"err(request 0) {error:.3g}")
+    if breakdown:
+        record(rows, f"  {name}: per kernel", breakdown_text(kernel_breakdown(fn, q, kv_cache, metadata), flops))
     return flops
 
 
@@ -236,7 +256,7 @@ def prefill_section(rows, *, sweep):
     q_dense = q.reshape(num_reqs, seq_len, 32, 128)
     prefill = partial(time_prefill, rows, q, kv_cache, metadata, num_reqs=num_reqs, seq_len=seq_len)
     for label, params in MASKS:
-        flops = prefill(f"prefill 8x4096 {label}", params)
+        flops = prefill(f"prefill 8x4096 {label}", params, breakdown=True)
         if params.attention_chunk_size is None:
             window = params.sliding_window
             peer = jax.jit(partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn",

@@ -106,14 +106,15 @@ def pack_query_rows(q: Float[Array, "T N H"], tokens, heads) -> Float[Array, "NT
 
 
 def merge_splits(partial_out, lse, sinks):
-    """Combine splits: [T, N, splits, H] with lse [T, N, splits] -> [T, N, H] float32.
+    """Combine splits: [..., splits, H] with lse [..., splits] -> [..., H] float32.
 
-    `sinks` [N] (or None) adds one unscaled logit per head to the softmax denominator only."""
+    `sinks` (broadcastable to lse's leading axes, or None) adds one unscaled logit per head to the softmax
+    denominator only."""
     lse_max = lse.max(axis=-1)
     if sinks is not None:
         lse_max = jnp.maximum(lse_max, sinks)
     lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    weights = jnp.exp(lse - lse_max[..., None])  # [T, N, splits]
+    weights = jnp.exp(lse - lse_max[..., None])  # [..., splits]
     denominator = weights.sum(axis=-1)
     if sinks is not None:
         denominator = denominator + jnp.exp(sinks - lse_max)
@@ -139,33 +140,38 @@ def token_outputs(
     `num_actual_tokens` on) get zeros. NaN flags the tokens of `flagged` requests and those no tile holds (a
     prefill token without a prefill launch).
 
-    Each token gathers its own rows first, so the merge reads only rows that hold a token (a decode tile has 64
-    rows, of which a one-token query fills G)."""
+    Decode tiles are merged over their splits where they are ([R, K, 64, H], small) and then gathered per token:
+    every token reads its request's decode row, so merging after the gather would repeat the splits' sum for
+    each of T tokens. Prefill tiles have one split; each token gathers its own row and the (trivial) merge fuses
+    into that gather."""
     num_kv_heads = decode[0].shape[1]
     token = jnp.arange(num_tokens)
     request = token_requests(query_start_loc, token)
     offset = token - query_start_loc[request]  # within its request's query
     head = jnp.arange(num_kv_heads * group_size)
     kv_head, g = head // group_size, head % group_size
+    per_block = ROWS // group_size  # tokens per 64-row warpgroup block
 
-    def merged(launch, tile, offset_in_tile):  # [T] tile and token offset within it -> [T, N, H]
-        partial_out, lse = launch
-        per_block = ROWS // group_size  # tokens per 64-row warpgroup block
-        row = (offset_in_tile // per_block * ROWS + offset_in_tile % per_block * group_size)[:, None] + g[None, :]
-        index = (tile[:, None], kv_head[None, :], slice(None), row)  # -> [T, N, splits, ...]
-        return merge_splits(partial_out[index], lse[index], sinks)
+    def row_of(offset_in_tile):  # [T] token offset within its tile -> [T, N] row of each head
+        return (offset_in_tile // per_block * ROWS + offset_in_tile % per_block * group_size)[:, None] + g[None, :]
 
+    decode_out, decode_lse = decode
+    row_heads = jnp.arange(num_kv_heads)[:, None] * group_size + jnp.arange(ROWS)[None, :] % group_size  # [K, 64]
+    decode_rows = merge_splits(  # [R, K, 64, H]
+        jnp.moveaxis(decode_out, 2, -2), jnp.moveaxis(decode_lse, 2, -1), None if sinks is None else sinks[row_heads]
+    )
     held = (offset >= 0) & (offset < query_lens[request]) & ~flagged[request]
     is_decode = query_lens[request] <= tokens_per_tile(group_size)
-    out = merged(decode, request, jnp.where(is_decode, offset, 0))
+    out = decode_rows[request[:, None], kv_head[None, :], row_of(jnp.where(is_decode, offset, 0))]
     if prefill is None:
         held &= is_decode
     else:
-        rows = prefill[0].shape[3]
-        per_tile = tokens_per_tile(group_size, rows)
-        tiles_per_request = prefill_tiles_per_request(query_lens, group_size, rows=rows)
+        partial_out, lse = prefill
+        per_tile = tokens_per_tile(group_size, partial_out.shape[3])
+        tiles_per_request = prefill_tiles_per_request(query_lens, group_size, rows=partial_out.shape[3])
         first_tile = jnp.cumsum(tiles_per_request) - tiles_per_request
-        tile = jnp.clip(first_tile[request] + offset // per_tile, 0, prefill[0].shape[0] - 1)
-        out = jnp.where(is_decode[:, None, None], out, merged(prefill, tile, offset % per_tile))
+        tile = jnp.clip(first_tile[request] + offset // per_tile, 0, partial_out.shape[0] - 1)
+        index = (tile[:, None], kv_head[None, :], slice(None), row_of(offset % per_tile))  # -> [T, N, 1, ...]
+        out = jnp.where(is_decode[:, None, None], out, merge_splits(partial_out[index], lse[index], sinks))
     out = jnp.where(held[:, None, None], out, jnp.nan)
     return jnp.where((token < num_actual_tokens)[:, None, None], out, 0.0)
