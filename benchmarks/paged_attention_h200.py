@@ -206,6 +206,7 @@ def decode_section(rows, *, sweep):
             full_ms = time_decode(rows, f"decode B=64 ctx={seq_len} {label}", q, kv_cache, metadata, dict(params=params), full_ms)
         fp8_cache = (kv_cache * 0.5).astype(jnp.float8_e4m3fn)
         time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV", q, fp8_cache, metadata, dict(k_scale=2.0, v_scale=2.0), None)
+        time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV, fp16 q", q.astype(jnp.float16), fp8_cache, metadata, dict(k_scale=2.0, v_scale=2.0), None)
         del fp8_cache
         if seq_len == 8192:  # peer: JAX's stock Pallas (Triton) paged decode kernel, full attention
             with warnings.catch_warnings():

@@ -194,6 +194,27 @@ def test_kernel_config_rejects_bad_values(options, message):
         KernelConfig(**options)
 
 
+@pytest.mark.parametrize("magnitude", [1e-12, 1.0, 3.0e5, 1e30])
+def test_float16_query_is_exact_and_in_range(magnitude):
+    q = (jax.random.normal(jax.random.key(0), (5, 4, 64)) * magnitude).astype(jnp.bfloat16)
+    q16, factor = mixed_batch.float16_query(q)
+    assert q16.dtype == jnp.float16
+    assert float(jnp.abs(q16.astype(jnp.float32)).max()) < 2.0**15
+    # bfloat16 values scaled by a power of two fit float16 exactly while they stay above its normal range
+    normal = jnp.abs(q16.astype(jnp.float32)) >= 2.0**-14
+    np.testing.assert_array_equal(
+        np.where(normal, q16.astype(jnp.float32) * factor, 0), np.where(normal, q.astype(jnp.float32), 0)
+    )
+
+
+def test_float16_query_passes_nonfinite_and_zero_through():
+    q = jnp.zeros((2, 1, 64), jnp.bfloat16)
+    q16, factor = mixed_batch.float16_query(q)
+    assert float(factor) == 1.0 and not q16.any()
+    q16, factor = mixed_batch.float16_query(q.at[0, 0, 3].set(jnp.nan))
+    assert float(factor) == 1.0 and bool(jnp.isnan(q16[0, 0, 3]))
+
+
 def test_cpu_default_is_the_reference():
     inputs = random_paged_inputs(0, query_lens=[2], seq_lens=[20], num_q_heads=2, num_kv_heads=1, head_dim=64,
                                  block_size=16, dtype=jnp.bfloat16)  # fmt: skip

@@ -4,7 +4,8 @@ Requests whose whole query fits one 64-row query tile (``64 // G`` tokens: decod
 speculative-verification queries) run as decode tiles, one per request with its keys split across CTAs
 (flash-decoding) and one consumer warpgroup; longer queries run as prefill tiles of ``128 // G`` tokens with two
 consumer warpgroups. The split is computed on the device, with no host round trip. A float8_e4m3fn cache's k
-scale multiplies the logits in the kernel and its v scale the merged output.
+scale multiplies the logits in the kernel and its v scale the merged output; with a bfloat16 query the kernels
+compute in float16 (`float16_query`).
 """
 
 import math
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._compat import check_interpret_threads, plgpu, resolve_interpret
-from ..layout import KVCache, KVLayout, is_kv_pair, kv_cache_dims, kv_cache_dtype
+from ..layout import FP8_DTYPE, KVCache, KVLayout, is_kv_pair, kv_cache_dims, kv_cache_dtype
 from ..metadata import AttentionMetadata
 from ..params import CAUSAL, LayerAttentionParams
 from ..validation import check_paged_attention_args, unservable_requests
@@ -73,6 +74,20 @@ def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_splits: int = 1):
     return decode, prefill
 
 
+def float16_query(q: Float[Array, "T N H"]) -> tuple[Float[Array, "T N H"], Float[Array, ""]]:
+    """q in float16 and the factor its logits must be multiplied by, for a float8 cache.
+
+    sm90 converts e4m3 to float16 in one instruction, to bfloat16 only through float32, so the kernels convert
+    each K/V step more cheaply when they compute in float16. q is first scaled by a power of two (exact) that
+    puts its largest magnitude in [2^14, 2^15): float16 holds it (up to 65504) and keeps 10 mantissa bits, more
+    than bfloat16's 7. The factor is that power's inverse. A q holding inf or NaN is not scaled, so they reach
+    the output as on the reference path."""
+    largest = jnp.max(jnp.abs(q)).astype(jnp.float32)
+    scalable = jnp.isfinite(largest) & (largest > 0)
+    exponent = jnp.where(scalable, jnp.floor(jnp.log2(jnp.where(scalable, largest, 1.0))) - 14, 0).astype(jnp.int32)
+    return jnp.ldexp(q.astype(jnp.float32), -exponent).astype(jnp.float16), jnp.ldexp(jnp.float32(1), exponent)
+
+
 def check_kernel_support(q, kv_cache, kv_layout) -> None:
     """Raise NotImplementedError naming what the kernels cannot do yet."""
     _, block_size, num_kv_heads, head_dim = kv_cache_dims(kv_cache, kv_layout)
@@ -100,6 +115,10 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     # Keys past the block table do not exist: the kernels never read past it (those requests are flagged below).
     seq_lens = jnp.minimum(metadata.seq_lens, metadata.block_tables.shape[1] * block_size)
     logit_scale = jnp.reshape(params.sm_scale * k_scale, (1,)).astype(jnp.float32)
+    q_compute = q
+    if kv_cache_dtype(kv_cache) == FP8_DTYPE and q.dtype == jnp.bfloat16:
+        q_compute, logit_factor = float16_query(q)
+        logit_scale = logit_scale * logit_factor
     unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)
     block_tables = jnp.clip(metadata.block_tables, 0, num_blocks - 1)  # never a page outside the pool
     # K and V come from one array [B, 2, ...] (passed twice, indexed on axis 1) or from the pair's two arrays
@@ -112,7 +131,7 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
             num_tokens=num_tokens, rows=config.rows,
         )  # fmt: skip
         return attention_partials(
-            query_tiles.pack_query_rows(q, tokens, heads), k_source, v_source, tiles, seq_lens, query_lens,
+            query_tiles.pack_query_rows(q_compute, tokens, heads), k_source, v_source, tiles, seq_lens, query_lens,
             block_tables, logit_scale, block_size=block_size, group_size=group_size, params=params,
             kv_layout=kv_layout, stacked=stacked, config=config, interpret=interpret,
         )  # fmt: skip
