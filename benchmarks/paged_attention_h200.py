@@ -81,12 +81,13 @@ def kernel_breakdown(fn, *args, repeats=10) -> list[tuple[str, float]]:
     return [(name, statistics.median(run[i][1] for run in runs)) for i, (name, _) in enumerate(runs[0])]
 
 
-def breakdown_text(kernels, flops) -> str:
-    """The Mosaic GPU kernels with their TFLOP/s (the attention kernel's own rate), then the rest by time."""
+def breakdown_text(kernels, rate) -> str:
+    """The Mosaic GPU kernels with `rate(ms)` of their total (the attention kernels' own rate), then the other
+    kernels: how many, their total and the largest by time."""
     mosaic = [ms for name, ms in kernels if "mosaic" in name]
     rest = sorted(((ms, name) for name, ms in kernels if "mosaic" not in name), reverse=True)
-    parts = [f"Mosaic GPU kernels {' + '.join(f'{ms:.3f}' for ms in mosaic)} ms ({flops / sum(mosaic) / 1e9:.0f} TFLOP/s)"]
-    parts.append(f"other {sum(ms for ms, _ in rest):.3f} ms: " + ", ".join(f"{name[:40]} {ms:.3f}" for ms, name in rest[:4]))
+    parts = [f"Mosaic GPU kernels {' + '.join(f'{ms:.3f}' for ms in mosaic)} ms ({rate(sum(mosaic))})"]
+    parts.append(f"{len(rest)} other kernels {sum(ms for ms, _ in rest):.3f} ms: " + ", ".join(f"{name[:40]} {ms:.3f}" for ms, name in rest[:4]))
     return "; ".join(parts)
 
 
@@ -121,8 +122,9 @@ def kernel_configs_replaced(*, decode=None, prefill=None):
         mixed_batch._paged_attention_kernels.clear_cache()
 
 
-def time_decode(rows, name, q, kv_cache, metadata, options, full_ms):
-    """One decode timing line: GB/s of the K and V blocks a query can see; returns the time."""
+def time_decode(rows, name, q, kv_cache, metadata, options, full_ms, *, breakdown=False):
+    """One decode timing line: GB/s of the K and V blocks a query can see, and with `breakdown` a line of the
+    call's kernels; returns the time."""
     num_reqs, seq_len = q.shape[0], int(metadata.seq_lens[0])
     _, first = visible_keys(1, seq_len, options.get("params", CAUSAL))
     needed = num_reqs * (seq_len - int(first[0]) // 16 * 16) * 8 * 128 * 2 * kv_cache.dtype.itemsize
@@ -137,6 +139,9 @@ def time_decode(rows, name, q, kv_cache, metadata, options, full_ms):
     gbps = needed / ms / 1e6
     speedup = f"{full_ms / ms:.1f}x vs full" if full_ms else ""
     record(rows, name, f"{ms:.3f} ms", f"{gbps:.0f} GB/s ({100 * gbps / COPY_CEILING_GBPS:.0f}%)", speedup, f"err {error:.3g}")
+    if breakdown:
+        rate = lambda ms: f"{needed / ms / 1e6:.0f} GB/s"  # noqa: E731
+        record(rows, f"  {name}: per kernel", breakdown_text(kernel_breakdown(fn, q, kv_cache, metadata), rate))
     return full_ms or ms
 
 
@@ -159,7 +164,8 @@ def time_prefill(rows, q, kv_cache, metadata, name, params, *, num_reqs, seq_len
         return flops
     record(rows, name, f"{ms:.3f} ms", f"{flops / ms / 1e9:.0f} TFLOP/s", f"err(request 0) {error:.3g}")
     if breakdown:
-        record(rows, f"  {name}: per kernel", breakdown_text(kernel_breakdown(fn, q, kv_cache, metadata), flops))
+        rate = lambda ms: f"{flops / ms / 1e9:.0f} TFLOP/s"  # noqa: E731
+        record(rows, f"  {name}: per kernel", breakdown_text(kernel_breakdown(fn, q, kv_cache, metadata), rate))
     return flops
 
 
@@ -199,11 +205,14 @@ def parity_section(rows):
 
 
 def decode_section(rows, *, sweep):
+    q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=2048, **SHAPE)  # short: launch-bound
+    time_decode(rows, "decode B=64 ctx=2048 full", q, kv_cache, metadata, {}, None, breakdown=True)
     for seq_len in [8192, 32768]:
         q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=seq_len, **SHAPE)
         full_ms = None
         for label, params in MASKS:
-            full_ms = time_decode(rows, f"decode B=64 ctx={seq_len} {label}", q, kv_cache, metadata, dict(params=params), full_ms)
+            full_ms = time_decode(rows, f"decode B=64 ctx={seq_len} {label}", q, kv_cache, metadata, dict(params=params), full_ms,
+                                  breakdown=seq_len == 32768 and label != "full")  # fmt: skip
         fp8_cache = (kv_cache * 0.5).astype(jnp.float8_e4m3fn)
         time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV", q, fp8_cache, metadata, dict(k_scale=2.0, v_scale=2.0), None)
         time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV, fp16 q", q.astype(jnp.float16), fp8_cache, metadata, dict(k_scale=2.0, v_scale=2.0), None)

@@ -187,6 +187,7 @@ def test_unsupported_combinations_raise(change, message):
         (dict(consumer_registers=236), "consumer_registers=236"),
         (dict(producer_registers=16), "producer_registers=16"),
         (dict(num_consumers=2, consumer_registers=232, producer_registers=48), "3 x 168 registers"),
+        (dict(profile_ranges=64), "profile_ranges=64 needs a profile_dir"),
     ],
 )
 def test_kernel_config_rejects_bad_values(options, message):

@@ -20,7 +20,9 @@ class KernelConfig:
     wgmma runs instead of at the start of that step. With two consumers the registers per thread are split
     `consumer_registers` / `producer_registers` (``setmaxnreg``: multiples of 8 in [24, 256], together at most the
     registers the CTA launched with: `setmaxnreg` only moves registers between its warpgroups, and a consumer's
-    increase waits forever for registers nobody released)."""
+    increase waits forever for registers nobody released). With `profile_ranges` > 0, Mosaic GPU's on-device
+    profiler records up to that many named phases per warpgroup and writes a Perfetto trace into `profile_dir`
+    (a diagnostic: it slows the kernel)."""
 
     block_kv: int = 128
     num_stages: int = 2
@@ -30,6 +32,8 @@ class KernelConfig:
     early_k_wait: bool = False
     consumer_registers: int = 232
     producer_registers: int = 40
+    profile_ranges: int = 0
+    profile_dir: str = ""
 
     def __post_init__(self):
         if self.block_kv % 64 or self.block_kv <= 0:
@@ -42,6 +46,8 @@ class KernelConfig:
             count = getattr(self, name)
             if count % 8 or not 24 <= count <= 256:
                 raise ValueError(f"{name}={count} must be a multiple of 8 in [24, 256]")
+        if (self.profile_ranges > 0) != bool(self.profile_dir):
+            raise ValueError(f"profile_ranges={self.profile_ranges} needs a profile_dir and the reverse")
         used = self.num_consumers * self.consumer_registers + self.producer_registers
         if self.num_consumers > 1 and used > (self.num_consumers + 1) * self.launch_registers:
             raise ValueError(

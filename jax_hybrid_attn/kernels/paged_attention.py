@@ -134,10 +134,14 @@ def _paged_attention_kernel(
         def _(step):
             slot = lax.rem(step - my_lo, num_stages)
             pages = load_pages(step)
-            plgpu.barrier_wait(k_consumed.at[slot])
-            issue(step, pages, k_ring, k_loaded, 0)
-            plgpu.barrier_wait(v_consumed.at[slot])
-            issue(step, pages, v_ring, v_loaded, 1)
+            with jax.named_scope("wait K slot"):
+                plgpu.barrier_wait(k_consumed.at[slot])
+            with jax.named_scope("issue K"):
+                issue(step, pages, k_ring, k_loaded, 0)
+            with jax.named_scope("wait V slot"):
+                plgpu.barrier_wait(v_consumed.at[slot])
+            with jax.named_scope("issue V"):
+                issue(step, pages, v_ring, v_loaded, 1)
 
         # The last steps' consumption, which no later load waited for: every phase of a barrier the producer
         # waits on is observed before the barriers are released (interpret mode checks it)
@@ -238,30 +242,39 @@ def _paged_attention_kernel(
         def step_body(step, carry, *, masked):
             acc, m_i, l_i = carry
             slot = lax.rem(step - my_lo, num_stages)
-            k = key_operand(step, slot, waited=config.early_k_wait)
+            # The named scopes are the phases of `benchmarks/kernel_timeline.py` (Mosaic GPU's on-device profiler);
+            # without `KernelConfig.profile_ranges` they emit nothing.
+            with jax.named_scope("wait K"):
+                k = key_operand(step, slot, waited=config.early_k_wait)
 
             def compute_qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
-                if schedule is not None:
-                    take_turn(schedule)
-                return acc_ref[...]
+                with jax.named_scope("QK issue, turn"):
+                    plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
+                    if schedule is not None:
+                        take_turn(schedule)
+                with jax.named_scope("QK wait"):
+                    return acc_ref[...]
 
             scores = pl.run_scoped(compute_qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
             if not converts:
                 plgpu.barrier_arrive(k_consumed.at[slot])
-            p, m_new, l_i, alpha = online_softmax(step, scores, m_i, l_i, masked=masked)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            with jax.named_scope("softmax"):
+                p, m_new, l_i, alpha = online_softmax(step, scores, m_i, l_i, masked=masked)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             if schedule is not None:
                 plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(v_loaded.at[slot])
-            v = prepare_v(step, slot, masked=masked)
+            with jax.named_scope("wait V"):
+                plgpu.barrier_wait(v_loaded.at[slot])
+                v = prepare_v(step, slot, masked=masked)
             if schedule is not None:
-                plgpu.barrier_wait(schedule)
+                with jax.named_scope("wait turn"):
+                    plgpu.barrier_wait(schedule)
 
             def wait_for_next_keys():
                 pl.when(step + 1 < my_hi)(partial(wait_for_keys, step + 1))
 
-            acc = accumulate_pv(acc, p, v, while_running=wait_for_next_keys if config.early_k_wait else None)
+            with jax.named_scope("PV"):
+                acc = accumulate_pv(acc, p, v, while_running=wait_for_next_keys if config.early_k_wait else None)
             if not converts:
                 plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, l_i
@@ -406,7 +419,12 @@ def attention_partials(
         grid_names=("tile", "kv_head", "split"),
         num_threads=config.num_consumers + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            profile_space=config.profile_ranges,
+            profile_dir=config.profile_dir,
+            profile_bounds_check=config.profile_ranges > 0,
+        ),
         interpret=interpret,
     )(
         tiles.request,
