@@ -11,7 +11,6 @@ about registers, spills and wgmma serialization. A variant sets integer fields o
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import re
 import sys
@@ -23,26 +22,18 @@ import jax
 import jax.numpy as jnp
 
 from jax_hybrid_attn import paged_attention
-from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.testing import random_paged_inputs
+from kernel_variants import configs_changed, parse_variant
 
 INTERESTING = re.compile(r"registers|spill|serializ|warning|entry function", re.IGNORECASE)
 DEFAULT_VARIANTS = ("early_k_wait=1", "consumer_registers=224,producer_registers=56")
 
 
 def compile_prefill(**options) -> None:
-    original = mixed_batch.kernel_configs
-    mixed_batch.kernel_configs = lambda *a, **k: tuple(
-        dataclasses.replace(c, **options) for c in original(*a, **k)
-    )
-    jax.clear_caches()  # the same shapes would otherwise reuse the last configuration's executable
-    mixed_batch._paged_attention_kernels.clear_cache()
-    try:
+    with configs_changed(decode=options, prefill=options):
         inputs = random_paged_inputs(0, query_lens=[300], seq_lens=[300], num_q_heads=32, num_kv_heads=8,
                                      head_dim=128, block_size=16, dtype=jnp.bfloat16)  # fmt: skip
         jax.block_until_ready(paged_attention(inputs.q, inputs.kv_cache, inputs.metadata))
-    finally:
-        mixed_batch.kernel_configs = original
 
 
 @contextlib.contextmanager
@@ -75,8 +66,7 @@ def main():
         "--variant", action="append", help="comma-separated FIELD=INT settings of KernelConfig (repeatable)"
     )
     args = parser.parse_args()
-    variants = [dict(setting.split("=") for setting in v.split(",")) for v in args.variant or DEFAULT_VARIANTS]
-    for options in [{}] + [{name: int(value) for name, value in v.items()} for v in variants]:
+    for options in [{}] + [parse_variant(v) for v in args.variant or DEFAULT_VARIANTS]:
         print(f"== {options or 'default'}", flush=True)
         with captured_fds() as output:
             compile_prefill(**options)

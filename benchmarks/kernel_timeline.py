@@ -14,7 +14,6 @@ profiler adds a few cycles per range, so the shares, not the absolute times, are
 
 import argparse
 import collections
-import dataclasses
 import glob
 import json
 import os
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybrid_attn import make_attention_metadata, paged_attention
-from jax_hybrid_attn.kernels import mixed_batch
+from kernel_variants import configs_changed, parse_variant
 
 ROLES = ("consumer 0", "consumer 1", "producer")  # warpgroups of a two-consumer CTA, in order
 
@@ -54,15 +53,7 @@ def phase_shares(trace: dict, roles=ROLES) -> dict[str, dict[str, float]]:
 def profiled_prefill(num_tokens: int, profile_dir: str, **options) -> dict:
     """One causal prefill of `num_tokens` (32 query / 8 KV heads, head_dim 128, block 16, bf16) with the prefill
     kernel profiled; returns the trace it wrote."""
-    original = mixed_batch.kernel_configs
-
-    def profiled(*args, **kwargs):
-        decode, prefill = original(*args, **kwargs)
-        return decode, dataclasses.replace(prefill, profile_ranges=512, profile_dir=profile_dir, **options)
-
-    mixed_batch.kernel_configs = profiled
-    mixed_batch._paged_attention_kernels.clear_cache()
-    try:
+    with configs_changed(prefill=dict(profile_ranges=512, profile_dir=profile_dir, **options)):
         block_size, num_blocks = 16, num_tokens // 16
         key_cache, key_q = jax.random.split(jax.random.key(0))
         kv_cache = jax.random.normal(key_cache, (num_blocks + 1, 2, block_size, 8, 128), jnp.bfloat16)
@@ -71,9 +62,6 @@ def profiled_prefill(num_tokens: int, profile_dir: str, **options) -> dict:
         q = jax.random.normal(key_q, (num_tokens, 32, 128), jnp.bfloat16)
         jax.block_until_ready(paged_attention(q, kv_cache, metadata))
         jax.effects_barrier()  # the profiler writes its trace from a host callback
-    finally:
-        mixed_batch.kernel_configs = original
-        mixed_batch._paged_attention_kernels.clear_cache()
     traces = sorted(glob.glob(os.path.join(profile_dir, "*-trace.json")))
     if not traces:
         raise RuntimeError(f"the profiler wrote no trace into {profile_dir}")
@@ -86,8 +74,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=2048, help="query tokens of the one request (multiple of 16)")
     parser.add_argument("--variant", action="append", help="comma-separated FIELD=INT settings of KernelConfig")
     args = parser.parse_args()
-    variants = [dict(setting.split("=") for setting in v.split(",")) for v in args.variant or []]
-    for options in [{}] + [{name: int(value) for name, value in v.items()} for v in variants]:
+    for options in [{}] + [parse_variant(v) for v in args.variant or []]:
         with tempfile.TemporaryDirectory() as profile_dir:
             shares = phase_shares(profiled_prefill(args.tokens, profile_dir, **options))
         print(f"== {options or 'default'}: share of each warpgroup's time, summed over CTAs", flush=True)

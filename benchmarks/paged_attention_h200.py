@@ -9,7 +9,6 @@ in TFLOP/s of the visible (query, key) pairs. Peers run side by side in the same
 """
 
 import argparse
-import contextlib
 import statistics
 import time
 import traceback
@@ -22,10 +21,10 @@ import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
 from jax_hybrid_attn import CAUSAL, LayerAttentionParams, make_attention_metadata, paged_attention, reference
-from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.kernels.config import KernelConfig
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
+from kernel_variants import configs_changed
 
 COPY_CEILING_GBPS = 4280.0
 MIXED = ([1, 1, 3, 300, 17], [1, 2049, 513, 1000, 17])  # decodes, a verification query, prefills with context
@@ -102,24 +101,6 @@ def record(rows, *fields):
     """Print one result line now (a long run reports as it goes) and keep it for the summary."""
     print(" | ".join(fields), flush=True)
     rows.append(("time", *fields))
-
-
-@contextlib.contextmanager
-def kernel_configs_replaced(*, decode=None, prefill=None):
-    """Time a kernel configuration other than the default (the sweeps behind `default_config`)."""
-    original = mixed_batch.kernel_configs
-
-    def replaced(*args, **kwargs):
-        default_decode, default_prefill = original(*args, **kwargs)
-        return decode or default_decode, prefill or default_prefill
-
-    mixed_batch.kernel_configs = replaced
-    mixed_batch._paged_attention_kernels.clear_cache()
-    try:
-        yield
-    finally:
-        mixed_batch.kernel_configs = original
-        mixed_batch._paged_attention_kernels.clear_cache()
 
 
 def time_decode(rows, name, q, kv_cache, metadata, options, full_ms, *, breakdown=False):
@@ -232,7 +213,7 @@ def decode_section(rows, *, sweep):
             window = dict(params=LayerAttentionParams(sliding_window=1024))
             for splits, block_kv, stages in [(1, 128, 2), (2, 128, 2), (4, 128, 2), (2, 64, 3), (4, 64, 3), (8, 64, 3)]:
                 config = KernelConfig(block_kv=block_kv, num_stages=stages, num_splits=splits)
-                with kernel_configs_replaced(decode=config):
+                with configs_changed(decode=config):
                     time_decode(rows, f"sweep decode ctx={seq_len} window 1024 splits={splits} block_kv={block_kv} stages={stages}", q, kv_cache, metadata, window, None)
         del q, kv_cache
 
@@ -290,7 +271,7 @@ def prefill_section(rows, *, sweep):
     for options in prefill_sweep if sweep else []:
         config = KernelConfig(num_consumers=2, **options)
         label = " ".join(f"{name}={value}" for name, value in options.items())
-        with kernel_configs_replaced(prefill=config):
+        with configs_changed(prefill=config):
             prefill(f"sweep prefill 8x4096 full {label}", CAUSAL)
 
 
