@@ -188,6 +188,9 @@ def parity_section(rows):
 def decode_section(rows, *, sweep):
     q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=2048, **SHAPE)  # short: launch-bound
     time_decode(rows, "decode B=64 ctx=2048 full", q, kv_cache, metadata, {}, None, breakdown=True)
+    if sweep:
+        with configs_changed(decode=dict(persistent_ctas=jax.devices()[0].core_count)):
+            time_decode(rows, "sweep decode B=64 ctx=2048 full persistent", q, kv_cache, metadata, {}, None)
     for seq_len in [8192, 32768]:
         q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=seq_len, **SHAPE)
         full_ms = None
@@ -215,6 +218,8 @@ def decode_section(rows, *, sweep):
                 config = KernelConfig(block_kv=block_kv, num_stages=stages, num_splits=splits)
                 with configs_changed(decode=config):
                     time_decode(rows, f"sweep decode ctx={seq_len} window 1024 splits={splits} block_kv={block_kv} stages={stages}", q, kv_cache, metadata, window, None)
+            with configs_changed(decode=dict(persistent_ctas=jax.devices()[0].core_count)):
+                time_decode(rows, f"sweep decode ctx={seq_len} window 1024 persistent", q, kv_cache, metadata, window, None)
         del q, kv_cache
 
 
@@ -267,6 +272,7 @@ def prefill_section(rows, *, sweep):
         dict(block_kv=64, num_stages=4),
         dict(early_k_wait=True),
         dict(consumer_registers=224, producer_registers=56),  # ptxas spills ~80 bytes with 232 / 40
+        dict(persistent_ctas=jax.devices()[0].core_count),  # one CTA per SM, looping over the tiles
     ]
     for options in prefill_sweep if sweep else []:
         config = KernelConfig(num_consumers=2, **options)

@@ -91,14 +91,22 @@ def early_k_wait(monkeypatch):
     with_kernel_options(monkeypatch, early_k_wait=True)
 
 
+@pytest.fixture
+def persistent(monkeypatch):
+    """Three CTAs, each looping over several work items through one ring (its slots and barrier phases carry on
+    from one item to the next)."""
+    with_kernel_options(monkeypatch, persistent_ctas=3)
+
+
 @pytest.mark.parametrize(
-    ("kv_fp8", "options"), [(False, None), (True, None), (True, "early_k_wait")]
+    ("kv_fp8", "options"),
+    [(False, None), (True, None), (True, "early_k_wait"), (False, "persistent"), (True, "persistent")],
 )
 def test_no_races_detected(kv_fp8, options, request):
     """A decode tile (producer + one consumer) and prefill tiles (producer + two consumers), edge steps
     with V rows zeroed by consumer 0 for both (bf16) or in each consumer's staging buffer (fp8). The last
     request's keys (107..149) span two key steps of 128, both edge steps: consumer 0 zeroes two slots in a row.
-    Also with the early K wait."""
+    Also with the early K wait and with persistent CTAs."""
     if options is not None:
         request.getfixturevalue(options)
     case = dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
@@ -153,9 +161,12 @@ def test_blocks_larger_than_a_kernel_step(kv_pair):
     ],
     ids=["window-sinks-scale", "chunk-softcap-fp8-pair", "non-causal"],
 )  # fmt: skip
-def test_early_k_wait_matches_reference(case, early_k_wait):
-    """The first step's K awaited before the loops, each later one under the PV before it. Masked edge steps at
-    both ends, a prefill over more key steps than ring slots."""
+@pytest.mark.parametrize("variant", ["early_k_wait", "persistent"])
+def test_loop_variants_match_reference(case, variant, request):
+    """Early K wait: the first step's K awaited before the loops, each later one under the PV before it.
+    Persistent: three CTAs looping over the work items. Masked edge steps at both ends, a prefill over more key
+    steps than ring slots."""
+    request.getfixturevalue(variant)
     out, expected = run_case(case, seed=11)
     assert np.isfinite(out).all(), "a NaN-filled block was read"
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])

@@ -20,7 +20,10 @@ class KernelConfig:
     wgmma runs instead of at the start of that step. With two consumers the registers per thread are split
     `consumer_registers` / `producer_registers` (``setmaxnreg``: multiples of 8 in [24, 256], together at most the
     registers the CTA launched with: `setmaxnreg` only moves registers between its warpgroups, and a consumer's
-    increase waits forever for registers nobody released). With `profile_ranges` > 0, Mosaic GPU's on-device
+    increase waits forever for registers nobody released). With `persistent_ctas` > 0 the launch has that many
+    CTAs (at most one per work item), each looping over the work items ``program + i * persistent_ctas`` (in
+    (tile, KV head, split) order, tile fastest), its producer streaming the next item's keys while the consumers
+    finish the last one. With `profile_ranges` > 0, Mosaic GPU's on-device
     profiler records up to that many named phases per warpgroup and writes a Perfetto trace into `profile_dir`
     (a diagnostic: it slows the kernel)."""
 
@@ -32,6 +35,7 @@ class KernelConfig:
     early_k_wait: bool = False
     consumer_registers: int = 232
     producer_registers: int = 40
+    persistent_ctas: int = 0
     profile_ranges: int = 0
     profile_dir: str = ""
 
@@ -46,6 +50,8 @@ class KernelConfig:
             count = getattr(self, name)
             if count % 8 or not 24 <= count <= 256:
                 raise ValueError(f"{name}={count} must be a multiple of 8 in [24, 256]")
+        if self.persistent_ctas < 0:
+            raise ValueError(f"persistent_ctas={self.persistent_ctas} must be >= 0 (0: one CTA per work item)")
         if (self.profile_ranges > 0) != bool(self.profile_dir):
             raise ValueError(f"profile_ranges={self.profile_ranges} needs a profile_dir and the reverse")
         used = self.num_consumers * self.consumer_registers + self.producer_registers

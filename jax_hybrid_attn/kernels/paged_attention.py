@@ -1,11 +1,12 @@
 """Paged attention over query tiles in Pallas Mosaic GPU: a producer warpgroup and one or two consumers.
 
 A query tile holds ``64 * num_consumers`` wgmma rows; each consumer warpgroup owns 64 of them, the G query
-heads of one KV head for ``64 // G`` consecutive tokens (row ``j * G + g``). One CTA per (tile, KV head,
-split). The producer warpgroup streams the blocks between the first key any query of the tile may see and
-the last (window, chunk or sequence end) by TMA through the block table, ``block_kv // S`` blocks per step
-(``block_kv`` rows of one block when S is a multiple of ``block_kv``), into a ring of `num_stages` slots that
-the consumers release through "consumed" barriers. Decode tiles use one consumer and split the keys across
+heads of one KV head for ``64 // G`` consecutive tokens (row ``j * G + g``). One CTA per work item (tile, KV
+head, split), or with `KernelConfig.persistent_ctas` a fixed number of CTAs that loop over the work items, their
+ring positions carrying on from one item to the next. The producer warpgroup streams the blocks between the
+first key any query of the tile may see and the last (window, chunk or sequence end) by TMA through the block
+table, ``block_kv // S`` blocks per step (``block_kv`` rows of one block when S is a multiple of ``block_kv``),
+into a ring of `num_stages` slots that the consumers release through "consumed" barriers. Decode tiles use one consumer and split the keys across
 CTAs (flash-decoding); prefill tiles use two consumers that share every K/V step and take turns on the tensor
 cores (a schedule barrier, as FlashAttention-3 does).
 
@@ -48,6 +49,11 @@ def smem_transforms(head_dim: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def persistent_programs(config, num_work_items: int) -> int:
+    """CTAs of a persistent launch (each loops over work items), or 0 for one CTA per work item."""
+    return min(config.persistent_ctas, num_work_items)
+
+
 def take_turn(schedule) -> None:
     """Two consumer warpgroups alternate on the tensor cores: each arrival lets the other one go."""
     plgpu.barrier_arrive(schedule)
@@ -59,15 +65,13 @@ def _paged_attention_kernel(
     logit_scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
     *, block_size, group_size, params, kv_layout, stacked, config, p_in_registers,
 ):  # fmt: skip
-    """One CTA: the producer and consumer warpgroups of one (query tile, KV head, split).
+    """One CTA: the producer and consumer warpgroups of one (query tile, KV head, split), or of several in turn.
 
     Long on purpose: it is one Pallas kernel body. Its nested functions (producer, consumer, their steps) close
     over the refs, the tile's key range and the static configuration, which every one of them reads; as
     module-level functions each would take a dozen of these as arguments, and the barrier protocol between
     them (ring slots, "loaded"/"consumed", the consumers' turns) is easiest to check when it sits in one place.
     """
-    tile, kv_head, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
-    request = tile_request_ref[tile]
     head_dim = q_ref.shape[-1]
     dtype = q_ref.dtype
     converts = k_ref.dtype != dtype  # float8 cache: consumers convert each step into staging buffers
@@ -77,262 +81,284 @@ def _paged_attention_kernel(
     rows_per_page = min(block_size, block_kv)
     tokens_per_consumer = ROWS // group_size
     logits_soft_cap = params.logits_soft_cap
+    num_tiles, num_kv_heads = q_ref.shape[0], q_ref.shape[1]
+    num_work_items = num_tiles * num_kv_heads * config.num_splits
+    num_programs = persistent_programs(config, num_work_items)
 
-    seq_len = seq_lens_ref[request]
-    tile_len = tile_query_len_ref[tile]
-    first_q_pos = seq_len - query_lens_ref[request] + tile_query_start_ref[tile]
-    # Keys some query of the tile sees: [key_lo, key_hi]. The CTA streams the steps holding them.
-    key_lo, _ = allowed_key_range(first_q_pos, seq_len, params=params)
-    _, key_hi = allowed_key_range(first_q_pos + tile_len - 1, seq_len, params=params)
-    block_lo, block_hi = key_lo // block_size, key_hi // block_size
-    step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
-    steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
-    my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
-    my_hi = jnp.where(tile_len > 0, jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
+    def work_item(tile, kv_head, split, ring_base):
+        """The producer and consumer of one (query tile, KV head, split), whose first step goes to ring position
+        `ring_base` (the steps this CTA streamed before it); both read the same ring slots in the same order."""
+        request = tile_request_ref[tile]
+        seq_len = seq_lens_ref[request]
+        tile_len = tile_query_len_ref[tile]
+        first_q_pos = seq_len - query_lens_ref[request] + tile_query_start_ref[tile]
+        # Keys some query of the tile sees: [key_lo, key_hi]. The CTA streams the steps holding them.
+        key_lo, _ = allowed_key_range(first_q_pos, seq_len, params=params)
+        _, key_hi = allowed_key_range(first_q_pos + tile_len - 1, seq_len, params=params)
+        block_lo, block_hi = key_lo // block_size, key_hi // block_size
+        step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
+        steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
+        my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
+        my_hi = jnp.where(tile_len > 0, jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
 
-    def holds_foreign_keys(step):
-        """Whether the step holds keys outside [key_lo, key_hi], whose V rows must be zeroed."""
-        return (step * block_kv < key_lo) | ((step + 1) * block_kv - 1 > key_hi)
+        def ring_slot(step):
+            return lax.rem(ring_base + step - my_lo, num_stages)
 
-    def kv_source(page, kv, rows):
-        """Rows `rows` of block `page` of K (kv = 0) or V (kv = 1), this KV head: [rows, H]."""
-        block = (page, kv) if stacked else (page,)  # stacked: one array [B, 2, ...] holds both
-        heads = (rows, kv_head, slice(None)) if kv_layout == "NHD" else (kv_head, rows)
-        return (v_ref if kv else k_ref).at[block + heads]
+        def holds_foreign_keys(step):
+            """Whether the step holds keys outside [key_lo, key_hi], whose V rows must be zeroed."""
+            return (step * block_kv < key_lo) | ((step + 1) * block_kv - 1 > key_hi)
 
-    def zero_foreign_rows(v, first_key):
-        """`v` holds keys from `first_key` on; rows outside [key_lo, key_hi] become 0."""
-        keys = lax.broadcasted_iota(jnp.int32, v.shape, 0) + first_key
-        return jnp.where((keys >= key_lo) & (keys <= key_hi), v, jnp.zeros_like(v))
+        def kv_source(page, kv, rows):
+            """Rows `rows` of block `page` of K (kv = 0) or V (kv = 1), this KV head: [rows, H]."""
+            block = (page, kv) if stacked else (page,)  # stacked: one array [B, 2, ...] holds both
+            heads = (rows, kv_head, slice(None)) if kv_layout == "NHD" else (kv_head, rows)
+            return (v_ref if kv else k_ref).at[block + heads]
 
-    def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed):
-        def load_pages(step):
-            """The step's pages, read from the block table together (their latencies overlap) and used for K and V."""
-            blocks = [
-                jnp.clip((step * block_kv + p * rows_per_page) // block_size, block_lo, block_hi)
-                for p in range(pages_per_step)
-            ]
-            return [block_tables_ref[request, block] for block in blocks]
+        def zero_foreign_rows(v, first_key):
+            """`v` holds keys from `first_key` on; rows outside [key_lo, key_hi] become 0."""
+            keys = lax.broadcasted_iota(jnp.int32, v.shape, 0) + first_key
+            return jnp.where((keys >= key_lo) & (keys <= key_hi), v, jnp.zeros_like(v))
 
-        def issue(step, pages, ring, loaded, kv):
-            slot = lax.rem(step - my_lo, num_stages)
-            # The step's rows within its page when one page spans several steps; else whole pages
-            rows = pl.ds(lax.rem(step * block_kv, block_size), block_kv) if block_size > block_kv else slice(None)
-            for p, page in enumerate(pages):
-                ring_rows = pl.ds(p * rows_per_page, rows_per_page)
-                plgpu.copy_gmem_to_smem(kv_source(page, kv, rows), ring.at[slot, ring_rows], loaded.at[slot])
+        def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed):
+            def load_pages(step):
+                """The step's pages, read from the block table together (their latencies overlap) and used for K and V."""
+                blocks = [
+                    jnp.clip((step * block_kv + p * rows_per_page) // block_size, block_lo, block_hi)
+                    for p in range(pages_per_step)
+                ]
+                return [block_tables_ref[request, block] for block in blocks]
 
-        def fill(step):  # a free slot: no consumer to wait for
-            pages = load_pages(step)
-            issue(step, pages, k_ring, k_loaded, 0)
-            issue(step, pages, v_ring, v_loaded, 1)
+            def issue(step, pages, ring, loaded, kv):
+                slot = ring_slot(step)
+                # The step's rows within its page when one page spans several steps; else whole pages
+                rows = pl.ds(lax.rem(step * block_kv, block_size), block_kv) if block_size > block_kv else slice(None)
+                for p, page in enumerate(pages):
+                    ring_rows = pl.ds(p * rows_per_page, rows_per_page)
+                    plgpu.copy_gmem_to_smem(kv_source(page, kv, rows), ring.at[slot, ring_rows], loaded.at[slot])
 
-        for i in range(num_stages):
-            pl.when(my_lo + i < my_hi)(partial(fill, my_lo + i))
+            @pl.loop(my_lo, my_hi)
+            def _(step):
+                slot = ring_slot(step)
+                reused = ring_base + step - my_lo >= num_stages  # the slot held an earlier step: wait until consumed
+                pages = load_pages(step)
+                with jax.named_scope("wait K slot"):
+                    pl.when(reused)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+                with jax.named_scope("issue K"):
+                    issue(step, pages, k_ring, k_loaded, 0)
+                with jax.named_scope("wait V slot"):
+                    pl.when(reused)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+                with jax.named_scope("issue V"):
+                    issue(step, pages, v_ring, v_loaded, 1)
 
-        @pl.loop(my_lo + num_stages, my_hi)
-        def _(step):
-            slot = lax.rem(step - my_lo, num_stages)
-            pages = load_pages(step)
-            with jax.named_scope("wait K slot"):
-                plgpu.barrier_wait(k_consumed.at[slot])
-            with jax.named_scope("issue K"):
-                issue(step, pages, k_ring, k_loaded, 0)
-            with jax.named_scope("wait V slot"):
-                plgpu.barrier_wait(v_consumed.at[slot])
-            with jax.named_scope("issue V"):
-                issue(step, pages, v_ring, v_loaded, 1)
+        def consumer(wg, q_smem, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, extras):
+            """Online softmax of consumer `wg`'s 64 query rows over the CTA's key steps: masked edge steps, unmasked
+            inner steps, masked edge steps. Long for the reason the kernel is: its helpers share its registers'
+            layouts and the ring's barriers."""
+            k_staging, v_staging, p_smem, v_zeroed, schedule = extras
+            my_first_q_pos = first_q_pos + wg * tokens_per_consumer
+            my_len = jnp.clip(tile_len - wg * tokens_per_consumer, 0, tokens_per_consumer)
+            # Steps whose keys every query of this consumer sees need no mask.
+            all_lo, _ = allowed_key_range(my_first_q_pos + my_len - 1, seq_len, params=params)
+            _, all_hi = allowed_key_range(my_first_q_pos, seq_len, params=params)
+            inner_lo = jnp.where(my_len > 0, jnp.clip(pl.cdiv(all_lo, block_kv), my_lo, my_hi), my_hi)
+            inner_hi = jnp.clip((jnp.minimum(all_hi, seq_len - 1) + 1) // block_kv, inner_lo, my_hi)
+            # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
+            logit_scale = logit_scale_ref[0] if logits_soft_cap is not None else logit_scale_ref[0] * LOG2E
 
-        # The last steps' consumption, which no later load waited for: every phase of a barrier the producer
-        # waits on is observed before the barriers are released (interpret mode checks it)
-        @pl.loop(jnp.maximum(my_lo, my_hi - num_stages), my_hi)
-        def _(step):
-            slot = lax.rem(step - my_lo, num_stages)
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
+            def stage(slot_ref, staging, step, *, zero):
+                """Convert a float8 step into q's dtype (zeroing foreign V rows) in this consumer's buffer,
+                64 rows at a time to bound registers. sm90 converts e4m3 only to f16: bf16 goes through f32."""
+                for first_row in range(0, block_kv, ROWS):
+                    rows = pl.ds(first_row, ROWS)
+                    x = slot_ref[rows]
+                    x = x.astype(dtype) if dtype == jnp.float16 else x.astype(jnp.float32).astype(dtype)
+                    if zero:  # on steps without foreign keys every row is kept
+                        x = zero_foreign_rows(x, step * block_kv + first_row)
+                    staging[rows] = x
+                plgpu.commit_smem()
+                return staging
 
-    def consumer(wg, q_smem, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, extras):
-        """Online softmax of consumer `wg`'s 64 query rows over the CTA's key steps: masked edge steps, unmasked
-        inner steps, masked edge steps. Long for the reason the kernel is: its helpers share its registers'
-        layouts and the ring's barriers."""
-        k_staging, v_staging, p_smem, v_zeroed, schedule = extras
-        my_first_q_pos = first_q_pos + wg * tokens_per_consumer
-        my_len = jnp.clip(tile_len - wg * tokens_per_consumer, 0, tokens_per_consumer)
-        # Steps whose keys every query of this consumer sees need no mask.
-        all_lo, _ = allowed_key_range(my_first_q_pos + my_len - 1, seq_len, params=params)
-        _, all_hi = allowed_key_range(my_first_q_pos, seq_len, params=params)
-        inner_lo = jnp.where(my_len > 0, jnp.clip(pl.cdiv(all_lo, block_kv), my_lo, my_hi), my_hi)
-        inner_hi = jnp.clip((jnp.minimum(all_hi, seq_len - 1) + 1) // block_kv, inner_lo, my_hi)
-        # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
-        logit_scale = logit_scale_ref[0] if logits_soft_cap is not None else logit_scale_ref[0] * LOG2E
+            def prepare_v(step, slot, *, masked):
+                """The V operand of this step, foreign rows zeroed on edge steps."""
+                if converts:
+                    v = stage(v_ring.at[slot], v_staging, step, zero=masked)
+                    plgpu.barrier_arrive(v_consumed.at[slot])
+                    return v
+                if masked:
+                    if num_consumers == 1:
 
-        def stage(ring_slot, staging, step, *, zero):
-            """Convert a float8 step into q's dtype (zeroing foreign V rows) in this consumer's buffer,
-            64 rows at a time to bound registers. sm90 converts e4m3 only to f16: bf16 goes through f32."""
-            for first_row in range(0, block_kv, ROWS):
-                rows = pl.ds(first_row, ROWS)
-                x = ring_slot[rows]
-                x = x.astype(dtype) if dtype == jnp.float16 else x.astype(jnp.float32).astype(dtype)
-                if zero:  # on steps without foreign keys every row is kept
-                    x = zero_foreign_rows(x, step * block_kv + first_row)
-                staging[rows] = x
-            plgpu.commit_smem()
-            return staging
+                        @pl.when(holds_foreign_keys(step))
+                        def _():
+                            v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
+                            plgpu.commit_smem()
 
-        def prepare_v(step, slot, *, masked):
-            """The V operand of this step, foreign rows zeroed on edge steps."""
-            if converts:
-                v = stage(v_ring.at[slot], v_staging, step, zero=masked)
-                plgpu.barrier_arrive(v_consumed.at[slot])
-                return v
-            if masked:
-                if num_consumers == 1:
+                    else:
 
-                    @pl.when(holds_foreign_keys(step))
-                    def _():
-                        v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
-                        plgpu.commit_smem()
+                        @pl.when(holds_foreign_keys(step) & (wg == 0))
+                        def _():
+                            v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
+                            plgpu.commit_smem()
+                            plgpu.barrier_arrive(v_zeroed.at[slot])
 
-                else:
+                        @pl.when(holds_foreign_keys(step) & (wg == 1))
+                        def _():
+                            plgpu.barrier_wait(v_zeroed.at[slot])
 
-                    @pl.when(holds_foreign_keys(step) & (wg == 0))
-                    def _():
-                        v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(v_zeroed.at[slot])
+                return v_ring.at[slot]
 
-                    @pl.when(holds_foreign_keys(step) & (wg == 1))
-                    def _():
-                        plgpu.barrier_wait(v_zeroed.at[slot])
+            def wait_for_keys(step):
+                plgpu.barrier_wait(k_loaded.at[ring_slot(step)])
 
-            return v_ring.at[slot]
-
-        def wait_for_keys(step):
-            plgpu.barrier_wait(k_loaded.at[lax.rem(step - my_lo, num_stages)])
-
-        def key_operand(step, slot, *, waited=False):
-            """The K operand of this step (converted into staging for a float8 cache, which frees the slot)."""
-            if not waited:
-                wait_for_keys(step)
-            if not converts:
-                return k_ring.at[slot]
-            k = stage(k_ring.at[slot], k_staging, step, zero=False)
-            plgpu.barrier_arrive(k_consumed.at[slot])
-            return k
-
-        def online_softmax(step, scores, m_i, l_i, *, masked):
-            """The step's raw scores -> base-2 logits (scaled, soft-capped, masked on edge steps) -> p in q's dtype,
-            the new row maxima and sums, and the factor alpha that rescales what was accumulated before."""
-            logits = scores * logit_scale
-            if logits_soft_cap is not None:
-                logits = (logits_soft_cap * LOG2E) * jnp.tanh(logits / logits_soft_cap)
-            if masked:  # positions built here, not before the loops, where they would hold registers throughout
-                rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
-                cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                q_pos = my_first_q_pos + rows // group_size
-                k_pos = step * block_kv + cols
-                logits = jnp.where(
-                    attention_mask(q_pos, k_pos, seq_len, params=params), logits, MASKED_LOGIT
-                )
-            m_new = jnp.maximum(m_i, logits.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-            return p.astype(dtype), m_new, l_i * alpha + p.sum(axis=1), alpha
-
-        def step_body(step, carry, *, masked):
-            acc, m_i, l_i = carry
-            slot = lax.rem(step - my_lo, num_stages)
-            # The named scopes are the phases of `benchmarks/kernel_timeline.py` (Mosaic GPU's on-device profiler);
-            # without `KernelConfig.profile_ranges` they emit nothing.
-            with jax.named_scope("wait K"):
-                k = key_operand(step, slot, waited=config.early_k_wait)
-
-            def compute_qk(acc_ref):
-                with jax.named_scope("QK issue, turn"):
-                    plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
-                    if schedule is not None:
-                        take_turn(schedule)
-                with jax.named_scope("QK wait"):
-                    return acc_ref[...]
-
-            scores = pl.run_scoped(compute_qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-            if not converts:
+            def key_operand(step, slot, *, waited=False):
+                """The K operand of this step (converted into staging for a float8 cache, which frees the slot)."""
+                if not waited:
+                    wait_for_keys(step)
+                if not converts:
+                    return k_ring.at[slot]
+                k = stage(k_ring.at[slot], k_staging, step, zero=False)
                 plgpu.barrier_arrive(k_consumed.at[slot])
-            with jax.named_scope("softmax"):
-                p, m_new, l_i, alpha = online_softmax(step, scores, m_i, l_i, masked=masked)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if schedule is not None:
-                plgpu.barrier_arrive(schedule)
-            with jax.named_scope("wait V"):
-                plgpu.barrier_wait(v_loaded.at[slot])
-                v = prepare_v(step, slot, masked=masked)
-            if schedule is not None:
-                with jax.named_scope("wait turn"):
-                    plgpu.barrier_wait(schedule)
+                return k
 
-            def wait_for_next_keys():
-                pl.when(step + 1 < my_hi)(partial(wait_for_keys, step + 1))
+            def online_softmax(step, scores, m_i, l_i, *, masked):
+                """The step's raw scores -> base-2 logits (scaled, soft-capped, masked on edge steps) -> p in q's dtype,
+                the new row maxima and sums, and the factor alpha that rescales what was accumulated before."""
+                logits = scores * logit_scale
+                if logits_soft_cap is not None:
+                    logits = (logits_soft_cap * LOG2E) * jnp.tanh(logits / logits_soft_cap)
+                if masked:  # positions built here, not before the loops, where they would hold registers throughout
+                    rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
+                    cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
+                    q_pos = my_first_q_pos + rows // group_size
+                    k_pos = step * block_kv + cols
+                    logits = jnp.where(
+                        attention_mask(q_pos, k_pos, seq_len, params=params), logits, MASKED_LOGIT
+                    )
+                m_new = jnp.maximum(m_i, logits.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                return p.astype(dtype), m_new, l_i * alpha + p.sum(axis=1), alpha
 
-            with jax.named_scope("PV"):
-                acc = accumulate_pv(acc, p, v, while_running=wait_for_next_keys if config.early_k_wait else None)
-            if not converts:
-                plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, m_new, l_i
+            def step_body(step, carry, *, masked):
+                acc, m_i, l_i = carry
+                slot = ring_slot(step)
+                # The named scopes are the phases of `benchmarks/kernel_timeline.py` (Mosaic GPU's on-device profiler);
+                # without `KernelConfig.profile_ranges` they emit nothing.
+                with jax.named_scope("wait K"):
+                    k = key_operand(step, slot, waited=config.early_k_wait)
 
-        def accumulate_pv(acc, p, v, *, while_running=None):
-            """acc + p @ v, calling `while_running` once the wgmma is issued. P comes from registers; interpret
-            mode takes it through this consumer's shared tile and, as it cannot start an accumulator from
-            registers, adds a fresh one."""
+                def compute_qk(acc_ref):
+                    with jax.named_scope("QK issue, turn"):
+                        plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
+                        if schedule is not None:
+                            take_turn(schedule)
+                    with jax.named_scope("QK wait"):
+                        return acc_ref[...]
 
-            def issue(acc_ref):
+                scores = pl.run_scoped(compute_qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+                if not converts:
+                    plgpu.barrier_arrive(k_consumed.at[slot])
+                with jax.named_scope("softmax"):
+                    p, m_new, l_i, alpha = online_softmax(step, scores, m_i, l_i, masked=masked)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if schedule is not None:
+                    plgpu.barrier_arrive(schedule)
+                with jax.named_scope("wait V"):
+                    plgpu.barrier_wait(v_loaded.at[slot])
+                    v = prepare_v(step, slot, masked=masked)
+                if schedule is not None:
+                    with jax.named_scope("wait turn"):
+                        plgpu.barrier_wait(schedule)
+
+                def wait_for_next_keys():
+                    pl.when(step + 1 < my_hi)(partial(wait_for_keys, step + 1))
+
+                with jax.named_scope("PV"):
+                    acc = accumulate_pv(acc, p, v, while_running=wait_for_next_keys if config.early_k_wait else None)
+                if not converts:
+                    plgpu.barrier_arrive(v_consumed.at[slot])
+                return acc, m_new, l_i
+
+            def accumulate_pv(acc, p, v, *, while_running=None):
+                """acc + p @ v, calling `while_running` once the wgmma is issued. P comes from registers; interpret
+                mode takes it through this consumer's shared tile and, as it cannot start an accumulator from
+                registers, adds a fresh one."""
+
+                def issue(acc_ref):
+                    if p_in_registers:
+                        plgpu.wgmma(acc_ref, p, v)
+                    else:
+                        p_smem[...] = p
+                        plgpu.commit_smem()
+                        plgpu.wgmma(acc_ref, p_smem, v)
+                    if while_running is not None:
+                        while_running()
+
                 if p_in_registers:
-                    plgpu.wgmma(acc_ref, p, v)
-                else:
-                    p_smem[...] = p
-                    plgpu.commit_smem()
-                    plgpu.wgmma(acc_ref, p_smem, v)
-                if while_running is not None:
-                    while_running()
+                    return pl.run_state(issue)(plgpu.ACC.init(acc))
 
-            if p_in_registers:
-                return pl.run_state(issue)(plgpu.ACC.init(acc))
+                def fresh_pv(pv_ref):
+                    issue(pv_ref)
+                    return pv_ref[...]
 
-            def fresh_pv(pv_ref):
-                issue(pv_ref)
-                return pv_ref[...]
+                return acc + pl.run_scoped(fresh_pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
 
-            return acc + pl.run_scoped(fresh_pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+            carry = (
+                plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((ROWS,), MASKED_LOGIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            )
+            if config.early_k_wait:  # the first step's K; each step waits for the next one's under its PV wgmma
+                pl.when(my_lo < my_hi)(partial(wait_for_keys, my_lo))
+            carry = lax.fori_loop(my_lo, inner_lo, partial(step_body, masked=True), carry)
+            carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
+            return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
 
-        carry = (
-            plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((ROWS,), MASKED_LOGIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-        )
-        if config.early_k_wait:  # the first step's K; each step waits for the next one's under its PV wgmma
-            pl.when(my_lo < my_hi)(partial(wait_for_keys, my_lo))
-        carry = lax.fori_loop(my_lo, inner_lo, partial(step_body, masked=True), carry)
-        carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
-        return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
+        return producer, consumer, my_hi - my_lo
 
     def body(q_smem, lse_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
              k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
         wg = lax.axis_index("wg")
         ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
 
+        def for_each_work_item(run):
+            """`run(tile, kv_head, split, ring_base)` -> steps streamed, for each work item of this CTA in order;
+            returns the ring position after the last one."""
+            if not num_programs:  # one work item per CTA
+                return run(lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split"), 0)
+            program = lax.axis_index("program")  # items program, program + P, ... of tile-major order
+
+            def item(i, ring_base):
+                w = program + i * num_programs
+                tile, rest = lax.rem(w, num_tiles), w // num_tiles
+                return ring_base + run(tile, lax.rem(rest, num_kv_heads), rest // num_kv_heads, ring_base)
+
+            count = pl.cdiv(num_work_items - program, num_programs)
+            return lax.fori_loop(0, count, item, jnp.int32(0))
+
         @pl.when(wg == num_consumers)
         def _():
             if num_consumers > 1:
                 plgpu.set_max_registers(config.producer_registers, action="decrease")
-            producer(*ring)
+
+            def produce(tile, kv_head, split, ring_base):
+                producer, _, num_steps = work_item(tile, kv_head, split, ring_base)
+                producer(*ring)
+                return num_steps
+
+            end = for_each_work_item(produce)
+
+            # The last steps' consumption, which no later load waited for: every phase of a barrier the producer
+            # waits on is observed before the barriers are released (interpret mode checks it)
+            @pl.loop(jnp.maximum(end - num_stages, 0), end)
+            def _(position):
+                slot = lax.rem(position, num_stages)
+                plgpu.barrier_wait(k_consumed.at[slot])
+                plgpu.barrier_wait(v_consumed.at[slot])
 
         def run_consumer(wg):
             if num_consumers > 1:
                 plgpu.set_max_registers(config.consumer_registers, action="increase")
             rows = pl.ds(wg * ROWS, ROWS)
-            plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[wg], q_loaded.at[wg])
-            plgpu.barrier_wait(q_loaded.at[wg])
-            if schedule is not None:
-                pl.when(wg == 1)(partial(take_turn, schedule))
             extras = (
                 None if k_staging is None else k_staging.at[wg],
                 None if v_staging is None else v_staging.at[wg],
@@ -340,17 +366,27 @@ def _paged_attention_kernel(
                 v_zeroed,
                 schedule,
             )
-            acc, m_i, l_i = consumer(wg, q_smem.at[wg], *ring, extras)
-            if schedule is not None:
-                pl.when(wg == 0)(partial(take_turn, schedule))
-            has_keys = l_i > 0
-            safe_l = jnp.where(has_keys, l_i, 1.0)
-            q_smem[wg] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
-            lse_smem[wg] = jnp.where(has_keys, (m_i + jnp.log2(safe_l)) / LOG2E, -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[tile, kv_head, split, rows])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile, kv_head, split, rows])
-            plgpu.wait_smem_to_gmem(0)
+
+            def consume(tile, kv_head, split, ring_base):
+                _, consumer, num_steps = work_item(tile, kv_head, split, ring_base)
+                plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[wg], q_loaded.at[wg])
+                plgpu.barrier_wait(q_loaded.at[wg])
+                if schedule is not None:
+                    pl.when(wg == 1)(partial(take_turn, schedule))
+                acc, m_i, l_i = consumer(wg, q_smem.at[wg], *ring, extras)
+                if schedule is not None:
+                    pl.when(wg == 0)(partial(take_turn, schedule))
+                has_keys = l_i > 0
+                safe_l = jnp.where(has_keys, l_i, 1.0)
+                q_smem[wg] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
+                lse_smem[wg] = jnp.where(has_keys, (m_i + jnp.log2(safe_l)) / LOG2E, -jnp.inf)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[tile, kv_head, split, rows])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile, kv_head, split, rows])
+                plgpu.wait_smem_to_gmem(0)  # q_smem is the next item's query tile
+                return num_steps
+
+            for_each_work_item(consume)
 
         # The traced index, even with one consumer: a static `.at[0]` view cannot feed wgmma in pl.run_state.
         pl.when(wg < num_consumers)(lambda: run_consumer(wg))
@@ -409,14 +445,15 @@ def attention_partials(
         stacked=stacked, config=config, p_in_registers=interpret is None,
     )  # fmt: skip
     splits, rows = config.num_splits, config.rows
+    num_programs = persistent_programs(config, num_tiles * num_kv_heads * splits)
     return plgpu.kernel(
         kernel,
         out_type=(
             jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim), q_tiles.dtype),
             jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32),
         ),
-        grid=(num_tiles, num_kv_heads, splits),
-        grid_names=("tile", "kv_head", "split"),
+        grid=(num_programs,) if num_programs else (num_tiles, num_kv_heads, splits),
+        grid_names=("program",) if num_programs else ("tile", "kv_head", "split"),
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
