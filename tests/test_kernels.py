@@ -227,6 +227,15 @@ def test_float16_query_passes_nonfinite_and_zero_through():
     assert float(factor) == 1.0 and bool(jnp.isnan(q16[0, 0, 3]))
 
 
+def test_a_config_beyond_shared_memory_raises(monkeypatch):
+    """head_dim 256 fits two consumers with one query tile each, not with the persistent launch's second one."""
+    with_kernel_options(monkeypatch, persistent_ctas=3)
+    inputs = random_paged_inputs(0, query_lens=[40], seq_lens=[40], num_q_heads=2, num_kv_heads=1, head_dim=256,
+                                 block_size=16, dtype=jnp.bfloat16)  # fmt: skip
+    with pytest.raises(NotImplementedError, match="bytes of shared memory"):
+        paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, implementation="kernel")
+
+
 def test_cpu_default_is_the_reference():
     inputs = random_paged_inputs(0, query_lens=[2], seq_lens=[20], num_q_heads=2, num_kv_heads=1, head_dim=64,
                                  block_size=16, dtype=jnp.bfloat16)  # fmt: skip

@@ -23,9 +23,9 @@ class KernelConfig:
     increase waits forever for registers nobody released). With `persistent_ctas` > 0 the launch has that many
     CTAs (at most one per work item), each looping over the work items ``program + i * persistent_ctas`` (in
     (tile, KV head, split) order, tile fastest), its producer streaming the next item's keys while the consumers
-    finish the last one. With `profile_ranges` > 0, Mosaic GPU's on-device
-    profiler records up to that many named phases per warpgroup and writes a Perfetto trace into `profile_dir`
-    (a diagnostic: it slows the kernel)."""
+    finish the last one, and each consumer loads the next item's query tile into a second buffer. With
+    `profile_ranges` > 0, Mosaic GPU's on-device profiler records up to that many named phases per warpgroup
+    and writes a Perfetto trace into `profile_dir` (a diagnostic: it slows the kernel)."""
 
     block_kv: int = 128
     num_stages: int = 2
@@ -67,13 +67,18 @@ class KernelConfig:
         return REGISTER_FILE // (WARPGROUP_THREADS * (self.num_consumers + 1)) // 8 * 8
 
     @property
+    def query_buffers(self) -> int:
+        """Query tiles per consumer in shared memory: a persistent launch loads the next item's while it works."""
+        return 2 if self.persistent_ctas else 1
+
+    @property
     def rows(self) -> int:
         """Query rows per tile."""
         return ROWS * self.num_consumers
 
     def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int) -> int:
         """Shared memory on the GPU: q/output tiles, the K and V ring, fp8 staging buffers (barriers aside)."""
-        q_tiles = self.num_consumers * (ROWS * head_dim * q_itemsize + ROWS * 4)
+        q_tiles = self.num_consumers * (self.query_buffers * ROWS * head_dim * q_itemsize + ROWS * 4)
         ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
         staging = (
             self.num_consumers * 2 * self.block_kv * head_dim * q_itemsize if kv_itemsize != q_itemsize else 0

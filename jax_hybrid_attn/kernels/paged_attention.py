@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 
 from .._compat import plgpu, resolve_interpret
 from ..masks import allowed_key_range, attention_mask
-from .config import ROWS
+from .config import ROWS, SMEM_BUDGET_BYTES
 
 LOG2E = math.log2(math.e)
 MASKED_LOGIT = -1e30  # finite, so fully masked steps never produce inf - inf
@@ -84,6 +84,7 @@ def _paged_attention_kernel(
     num_tiles, num_kv_heads = q_ref.shape[0], q_ref.shape[1]
     num_work_items = num_tiles * num_kv_heads * config.num_splits
     num_programs = persistent_programs(config, num_work_items)
+    num_q_buffers = config.query_buffers
 
     def work_item(tile, kv_head, split, ring_base):
         """The producer and consumer of one (query tile, KV head, split), whose first step goes to ring position
@@ -320,28 +321,32 @@ def _paged_attention_kernel(
         wg = lax.axis_index("wg")
         ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
 
+        if num_programs:  # this CTA's items: program, program + P, ... of tile-major order
+            first_item, num_items = lax.axis_index("program"), pl.cdiv(num_work_items - lax.axis_index("program"), num_programs)  # fmt: skip
+        else:  # one item per CTA
+            first_item = lax.axis_index("tile") + num_tiles * (lax.axis_index("kv_head") + num_kv_heads * lax.axis_index("split"))  # fmt: skip
+            num_items = 1
+
+        def coordinates(item):
+            """(tile, KV head, split) of work item `item` (tile-major)."""
+            return lax.rem(item, num_tiles), lax.rem(item // num_tiles, num_kv_heads), item // (num_tiles * num_kv_heads)
+
         def for_each_work_item(run):
-            """`run(tile, kv_head, split, ring_base)` -> steps streamed, for each work item of this CTA in order;
-            returns the ring position after the last one."""
-            if not num_programs:  # one work item per CTA
-                return run(lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split"), 0)
-            program = lax.axis_index("program")  # items program, program + P, ... of tile-major order
+            """`run(i, item, ring_base)` -> steps streamed, for this CTA's i-th work item in turn; returns the ring
+            position after the last one."""
 
-            def item(i, ring_base):
-                w = program + i * num_programs
-                tile, rest = lax.rem(w, num_tiles), w // num_tiles
-                return ring_base + run(tile, lax.rem(rest, num_kv_heads), rest // num_kv_heads, ring_base)
+            def step(i, ring_base):
+                return ring_base + run(i, first_item + i * num_programs, ring_base)
 
-            count = pl.cdiv(num_work_items - program, num_programs)
-            return lax.fori_loop(0, count, item, jnp.int32(0))
+            return lax.fori_loop(0, num_items, step, jnp.int32(0))
 
         @pl.when(wg == num_consumers)
         def _():
             if num_consumers > 1:
                 plgpu.set_max_registers(config.producer_registers, action="decrease")
 
-            def produce(tile, kv_head, split, ring_base):
-                producer, _, num_steps = work_item(tile, kv_head, split, ring_base)
+            def produce(i, item, ring_base):
+                producer, _, num_steps = work_item(*coordinates(item), ring_base)
                 producer(*ring)
                 return num_steps
 
@@ -367,25 +372,37 @@ def _paged_attention_kernel(
                 schedule,
             )
 
-            def consume(tile, kv_head, split, ring_base):
+            def load_query(item, buffer):
+                tile, kv_head, _ = coordinates(item)
+                plgpu.copy_gmem_to_smem(
+                    q_ref.at[tile, kv_head, rows], q_smem.at[buffer, wg], q_loaded.at[buffer * num_consumers + wg]
+                )
+
+            def consume(i, item, ring_base):
+                tile, kv_head, split = coordinates(item)
                 _, consumer, num_steps = work_item(tile, kv_head, split, ring_base)
-                plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[wg], q_loaded.at[wg])
-                plgpu.barrier_wait(q_loaded.at[wg])
+                buffer = lax.rem(i, num_q_buffers)
+                plgpu.barrier_wait(q_loaded.at[buffer * num_consumers + wg])
+                if num_q_buffers > 1:  # the next item's query tile, in the buffer the last item's output has left
+                    pl.when(i + 1 < num_items)(partial(load_query, item + num_programs, 1 - buffer))
                 if schedule is not None:
                     pl.when(wg == 1)(partial(take_turn, schedule))
-                acc, m_i, l_i = consumer(wg, q_smem.at[wg], *ring, extras)
+                acc, m_i, l_i = consumer(wg, q_smem.at[buffer, wg], *ring, extras)
                 if schedule is not None:
                     pl.when(wg == 0)(partial(take_turn, schedule))
                 has_keys = l_i > 0
                 safe_l = jnp.where(has_keys, l_i, 1.0)
-                q_smem[wg] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
+                q_smem[buffer, wg] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
                 lse_smem[wg] = jnp.where(has_keys, (m_i + jnp.log2(safe_l)) / LOG2E, -jnp.inf)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[tile, kv_head, split, rows])
+                plgpu.copy_smem_to_gmem(q_smem.at[buffer, wg], o_ref.at[tile, kv_head, split, rows])
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile, kv_head, split, rows])
-                plgpu.wait_smem_to_gmem(0)  # q_smem is the next item's query tile
+                plgpu.wait_smem_to_gmem(0)  # the buffers are free for a later item
+                if num_q_buffers == 1:  # no prefetch: the next item's query tile goes where this output was
+                    pl.when(i + 1 < num_items)(partial(load_query, item + num_programs, 0))
                 return num_steps
 
+            load_query(first_item, 0)
             for_each_work_item(consume)
 
         # The traced index, even with one consumer: a static `.at[0]` view cannot feed wgmma in pl.run_state.
@@ -399,7 +416,7 @@ def _paged_attention_kernel(
     )
     pl.run_scoped(
         body,
-        plgpu.SMEM((num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
+        plgpu.SMEM((num_q_buffers, num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
         plgpu.SMEM((num_consumers, ROWS), jnp.float32),
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
@@ -408,7 +425,7 @@ def _paged_attention_kernel(
         None
         if p_in_registers
         else plgpu.SMEM((num_consumers, ROWS, block_kv), dtype, transforms=q_transforms),
-        plgpu.Barrier(num_barriers=num_consumers),
+        plgpu.Barrier(num_barriers=num_q_buffers * num_consumers),
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
@@ -439,6 +456,9 @@ def attention_partials(
       [NT, K, splits, rows] (float32, natural log; -inf where a split saw no key).
     """
     num_tiles, num_kv_heads, _, head_dim = q_tiles.shape
+    smem_bytes = config.smem_bytes(head_dim, q_tiles.dtype.itemsize, k_source.dtype.itemsize)
+    if smem_bytes > SMEM_BUDGET_BYTES:
+        raise NotImplementedError(f"{config} needs {smem_bytes} bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
     interpret = resolve_interpret(interpret)
     kernel = partial(
         _paged_attention_kernel, block_size=block_size, group_size=group_size, params=params, kv_layout=kv_layout,
