@@ -1,6 +1,6 @@
 """The paged-attention kernel's options: tiling, pipeline depth, splits, consumers and loop variants.
 
-`KernelConfig` is a static argument of the kernel (`paged_attention.attention_partials`); `default_config` picks
+`KernelConfig` is a static argument of the kernel (`launch.attention_partials`); `default_config` picks
 the measured best that fits in a CTA's shared memory.
 """
 
@@ -65,6 +65,10 @@ class KernelConfig:
     def launch_registers(self) -> int:
         """Registers per thread the CTA launches with: the register file over its threads, rounded down to 8."""
         return REGISTER_FILE // (WARPGROUP_THREADS * (self.num_consumers + 1)) // 8 * 8
+
+    def num_programs(self, num_work_items: int) -> int:
+        """CTAs of a persistent launch (each loops over work items), or 0 for one CTA per work item."""
+        return min(self.persistent_ctas, num_work_items)
 
     @property
     def query_buffers(self) -> int:

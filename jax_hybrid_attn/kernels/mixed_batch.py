@@ -22,7 +22,7 @@ from ..params import CAUSAL, LayerAttentionParams
 from ..validation import check_paged_attention_args, unservable_requests
 from . import tiles as query_tiles
 from .config import default_config
-from .paged_attention import attention_partials
+from .launch import attention_partials
 
 __all__ = ["KERNEL_DTYPES", "check_kernel_support", "kernel_configs", "paged_attention_kernels"]
 

@@ -21,9 +21,9 @@ which runs wgmma only from shared memory, it goes through a shared-memory tile i
 Each split writes its normalized partial output (q's dtype) and its log-sum-exp; `tiles.merge_splits`
 combines them with the sinks, which enter the denominator only.
 
-This module is the kernel body and its launcher only (its options are in `config.py`, the tiles around it in
-`tiles.py`); it stays one module because the body is one Pallas function whose producer, consumers and barrier
-protocol share its refs and are easiest to check together.
+This module is the kernel body only (`launch.py` launches it over the work items, its options are in `config.py`,
+the tiles around it in `tiles.py`); it stays one module because the body is one Pallas function whose producer,
+consumers and barrier protocol share its refs and are easiest to check together.
 """
 
 import math
@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._compat import plgpu, resolve_interpret
+from .._compat import plgpu
 from ..masks import allowed_key_range, attention_mask
-from .config import ROWS, SMEM_BUDGET_BYTES
+from .config import ROWS
 
 LOG2E = math.log2(math.e)
 MASKED_LOGIT = -1e30  # finite, so fully masked steps never produce inf - inf
@@ -49,18 +49,13 @@ def smem_transforms(head_dim: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def persistent_programs(config, num_work_items: int) -> int:
-    """CTAs of a persistent launch (each loops over work items), or 0 for one CTA per work item."""
-    return min(config.persistent_ctas, num_work_items)
-
-
 def take_turn(schedule) -> None:
     """Two consumer warpgroups alternate on the tensor cores: each arrival lets the other one go."""
     plgpu.barrier_arrive(schedule)
     plgpu.barrier_wait(schedule)
 
 
-def _paged_attention_kernel(
+def paged_attention_cta(
     tile_request_ref, tile_query_start_ref, tile_query_len_ref, seq_lens_ref, query_lens_ref, block_tables_ref,
     logit_scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
     *, block_size, group_size, params, kv_layout, stacked, config, p_in_registers,
@@ -83,7 +78,7 @@ def _paged_attention_kernel(
     logits_soft_cap = params.logits_soft_cap
     num_tiles, num_kv_heads = q_ref.shape[0], q_ref.shape[1]
     num_work_items = num_tiles * num_kv_heads * config.num_splits
-    num_programs = persistent_programs(config, num_work_items)
+    num_programs = config.num_programs(num_work_items)
     num_q_buffers = config.query_buffers
 
     def work_item(tile, kv_head, split, ring_base):
@@ -436,62 +431,4 @@ def _paged_attention_kernel(
         plgpu.Barrier(num_barriers=num_stages) if num_consumers > 1 and not converts else None,
         plgpu.Barrier(num_arrivals=num_consumers) if num_consumers > 1 and config.ping_pong else None,
         collective_axes="wg",
-    )
-
-
-def attention_partials(
-    q_tiles, k_source, v_source, tiles, seq_lens, query_lens, block_tables, logit_scale,
-    *, block_size, group_size, params, kv_layout, stacked, config, interpret,
-):  # fmt: skip
-    """Run the kernel over query tiles for a layer of `params` (its scale is already in `logit_scale`).
-
-    Args:
-      q_tiles: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`), rows = ``config.rows``.
-      k_source, v_source: with `stacked`, the one cache [B, 2, ...] twice (K and V are its axis-1 halves); else
-        the pair's K and V caches [B, ...].
-      tiles: `tiles.QueryTiles` with [NT] request, query start and query length per tile (length 0: idle).
-      logit_scale: [1] float32, ``sm_scale * k_scale``.
-    Returns:
-      partial outputs [NT, K, splits, rows, H] (q's dtype, normalized per split) and their log-sum-exp
-      [NT, K, splits, rows] (float32, natural log; -inf where a split saw no key).
-    """
-    num_tiles, num_kv_heads, _, head_dim = q_tiles.shape
-    smem_bytes = config.smem_bytes(head_dim, q_tiles.dtype.itemsize, k_source.dtype.itemsize)
-    if smem_bytes > SMEM_BUDGET_BYTES:
-        raise NotImplementedError(f"{config} needs {smem_bytes} bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
-    interpret = resolve_interpret(interpret)
-    kernel = partial(
-        _paged_attention_kernel, block_size=block_size, group_size=group_size, params=params, kv_layout=kv_layout,
-        stacked=stacked, config=config, p_in_registers=interpret is None,
-    )  # fmt: skip
-    splits, rows = config.num_splits, config.rows
-    num_programs = persistent_programs(config, num_tiles * num_kv_heads * splits)
-    return plgpu.kernel(
-        kernel,
-        out_type=(
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim), q_tiles.dtype),
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32),
-        ),
-        grid=(num_programs,) if num_programs else (num_tiles, num_kv_heads, splits),
-        grid_names=("program",) if num_programs else ("tile", "kv_head", "split"),
-        num_threads=config.num_consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            approx_math=True,
-            profile_space=config.profile_ranges,
-            profile_dir=config.profile_dir,
-            profile_bounds_check=config.profile_ranges > 0,
-        ),
-        interpret=interpret,
-    )(
-        tiles.request,
-        tiles.query_start,
-        tiles.query_len,
-        seq_lens,
-        query_lens,
-        block_tables,
-        logit_scale,
-        q_tiles,
-        k_source,
-        v_source,
     )

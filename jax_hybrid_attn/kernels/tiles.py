@@ -9,7 +9,6 @@ so building them needs no host round trip; unused tiles have length 0.
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
