@@ -14,18 +14,26 @@ WARPGROUP_THREADS = 128
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
-    """`block_kv` keys per step (whole blocks), `num_stages` ring slots, `num_splits` CTAs per tile and head,
-    `num_consumers` warpgroups of 64 query rows sharing the K/V stream, which take turns on the tensor
-    cores when `ping_pong` is set. With `early_k_wait` a consumer waits for the next step's K while its PV
-    wgmma runs instead of at the start of that step. With two consumers the registers per thread are split
-    `consumer_registers` / `producer_registers` (``setmaxnreg``: multiples of 8 in [24, 256], together at most the
-    registers the CTA launched with: `setmaxnreg` only moves registers between its warpgroups, and a consumer's
-    increase waits forever for registers nobody released). With `persistent_ctas` > 0 the launch has that many
-    CTAs (at most one per work item), each looping over the work items ``program + i * persistent_ctas`` (in
-    (tile, KV head, split) order, tile fastest), its producer streaming the next item's keys while the consumers
-    finish the last one, and each consumer loads the next item's query tile into a second buffer. With
-    `profile_ranges` > 0, Mosaic GPU's on-device profiler records up to that many named phases per warpgroup
-    and writes a Perfetto trace into `profile_dir` (a diagnostic: it slows the kernel)."""
+    """How the kernel tiles, pipelines and launches (a static argument: each value compiles its own kernel).
+
+    Attributes:
+      block_kv: keys per step (whole cache blocks, or part of one).
+      num_stages: K/V ring slots the producer fills ahead of the consumers.
+      num_splits: CTAs sharing one tile and KV head, each over a part of its keys (flash-decoding).
+      num_consumers: warpgroups of 64 query rows sharing each K/V step (1 or 2).
+      ping_pong: two consumers take turns on the tensor cores.
+      early_k_wait: a consumer waits for the next step's K while its PV wgmma runs, not at that step's start.
+      consumer_registers, producer_registers: the registers per thread of each role with two consumers
+        (``setmaxnreg``: multiples of 8 in [24, 256], together at most what the CTA launched with, since
+        `setmaxnreg` only moves registers between warpgroups: an increase beyond that waits forever).
+      persistent_ctas: 0 launches one CTA per work item (tile, KV head, split); N > 0 launches N CTAs (at most
+        one per work item), the i-th looping over items ``i, i + N, ...`` (tile fastest). The producer streams
+        the next item's keys while the consumers finish the last, and each consumer loads its next query tile
+        into a second buffer.
+      profile_ranges, profile_dir: with ``profile_ranges > 0``, Mosaic GPU's on-device profiler records up to
+        that many named phases per warpgroup and writes a Perfetto trace into `profile_dir` (a diagnostic: it
+        slows the kernel).
+    """
 
     block_kv: int = 128
     num_stages: int = 2
