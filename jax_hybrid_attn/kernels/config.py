@@ -1,6 +1,6 @@
 """The paged-attention kernel's options: tiling, pipeline depth, splits, consumers and loop variants.
 
-`KernelConfig` is a static argument of the kernel (`launch.attention_partials`); `default_config` picks
+`KernelConfig` is a static argument of the kernel (`launch.launch_attention`); `default_config` picks
 the measured best that fits in a CTA's shared memory.
 """
 
@@ -78,19 +78,21 @@ class KernelConfig:
         """CTAs of a persistent launch (each loops over work items), or 0 for one CTA per work item."""
         return min(self.persistent_ctas, num_work_items)
 
-    @property
-    def query_buffers(self) -> int:
-        """Query tiles per consumer in shared memory: a persistent launch loads the next item's while it works."""
-        return 2 if self.persistent_ctas else 1
+    def query_buffers(self, *, direct: bool = False) -> int:
+        """Query tiles per consumer in shared memory: a persistent launch loads the next item's while it works,
+        unless the query rows come straight from q (`direct`: through one staging tile)."""
+        return 2 if self.persistent_ctas and not direct else 1
 
     @property
     def rows(self) -> int:
         """Query rows per tile."""
         return ROWS * self.num_consumers
 
-    def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int) -> int:
-        """Shared memory on the GPU: q/output tiles, the K and V ring, fp8 staging buffers (barriers aside)."""
-        q_tiles = self.num_consumers * (self.query_buffers * ROWS * head_dim * q_itemsize + ROWS * 4)
+    def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int, *, direct: bool = False) -> int:
+        """Shared memory on the GPU: q/output tiles (with `direct`, and their untiled copies for q and the output
+        in [T, N, H]), the K and V ring, fp8 staging buffers (barriers aside)."""
+        query_tiles = self.query_buffers(direct=direct) + (1 if direct else 0)
+        q_tiles = self.num_consumers * (query_tiles * ROWS * head_dim * q_itemsize + ROWS * 4)
         ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
         staging = (
             self.num_consumers * 2 * self.block_kv * head_dim * q_itemsize if kv_itemsize != q_itemsize else 0

@@ -1,8 +1,9 @@
 """Launching the paged-attention kernel (`paged_attention.paged_attention_cta`) over query tiles.
 
 One CTA per work item (query tile, KV head, split), or a persistent launch of `KernelConfig.persistent_ctas`
-CTAs that loop over the work items; each writes its partial outputs and log-sum-exps, which `tiles.token_outputs`
-merges per token.
+CTAs that loop over the work items. Decode tiles (split keys) write partial outputs and log-sum-exps, which
+`tiles.token_outputs` merges per token; prefill tiles read q and write their output in [T, N, H] directly where
+the group size allows (`direct_io_supported`), else they go through packed rows and partials too.
 """
 
 from functools import partial
@@ -15,39 +16,51 @@ from .config import SMEM_BUDGET_BYTES
 from .paged_attention import paged_attention_cta
 
 
-def attention_partials(
-    q_tiles, k_source, v_source, tiles, seq_lens, query_lens, block_tables, logit_scale,
-    *, block_size, group_size, params, kv_layout, stacked, config, interpret,
+def launch_attention(
+    q_source, k_source, v_source, tiles, seq_lens, query_lens, query_start_loc, block_tables, logit_scale, sinks,
+    *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, config, interpret,
 ):  # fmt: skip
     """Run the kernel over query tiles for a layer of `params` (its scale is already in `logit_scale`).
 
     Args:
-      q_tiles: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`), rows = ``config.rows``.
+      q_source: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`), rows = ``config.rows``; with
+        `direct`, q itself [T, N, H].
       k_source, v_source: with `stacked`, the one cache [B, 2, ...] twice (K and V are its axis-1 halves); else
         the pair's K and V caches [B, ...].
       tiles: `tiles.QueryTiles` with [NT] request, query start and query length per tile (length 0: idle).
       logit_scale: [1] float32, ``sm_scale * k_scale``.
+      sinks: [N] float32 or None; used with `direct` only (else `tiles.merge_splits` adds them).
+      direct: each CTA reads its query rows from q and writes its output rows into [T, N, H] (one split; G
+        divides 64 and each head's ``64 // G`` rows fill whole 8-row tiles: `direct_io_supported`).
     Returns:
+      with `direct`, the output [T, N, H] (q's dtype; rows of tokens no tile holds are left unwritten). Else the
       partial outputs [NT, K, splits, rows, H] (q's dtype, normalized per split) and their log-sum-exp
       [NT, K, splits, rows] (float32, natural log; -inf where a split saw no key).
     """
-    num_tiles, num_kv_heads, _, head_dim = q_tiles.shape
-    smem_bytes = config.smem_bytes(head_dim, q_tiles.dtype.itemsize, k_source.dtype.itemsize)
+    num_tiles, head_dim = tiles.request.shape[0], q_source.shape[-1]
+    smem_bytes = config.smem_bytes(head_dim, q_source.dtype.itemsize, k_source.dtype.itemsize, direct=direct)
     if smem_bytes > SMEM_BUDGET_BYTES:
         raise NotImplementedError(f"{config} needs {smem_bytes} bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
+    if direct and (config.num_splits != 1 or not direct_io_supported(group_size)):
+        raise ValueError(f"direct query and output rows need one split and G in (1, 2, 4, 8): {config}, {group_size=}")
     interpret = resolve_interpret(interpret)
     kernel = partial(
-        paged_attention_cta, block_size=block_size, group_size=group_size, params=params, kv_layout=kv_layout,
-        stacked=stacked, config=config, p_in_registers=interpret is None,
+        paged_attention_cta, block_size=block_size, group_size=group_size, num_kv_heads=num_kv_heads, params=params,
+        kv_layout=kv_layout, stacked=stacked, direct=direct, has_sinks=sinks is not None, config=config,
+        p_in_registers=interpret is None,
     )  # fmt: skip
     splits, rows = config.num_splits, config.rows
+    if direct:
+        out_type = jax.ShapeDtypeStruct(q_source.shape, q_source.dtype)
+    else:
+        out_type = (
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim), q_source.dtype),
+            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32),
+        )
     num_programs = config.num_programs(num_tiles * num_kv_heads * splits)
     return plgpu.kernel(
         kernel,
-        out_type=(
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim), q_tiles.dtype),
-            jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32),
-        ),
+        out_type=out_type,
         grid=(num_programs,) if num_programs else (num_tiles, num_kv_heads, splits),
         grid_names=("program",) if num_programs else ("tile", "kv_head", "split"),
         num_threads=config.num_consumers + 1,
@@ -66,8 +79,16 @@ def attention_partials(
         seq_lens,
         query_lens,
         block_tables,
+        query_start_loc,
         logit_scale,
-        q_tiles,
+        jnp.zeros((1,), jnp.float32) if sinks is None else sinks,
+        q_source,
         k_source,
         v_source,
     )
+
+
+def direct_io_supported(group_size: int) -> bool:
+    """Whether the kernel can read q and write the output in [T, N, H] itself: each of the G heads then owns
+    ``64 // G`` consecutive rows of a warpgroup's 64, copied in power-of-two pieces (G = 1, 2, 4, 8)."""
+    return group_size in (1, 2, 4, 8)

@@ -3,7 +3,8 @@
 Requests whose whole query fits one 64-row query tile (``64 // G`` tokens: decodes and short
 speculative-verification queries) run as decode tiles, one per request with its keys split across CTAs
 (flash-decoding) and one consumer warpgroup; longer queries run as prefill tiles of ``128 // G`` tokens with two
-consumer warpgroups. The split is computed on the device, with no host round trip. A float8_e4m3fn cache's k
+consumer warpgroups, which read q and write their output rows in [T, N, H] themselves when G is 1, 2, 4 or 8
+(else through packed rows and a gather, as decode tiles do). The split is computed on the device, with no host round trip. A float8_e4m3fn cache's k
 scale multiplies the logits in the kernel and its v scale the merged output; with a bfloat16 query the kernels
 compute in float16 (`float16_query`).
 """
@@ -21,8 +22,8 @@ from ..metadata import AttentionMetadata
 from ..params import CAUSAL, LayerAttentionParams
 from ..validation import check_paged_attention_args, unservable_requests
 from . import tiles as query_tiles
-from .config import default_config
-from .launch import attention_partials
+from .config import SMEM_BUDGET_BYTES, default_config
+from .launch import direct_io_supported, launch_attention
 
 __all__ = ["KERNEL_DTYPES", "check_kernel_support", "kernel_configs", "paged_attention_kernels"]
 
@@ -125,15 +126,22 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     stacked = not is_kv_pair(kv_cache)
     k_source, v_source = (kv_cache, kv_cache) if stacked else kv_cache
 
-    def run(tiles, config):  # each tile's partial outputs [NT, K, splits, rows, H] and log-sum-exps
-        tokens, heads = query_tiles.tile_rows(
-            tiles, metadata.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads,
-            num_tokens=num_tokens, rows=config.rows,
-        )  # fmt: skip
-        return attention_partials(
-            query_tiles.pack_query_rows(q_compute, tokens, heads), k_source, v_source, tiles, seq_lens, query_lens,
-            block_tables, logit_scale, block_size=block_size, group_size=group_size, params=params,
-            kv_layout=kv_layout, stacked=stacked, config=config, interpret=interpret,
+    sinks = None if sinks is None else sinks.astype(jnp.float32)
+
+    def run(tiles, config, *, direct=False):  # partial outputs and log-sum-exps per tile, or with `direct` [T, N, H]
+        if direct:
+            q_source = q_compute
+        else:
+            tokens, heads = query_tiles.tile_rows(
+                tiles, metadata.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads,
+                num_tokens=num_tokens, rows=config.rows,
+            )  # fmt: skip
+            q_source = query_tiles.pack_query_rows(q_compute, tokens, heads)
+        return launch_attention(
+            q_source, k_source, v_source, tiles, seq_lens, query_lens, metadata.query_start_loc, block_tables,
+            logit_scale, sinks if direct else None, block_size=block_size, group_size=group_size,
+            num_kv_heads=num_kv_heads, params=params, kv_layout=kv_layout, stacked=stacked, direct=direct,
+            config=config, interpret=interpret,
         )  # fmt: skip
 
     ctas_per_split = max(1, metadata.num_reqs * num_kv_heads)
@@ -142,12 +150,22 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
         head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=decode_splits
     )
     decode = run(query_tiles.decode_tiles(query_lens, group_size), decode_config)
-    prefill = None  # a static max_query_len that fits one decode tile skips the prefill launch
+    prefill_rows = None  # a static max_query_len that fits one decode tile skips the prefill launch
     if metadata.max_query_len > query_tiles.tokens_per_tile(group_size):
         tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
-        prefill = run(tiles, prefill_config)
+        direct = direct_io_supported(group_size) and (
+            prefill_config.smem_bytes(head_dim, q_compute.dtype.itemsize, kv_cache_dtype(kv_cache).itemsize, direct=True)
+            <= SMEM_BUDGET_BYTES
+        )
+        if direct:  # q read and the output written in [T, N, H] by the kernel
+            prefill_rows = run(tiles, prefill_config, direct=True)
+        else:
+            prefill_rows = query_tiles.prefill_token_rows(
+                run(tiles, prefill_config), metadata.query_start_loc, query_lens, sinks, group_size=group_size,
+                num_tokens=num_tokens,
+            )  # fmt: skip
     out = query_tiles.token_outputs(
-        decode, prefill, metadata.query_start_loc, query_lens, unservable, metadata.num_actual_tokens,
-        None if sinks is None else sinks.astype(jnp.float32), group_size=group_size, num_tokens=num_tokens,
+        decode, prefill_rows, metadata.query_start_loc, query_lens, unservable, metadata.num_actual_tokens, sinks,
+        group_size=group_size, num_tokens=num_tokens,
     )  # fmt: skip
     return (out * v_scale).astype(q.dtype)

@@ -57,8 +57,8 @@ def take_turn(schedule) -> None:
 
 def paged_attention_cta(
     tile_request_ref, tile_query_start_ref, tile_query_len_ref, seq_lens_ref, query_lens_ref, block_tables_ref,
-    logit_scale_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-    *, block_size, group_size, params, kv_layout, stacked, config, p_in_registers,
+    query_start_loc_ref, logit_scale_ref, sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None,
+    *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, has_sinks, config, p_in_registers,
 ):  # fmt: skip
     """One CTA: the producer and consumer warpgroups of one (query tile, KV head, split), or of several in turn.
 
@@ -74,20 +74,23 @@ def paged_attention_cta(
     # A step's block_kv keys come from several whole pages (S <= block_kv) or from a part of one (S > block_kv)
     pages_per_step = max(1, block_kv // block_size)
     rows_per_page = min(block_size, block_kv)
-    tokens_per_consumer = ROWS // group_size
+    tokens_per_consumer = ROWS // group_size  # rows g * tokens_per_consumer + j: head g, token j
     logits_soft_cap = params.logits_soft_cap
-    num_tiles, num_kv_heads = q_ref.shape[0], q_ref.shape[1]
+    num_tiles = tile_request_ref.shape[0]
     num_work_items = num_tiles * num_kv_heads * config.num_splits
     num_programs = config.num_programs(num_work_items)
-    num_q_buffers = config.query_buffers
+    num_q_buffers = config.query_buffers(direct=direct)
+    # With `direct`, a consumer's tokens of one head are copied in pieces of these sizes (powers of two)
+    row_pieces = [tokens_per_consumer >> i for i in range(tokens_per_consumer.bit_length())]
 
     def work_item(tile, kv_head, split, ring_base):
         """The producer and consumer of one (query tile, KV head, split), whose first step goes to ring position
         `ring_base` (the steps this CTA streamed before it); both read the same ring slots in the same order."""
         request = tile_request_ref[tile]
         seq_len = seq_lens_ref[request]
-        tile_len = tile_query_len_ref[tile]
-        first_q_pos = seq_len - query_lens_ref[request] + tile_query_start_ref[tile]
+        query_len = query_lens_ref[request]
+        tile_start, tile_len = tile_query_start_ref[tile], tile_query_len_ref[tile]
+        first_q_pos = seq_len - query_len + tile_start
         # Keys some query of the tile sees: [key_lo, key_hi]. The CTA streams the steps holding them.
         key_lo, _ = allowed_key_range(first_q_pos, seq_len, params=params)
         _, key_hi = allowed_key_range(first_q_pos + tile_len - 1, seq_len, params=params)
@@ -96,6 +99,15 @@ def paged_attention_cta(
         steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
         my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
         my_hi = jnp.where(tile_len > 0, jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
+
+        def consumer_rows(wg):
+            """(offset of consumer `wg`'s first token in the tile, its tokens)."""
+            return wg * tokens_per_consumer, jnp.clip(tile_len - wg * tokens_per_consumer, 0, tokens_per_consumer)
+
+        def token_block(wg):
+            """With `direct`: the first of consumer `wg`'s tokens in q and the output [T, N, H], and their number."""
+            offset, length = consumer_rows(wg)
+            return query_start_loc_ref[request] + tile_start + offset, length
 
         def ring_slot(step):
             return lax.rem(ring_base + step - my_lo, num_stages)
@@ -151,8 +163,8 @@ def paged_attention_cta(
             inner steps, masked edge steps. Long for the reason the kernel is: its helpers share its registers'
             layouts and the ring's barriers."""
             k_staging, v_staging, p_smem, v_zeroed, schedule = extras
-            my_first_q_pos = first_q_pos + wg * tokens_per_consumer
-            my_len = jnp.clip(tile_len - wg * tokens_per_consumer, 0, tokens_per_consumer)
+            my_offset, my_len = consumer_rows(wg)  # the same for every split
+            my_first_q_pos = first_q_pos + my_offset
             # Steps whose keys every query of this consumer sees need no mask.
             all_lo, _ = allowed_key_range(my_first_q_pos + my_len - 1, seq_len, params=params)
             _, all_hi = allowed_key_range(my_first_q_pos, seq_len, params=params)
@@ -224,7 +236,7 @@ def paged_attention_cta(
                 if masked:  # positions built here, not before the loops, where they would hold registers throughout
                     rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
                     cols = plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
-                    q_pos = my_first_q_pos + rows // group_size
+                    q_pos = my_first_q_pos + lax.rem(rows, tokens_per_consumer)
                     k_pos = step * block_kv + cols
                     logits = jnp.where(
                         attention_mask(q_pos, k_pos, seq_len, params=params), logits, MASKED_LOGIT
@@ -309,9 +321,9 @@ def paged_attention_cta(
             carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
             return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
 
-        return producer, consumer, my_hi - my_lo
+        return producer, consumer, my_hi - my_lo, token_block
 
-    def body(q_smem, lse_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
+    def body(q_smem, lse_smem, rows_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
              k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
         wg = lax.axis_index("wg")
         ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
@@ -341,7 +353,7 @@ def paged_attention_cta(
                 plgpu.set_max_registers(config.producer_registers, action="decrease")
 
             def produce(i, item, ring_base):
-                producer, _, num_steps = work_item(*coordinates(item), ring_base)
+                producer, _, num_steps, _ = work_item(*coordinates(item), ring_base)
                 producer(*ring)
                 return num_steps
 
@@ -367,17 +379,54 @@ def paged_attention_cta(
                 schedule,
             )
 
+            def token_row_pieces(kv_head, first_token, num_tokens, copy, skip=None):
+                """With `direct`: `copy(smem rows, [T, N, H] rows)` for this consumer's `num_tokens` tokens of each
+                head of the group, in power-of-two pieces (exact, never past a request's or the array's end; T-row
+                copies need not start on an 8-row tile, hence the untiled `rows_smem`); `skip()` for each piece
+                left out."""
+                for g in range(group_size):
+                    for size in row_pieces:
+                        offset = num_tokens & ~(2 * size - 1)  # the larger pieces come first
+                        smem_rows = rows_smem.at[wg, pl.ds(g * tokens_per_consumer + offset, size)]
+                        token_rows = (pl.ds(first_token + offset, size), kv_head * group_size + g)
+                        pl.when(num_tokens & size != 0)(partial(copy, smem_rows, token_rows))
+                        if skip is not None:
+                            pl.when(num_tokens & size == 0)(skip)
+
             def load_query(item, buffer):
-                tile, kv_head, _ = coordinates(item)
-                plgpu.copy_gmem_to_smem(
-                    q_ref.at[tile, kv_head, rows], q_smem.at[buffer, wg], q_loaded.at[buffer * num_consumers + wg]
-                )
+                tile, kv_head, split = coordinates(item)
+                loaded = q_loaded.at[buffer * num_consumers + wg]
+                if not direct:
+                    plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[buffer, wg], loaded)
+                    return
+                first_token, num_tokens = work_item(tile, kv_head, split, 0)[3](wg)
+                token_row_pieces(
+                    kv_head, first_token, num_tokens,
+                    lambda smem_rows, token_rows: plgpu.copy_gmem_to_smem(q_ref.at[token_rows], smem_rows, loaded),
+                    skip=lambda: plgpu.barrier_arrive(loaded),  # every piece arrives once
+                )  # fmt: skip
+
+            def normalized(acc, m_i, l_i, kv_head):
+                """acc / l; with `direct` and sinks, each head's sink logit joins the denominator."""
+                if not (direct and has_sinks):
+                    return acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
+                head_of_row = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA) // tokens_per_consumer
+                sink = jnp.zeros(acc.shape, jnp.float32)
+                for g in range(group_size):
+                    sink = jnp.where(head_of_row == g, sinks_ref[kv_head * group_size + g] * LOG2E, sink)
+                m = lax.broadcast_in_dim(m_i, acc.shape, [0])
+                top = jnp.maximum(m, sink)
+                kept = jnp.exp2(m - top)
+                return acc * kept / (lax.broadcast_in_dim(l_i, acc.shape, [0]) * kept + jnp.exp2(sink - top))
 
             def consume(i, item, ring_base):
                 tile, kv_head, split = coordinates(item)
-                _, consumer, num_steps = work_item(tile, kv_head, split, ring_base)
+                _, consumer, num_steps, token_block = work_item(tile, kv_head, split, ring_base)
                 buffer = lax.rem(i, num_q_buffers)
                 plgpu.barrier_wait(q_loaded.at[buffer * num_consumers + wg])
+                if direct:  # into the wgmma's tiled, swizzled layout (rows past the tokens hold stale values)
+                    q_smem[buffer, wg] = plgpu.load(rows_smem.at[wg], layout=copy_layout)
+                    plgpu.commit_smem()
                 if num_q_buffers > 1:  # the next item's query tile, in the buffer the last item's output has left
                     pl.when(i + 1 < num_items)(partial(load_query, item + num_programs, 1 - buffer))
                 if schedule is not None:
@@ -385,13 +434,21 @@ def paged_attention_cta(
                 acc, m_i, l_i = consumer(wg, q_smem.at[buffer, wg], *ring, extras)
                 if schedule is not None:
                     pl.when(wg == 0)(partial(take_turn, schedule))
-                has_keys = l_i > 0
-                safe_l = jnp.where(has_keys, l_i, 1.0)
-                q_smem[buffer, wg] = (acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])).astype(dtype)
-                lse_smem[wg] = jnp.where(has_keys, (m_i + jnp.log2(safe_l)) / LOG2E, -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(q_smem.at[buffer, wg], o_ref.at[tile, kv_head, split, rows])
-                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile, kv_head, split, rows])
+                out = normalized(acc, m_i, l_i, kv_head).astype(dtype)
+                if direct:  # the output rows straight into [T, N, H]
+                    rows_smem[wg] = out
+                    plgpu.commit_smem()
+                    token_row_pieces(
+                        kv_head, *token_block(wg),
+                        lambda smem_rows, token_rows: plgpu.copy_smem_to_gmem(smem_rows, o_ref.at[token_rows]),
+                    )  # fmt: skip
+                else:  # normalized per split, with the log-sum-exp that `tiles.merge_splits` weighs the splits by
+                    q_smem[buffer, wg] = out
+                    has_keys = l_i > 0
+                    lse_smem[wg] = jnp.where(has_keys, (m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0))) / LOG2E, -jnp.inf)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(q_smem.at[buffer, wg], o_ref.at[tile, kv_head, split, rows])
+                    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile, kv_head, split, rows])
                 plgpu.wait_smem_to_gmem(0)  # the buffers are free for a later item
                 if num_q_buffers == 1:  # no prefetch: the next item's query tile goes where this output was
                     pl.when(i + 1 < num_items)(partial(load_query, item + num_programs, 0))
@@ -404,6 +461,7 @@ def paged_attention_cta(
         pl.when(wg < num_consumers)(lambda: run_consumer(wg))
 
     q_transforms = smem_transforms(head_dim, dtype)
+    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((ROWS, head_dim), dtype, q_transforms[1].swizzle)
     kv_transforms = smem_transforms(head_dim, k_ref.dtype)
     ring_shape = (num_stages, block_kv, head_dim)
     staging = (
@@ -413,6 +471,7 @@ def paged_attention_cta(
         body,
         plgpu.SMEM((num_q_buffers, num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
         plgpu.SMEM((num_consumers, ROWS), jnp.float32),
+        plgpu.SMEM((num_consumers, ROWS, head_dim), dtype) if direct else None,
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         staging,
@@ -420,7 +479,9 @@ def paged_attention_cta(
         None
         if p_in_registers
         else plgpu.SMEM((num_consumers, ROWS, block_kv), dtype, transforms=q_transforms),
-        plgpu.Barrier(num_barriers=num_q_buffers * num_consumers),
+        plgpu.Barrier(
+            num_arrivals=group_size * len(row_pieces) if direct else 1, num_barriers=num_q_buffers * num_consumers
+        ),
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
