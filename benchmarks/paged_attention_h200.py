@@ -191,6 +191,9 @@ def decode_section(rows, *, sweep):
     if sweep:
         with configs_changed(decode=dict(persistent_ctas=jax.devices()[0].core_count)):
             time_decode(rows, "sweep decode B=64 ctx=2048 full persistent", q, kv_cache, metadata, {}, None)
+        with configs_changed(decode=dict(direct_io=False)):  # q packed into tiles, the output gathered per token
+            time_decode(rows, "sweep decode B=64 ctx=2048 full direct_io=False", q, kv_cache, metadata, {}, None,
+                        breakdown=True)  # fmt: skip
     for seq_len in [8192, 32768]:
         q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=seq_len, **SHAPE)
         full_ms = None
@@ -220,6 +223,9 @@ def decode_section(rows, *, sweep):
                     time_decode(rows, f"sweep decode ctx={seq_len} window 1024 splits={splits} block_kv={block_kv} stages={stages}", q, kv_cache, metadata, window, None)
             with configs_changed(decode=dict(persistent_ctas=jax.devices()[0].core_count)):
                 time_decode(rows, f"sweep decode ctx={seq_len} window 1024 persistent", q, kv_cache, metadata, window, None)
+            with configs_changed(decode=dict(direct_io=False)):
+                time_decode(rows, f"sweep decode ctx={seq_len} window 1024 direct_io=False", q, kv_cache, metadata,
+                            window, None, breakdown=True)  # fmt: skip
         del q, kv_cache
 
 
@@ -273,6 +279,7 @@ def prefill_section(rows, *, sweep):
         dict(early_k_wait=True),
         dict(consumer_registers=224, producer_registers=56),  # ptxas spills ~80 bytes with 232 / 40
         dict(persistent_ctas=jax.devices()[0].core_count),  # one CTA per SM, looping over the tiles
+        dict(direct_io=False),  # q packed into tiles, the output gathered per token
     ]
     for options in prefill_sweep if sweep else []:
         config = KernelConfig(num_consumers=2, **options)

@@ -8,6 +8,7 @@ import pytest
 
 from jax_hybrid_attn import FullAttentionSpec, LayerAttentionParams, paged_attention, reference, write_kv
 from jax_hybrid_attn.allocator import AllocatorConfig, KVCacheManager
+from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.testing import random_paged_inputs
 
 SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
@@ -138,11 +139,14 @@ def unservable_cases():
     return x, cases, starts
 
 
-@pytest.mark.parametrize("implementation", ["reference", "kernel"])
-def test_metadata_the_kernels_cannot_serve_gives_nan_for_those_requests_only(implementation):
+@pytest.mark.parametrize("implementation", ["reference", "kernel", "kernel, decodes unsplit"])
+def test_metadata_the_kernels_cannot_serve_gives_nan_for_those_requests_only(implementation, monkeypatch):
     """A static bound below a request's query, a sequence longer than its block table, or a block id outside the
     pool is flagged: that request's tokens are NaN (the kernels read nothing past the table or the pool), the other
-    requests are exact."""
+    requests are exact. Unsplit, a batch of decodes is one launch that writes every token's output itself."""
+    if implementation == "kernel, decodes unsplit":
+        monkeypatch.setattr(mixed_batch, "TARGET_DECODE_CTAS", 1)
+        implementation = "kernel"
     x, cases, starts = unservable_cases()
     interpret = implementation == "kernel" and jax.default_backend() != "gpu"
     want = reference.paged_attention(x.q, x.kv_cache, x.metadata)

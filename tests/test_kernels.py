@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_hybrid_attn import LayerAttentionParams, paged_attention, reference
+from jax_hybrid_attn import PAD_SLOT_ID, LayerAttentionParams, paged_attention, reference
 from jax_hybrid_attn._compat import interpret_params, races_found
 from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.kernels.config import KernelConfig
@@ -209,7 +209,8 @@ def test_kernel_config_rejects_bad_values(options, message):
 @pytest.mark.parametrize("magnitude", [1e-12, 1.0, 3.0e5, 1e30])
 def test_float16_query_is_exact_and_in_range(magnitude):
     q = (jax.random.normal(jax.random.key(0), (5, 4, 64)) * magnitude).astype(jnp.bfloat16)
-    q16, factor = mixed_batch.float16_query(q)
+    scale = mixed_batch.float16_query_scale(q)
+    q16, factor = mixed_batch.float16_query(q, scale), 1 / scale
     assert q16.dtype == jnp.float16
     assert float(jnp.abs(q16.astype(jnp.float32)).max()) < 2.0**15
     # bfloat16 values scaled by a power of two fit float16 exactly while they stay above its normal range
@@ -221,10 +222,10 @@ def test_float16_query_is_exact_and_in_range(magnitude):
 
 def test_float16_query_passes_nonfinite_and_zero_through():
     q = jnp.zeros((2, 1, 64), jnp.bfloat16)
-    q16, factor = mixed_batch.float16_query(q)
-    assert float(factor) == 1.0 and not q16.any()
-    q16, factor = mixed_batch.float16_query(q.at[0, 0, 3].set(jnp.nan))
-    assert float(factor) == 1.0 and bool(jnp.isnan(q16[0, 0, 3]))
+    assert float(mixed_batch.float16_query_scale(q)) == 1.0 and not mixed_batch.float16_query(q, 1.0).any()
+    q = q.at[0, 0, 3].set(jnp.nan)
+    scale = mixed_batch.float16_query_scale(q)
+    assert float(scale) == 1.0 and bool(jnp.isnan(mixed_batch.float16_query(q, scale)[0, 0, 3]))
 
 
 def test_a_config_beyond_shared_memory_raises(monkeypatch):
@@ -282,3 +283,35 @@ def test_the_wrapper_around_the_kernels_has_no_loop(query_lens, launches):
         inputs.q, inputs.kv_cache, inputs.metadata
     )
     assert _loops_outside_kernels(jaxpr.jaxpr) == ([], launches)
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1)], ids=["in-kernel-rows", "packed-rows"])
+@pytest.mark.parametrize(
+    "query_lens", [[1, 45, 37], [1, 3, 1, 2]], ids=["prefills", "decodes-unsplit"]
+)  # fmt: skip
+def test_padding_tokens_are_zero_and_a_last_request_may_end_at_the_last_token(heads, query_lens, monkeypatch):
+    """With G = 4 the prefill tiles (and a batch of decodes that are not split, forced here) read q and write their
+    output rows in [T, N, H] themselves, in exact pieces: a last request that ends at the array's last token (no
+    copy may run past it), then the same batch with padding tokens after it, which come out 0. For G = 6 the rows go
+    through packed tiles and a gather instead. No races between the copies."""
+    monkeypatch.setattr(mixed_batch, "TARGET_DECODE_CTAS", 1)  # one split whatever the batch
+    num_q_heads, num_kv_heads = heads
+    inputs = random_paged_inputs(7, query_lens=query_lens, seq_lens=[30, 60, 37, 90][: len(query_lens)],
+                                 num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=64, block_size=16,
+                                 dtype=jnp.bfloat16, with_sinks=True)  # fmt: skip
+    options = dict(params=LayerAttentionParams(sliding_window=20), sinks=inputs.sinks)
+    expected = np.asarray(reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options), np.float32)
+    interpret = interpret_params(detect_races=True)
+    out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, interpret=interpret, **options)
+    assert not races_found()
+    np.testing.assert_allclose(np.asarray(out, np.float32), expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+
+    num_padding = 11
+    padding = jax.random.normal(jax.random.key(1), (num_padding, *inputs.q.shape[1:]), inputs.q.dtype)
+    metadata = inputs.metadata.replace(
+        slot_mapping=jnp.concatenate([inputs.metadata.slot_mapping, jnp.full((num_padding,), PAD_SLOT_ID, jnp.int32)])
+    )
+    out = paged_attention(jnp.concatenate([inputs.q, padding]), inputs.kv_cache, metadata, interpret=True, **options)
+    out = np.asarray(out, np.float32)
+    np.testing.assert_allclose(out[: len(expected)], expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+    np.testing.assert_array_equal(out[len(expected) :], 0.0)

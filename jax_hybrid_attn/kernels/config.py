@@ -26,6 +26,8 @@ class KernelConfig:
       consumer_registers, producer_registers: the registers per thread of each role with two consumers
         (``setmaxnreg``: multiples of 8 in [24, 256], together at most what the CTA launched with, since
         `setmaxnreg` only moves registers between warpgroups: an increase beyond that waits forever).
+      direct_io: read q and write the output in [T, N, H] in the kernel where the launch allows it (one split, G
+        in 1, 2, 4, 8; `mixed_batch`), rather than packing q into tiles and gathering the output per token.
       persistent_ctas: 0 launches one CTA per work item (tile, KV head, split); N > 0 launches N CTAs (at most
         one per work item), the i-th looping over items ``i, i + N, ...`` (tile fastest). The producer streams
         the next item's keys while the consumers finish the last, and each consumer loads its next query tile
@@ -43,6 +45,7 @@ class KernelConfig:
     early_k_wait: bool = False
     consumer_registers: int = 232
     producer_registers: int = 40
+    direct_io: bool = True
     persistent_ctas: int = 0
     profile_ranges: int = 0
     profile_dir: str = ""

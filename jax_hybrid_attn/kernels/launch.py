@@ -17,24 +17,29 @@ from .paged_attention import paged_attention_cta
 
 
 def launch_attention(
-    q_source, k_source, v_source, tiles, seq_lens, query_lens, query_start_loc, block_tables, logit_scale, sinks,
-    *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, config, interpret,
+    q_source, k_source, v_source, tiles, query_start_loc, query_lens, seq_lens, block_tables, request_flags,
+    num_actual_tokens, scales, sinks, *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, compute_dtype, config, interpret,
 ):  # fmt: skip
-    """Run the kernel over query tiles for a layer of `params` (its scale is already in `logit_scale`).
+    """Run the kernel over query tiles for a layer of `params` (its scale is already in `scales`).
 
     Args:
-      q_source: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`), rows = ``config.rows``; with
-        `direct`, q itself [T, N, H].
+      q_source: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`) in `compute_dtype`, rows =
+        ``config.rows``; with `direct`, q itself [T, N, H] (the kernel scales and converts it).
       k_source, v_source: with `stacked`, the one cache [B, 2, ...] twice (K and V are its axis-1 halves); else
         the pair's K and V caches [B, ...].
       tiles: `tiles.QueryTiles` with [NT] request, query start and query length per tile (length 0: idle).
-      logit_scale: [1] float32, ``sm_scale * k_scale``.
+      query_start_loc, query_lens, seq_lens, block_tables, request_flags: the fields of `tiles.Requests`, the
+        flags used with `direct` only.
+      num_actual_tokens: [] int32, the first padding token (its output and the later ones 0; with `direct`).
+      scales: [3] float32: the logit scale (``sm_scale * k_scale`` over q's scale), the v scale (applied by the
+        kernel with `direct` only) and q's scale (`mixed_batch.float16_query_scale`, or 1).
+      compute_dtype: the wgmma operands' dtype (q's, or float16 for a bfloat16 q and a float8 cache).
       sinks: [N] float32 or None; used with `direct` only (else `tiles.merge_splits` adds them).
       direct: each CTA reads its query rows from q and writes its output rows into [T, N, H] (one split; G
         divides 64 and each head's ``64 // G`` rows fill whole 8-row tiles: `direct_io_supported`).
     Returns:
       with `direct`, the output [T, N, H] (q's dtype; rows of tokens no tile holds are left unwritten). Else the
-      partial outputs [NT, K, splits, rows, H] (q's dtype, normalized per split) and their log-sum-exp
+      partial outputs [NT, K, splits, rows, H] (`compute_dtype`, normalized per split) and their log-sum-exp
       [NT, K, splits, rows] (float32, natural log; -inf where a split saw no key).
     """
     num_tiles, head_dim = tiles.request.shape[0], q_source.shape[-1]
@@ -42,11 +47,12 @@ def launch_attention(
     if smem_bytes > SMEM_BUDGET_BYTES:
         raise NotImplementedError(f"{config} needs {smem_bytes} bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
     if direct and (config.num_splits != 1 or not direct_io_supported(group_size)):
-        raise ValueError(f"direct query and output rows need one split and G in (1, 2, 4, 8): {config}, {group_size=}")
+        raise ValueError(f"direct query and output rows need one split and G in (1, 2, 4, 8): {config} {group_size=}")
     interpret = resolve_interpret(interpret)
     kernel = partial(
         paged_attention_cta, block_size=block_size, group_size=group_size, num_kv_heads=num_kv_heads, params=params,
-        kv_layout=kv_layout, stacked=stacked, direct=direct, has_sinks=sinks is not None, config=config,
+        kv_layout=kv_layout, stacked=stacked, direct=direct, has_sinks=sinks is not None,
+        compute_dtype=jnp.dtype(compute_dtype), config=config,
         p_in_registers=interpret is None,
     )  # fmt: skip
     splits, rows = config.num_splits, config.rows
@@ -80,7 +86,9 @@ def launch_attention(
         query_lens,
         block_tables,
         query_start_loc,
-        logit_scale,
+        request_flags.astype(jnp.int32),
+        jnp.reshape(num_actual_tokens, (1,)).astype(jnp.int32),
+        scales,
         jnp.zeros((1,), jnp.float32) if sinks is None else sinks,
         q_source,
         k_source,

@@ -4,9 +4,9 @@ Requests whose whole query fits one 64-row query tile (``64 // G`` tokens: decod
 speculative-verification queries) run as decode tiles, one per request with its keys split across CTAs
 (flash-decoding) and one consumer warpgroup; longer queries run as prefill tiles of ``128 // G`` tokens with two
 consumer warpgroups, which read q and write their output rows in [T, N, H] themselves when G is 1, 2, 4 or 8
-(else through packed rows and a gather, as decode tiles do). The split is computed on the device, with no host round trip. A float8_e4m3fn cache's k
-scale multiplies the logits in the kernel and its v scale the merged output; with a bfloat16 query the kernels
-compute in float16 (`float16_query`).
+(else through packed rows and a gather, as decode tiles do). The split is computed on the device, with no host
+round trip. A float8_e4m3fn cache's k scale multiplies the logits in the kernel and its v scale the output; with a
+bfloat16 query the kernels compute in float16 (`float16_query_scale`).
 """
 
 import math
@@ -75,18 +75,23 @@ def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_splits: int = 1):
     return decode, prefill
 
 
-def float16_query(q: Float[Array, "T N H"]) -> tuple[Float[Array, "T N H"], Float[Array, ""]]:
-    """q in float16 and the factor its logits must be multiplied by, for a float8 cache.
+def float16_query_scale(q: Float[Array, "T N H"]) -> Float[Array, ""]:
+    """The power of two that q is multiplied by on its way to float16, for a float8 cache (the logits are
+    multiplied by its inverse).
 
     sm90 converts e4m3 to float16 in one instruction, to bfloat16 only through float32, so the kernels convert
-    each K/V step more cheaply when they compute in float16. q is first scaled by a power of two (exact) that
-    puts its largest magnitude in [2^14, 2^15): float16 holds it (up to 65504) and keeps 10 mantissa bits, more
-    than bfloat16's 7. The factor is that power's inverse. A q holding inf or NaN is not scaled, so they reach
-    the output as on the reference path."""
+    each K/V step more cheaply when they compute in float16. Scaled by this power of two (exact), q's largest
+    magnitude lies in [2^14, 2^15): float16 holds it (up to 65504) and keeps 10 mantissa bits, more than
+    bfloat16's 7. A q holding inf or NaN is not scaled (1), so they reach the output as on the reference path."""
     largest = jnp.max(jnp.abs(q)).astype(jnp.float32)
     scalable = jnp.isfinite(largest) & (largest > 0)
     exponent = jnp.where(scalable, jnp.floor(jnp.log2(jnp.where(scalable, largest, 1.0))) - 14, 0).astype(jnp.int32)
-    return jnp.ldexp(q.astype(jnp.float32), -exponent).astype(jnp.float16), jnp.ldexp(jnp.float32(1), exponent)
+    return jnp.ldexp(jnp.float32(1), -exponent)
+
+
+def float16_query(q: Float[Array, "..."], scale: Float[Array, ""]) -> Float[Array, "..."]:
+    """q (or packed rows of it) times its `float16_query_scale`, in float16."""
+    return (q.astype(jnp.float32) * scale).astype(jnp.float16)
 
 
 def check_kernel_support(q, kv_cache, kv_layout) -> None:
@@ -115,11 +120,11 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     query_lens = metadata.query_lens
     # Keys past the block table do not exist: the kernels never read past it (those requests are flagged below).
     seq_lens = jnp.minimum(metadata.seq_lens, metadata.block_tables.shape[1] * block_size)
-    logit_scale = jnp.reshape(params.sm_scale * k_scale, (1,)).astype(jnp.float32)
-    q_compute = q
+    compute_dtype, q_scale = q.dtype, jnp.float32(1)
     if kv_cache_dtype(kv_cache) == FP8_DTYPE and q.dtype == jnp.bfloat16:
-        q_compute, logit_factor = float16_query(q)
-        logit_scale = logit_scale * logit_factor
+        compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q)
+    # the kernels' scalars: logit scale (sm_scale * k_scale, over q's scale), v scale, q scale
+    scales = jnp.stack([params.sm_scale * k_scale / q_scale, v_scale, q_scale]).astype(jnp.float32)
     unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)
     block_tables = jnp.clip(metadata.block_tables, 0, num_blocks - 1)  # never a page outside the pool
     # K and V come from one array [B, 2, ...] (passed twice, indexed on axis 1) or from the pair's two arrays
@@ -127,21 +132,23 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     k_source, v_source = (kv_cache, kv_cache) if stacked else kv_cache
 
     sinks = None if sinks is None else sinks.astype(jnp.float32)
+    requests = query_tiles.Requests(metadata.query_start_loc, query_lens, seq_lens, block_tables, unservable)
 
-    def run(tiles, config, *, direct=False):  # partial outputs and log-sum-exps per tile, or with `direct` [T, N, H]
-        if direct:
-            q_source = q_compute
+    def run(tiles, config, requests, *, direct=False):  # partials and log-sum-exps per tile; with `direct` [T, N, H]
+        if direct:  # the kernel scales and converts q itself
+            q_source = q
         else:
             tokens, heads = query_tiles.tile_rows(
-                tiles, metadata.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads,
-                num_tokens=num_tokens, rows=config.rows,
+                tiles, requests.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads, num_tokens=num_tokens,
+                rows=config.rows,
             )  # fmt: skip
-            q_source = query_tiles.pack_query_rows(q_compute, tokens, heads)
+            q_source = query_tiles.pack_query_rows(q, tokens, heads)
+            if compute_dtype != q.dtype:
+                q_source = float16_query(q_source, q_scale)
         return launch_attention(
-            q_source, k_source, v_source, tiles, seq_lens, query_lens, metadata.query_start_loc, block_tables,
-            logit_scale, sinks if direct else None, block_size=block_size, group_size=group_size,
-            num_kv_heads=num_kv_heads, params=params, kv_layout=kv_layout, stacked=stacked, direct=direct,
-            config=config, interpret=interpret,
+            q_source, k_source, v_source, tiles, *requests, metadata.num_actual_tokens, scales, sinks if direct else None, block_size=block_size,
+            group_size=group_size, num_kv_heads=num_kv_heads, params=params, kv_layout=kv_layout, stacked=stacked,
+            direct=direct, compute_dtype=compute_dtype, config=config, interpret=interpret,
         )  # fmt: skip
 
     ctas_per_split = max(1, metadata.num_reqs * num_kv_heads)
@@ -149,23 +156,50 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     decode_config, prefill_config = kernel_configs(
         head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=decode_splits
     )
-    decode = run(query_tiles.decode_tiles(query_lens, group_size), decode_config)
-    prefill_rows = None  # a static max_query_len that fits one decode tile skips the prefill launch
-    if metadata.max_query_len > query_tiles.tokens_per_tile(group_size):
-        tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
-        direct = direct_io_supported(group_size) and (
-            prefill_config.smem_bytes(head_dim, q_compute.dtype.itemsize, kv_cache_dtype(kv_cache).itemsize, direct=True)
-            <= SMEM_BUDGET_BYTES
-        )
-        if direct:  # q read and the output written in [T, N, H] by the kernel
-            prefill_rows = run(tiles, prefill_config, direct=True)
+
+    def writes_tokens(config):  # whether the launch can read q and write the output in [T, N, H] itself
+        kv_itemsize = kv_cache_dtype(kv_cache).itemsize
+        return (
+            config.direct_io and config.num_splits == 1 and direct_io_supported(group_size)
+            and config.smem_bytes(head_dim, q.dtype.itemsize, kv_itemsize, direct=True) <= SMEM_BUDGET_BYTES
+        )  # fmt: skip
+
+    def all_tokens(config, tiled):  # every token's output from one launch whose tiles hold the requests of `tiled`
+        all_requests = with_tokens_after_the_requests(requests, num_tokens)
+        tiled = jnp.append(tiled, True)  # and the tokens after the last request
+        tiles = query_tiles.prefill_tiles(all_requests.query_lens, group_size, num_tokens, rows=config.rows, tiled=tiled)
+        return run(tiles, config, all_requests, direct=True)
+
+    is_decode = query_lens <= query_tiles.tokens_per_tile(group_size)
+    prefill_launch = metadata.max_query_len > query_tiles.tokens_per_tile(group_size)  # static
+    if not prefill_launch and writes_tokens(decode_config):  # decodes only, unsplit: the one launch writes it all
+        return all_tokens(decode_config, jnp.ones_like(is_decode))
+    decode = run(query_tiles.decode_tiles(query_lens, group_size), decode_config, requests)
+    prefill_rows = None
+    if prefill_launch:
+        if writes_tokens(prefill_config):  # every token's output but the decodes'
+            prefill_rows = all_tokens(prefill_config, ~is_decode)
         else:
+            tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
             prefill_rows = query_tiles.prefill_token_rows(
-                run(tiles, prefill_config), metadata.query_start_loc, query_lens, sinks, group_size=group_size,
-                num_tokens=num_tokens,
+                run(tiles, prefill_config, requests), requests, metadata.num_actual_tokens, sinks, v_scale,
+                group_size=group_size, num_tokens=num_tokens, dtype=q.dtype,
             )  # fmt: skip
-    out = query_tiles.token_outputs(
-        decode, prefill_rows, metadata.query_start_loc, query_lens, unservable, metadata.num_actual_tokens, sinks,
-        group_size=group_size, num_tokens=num_tokens,
+    return query_tiles.token_outputs(
+        decode, prefill_rows, requests, metadata.num_actual_tokens, sinks, v_scale, group_size=group_size,
+        num_tokens=num_tokens, dtype=q.dtype,
     )  # fmt: skip
-    return (out * v_scale).astype(q.dtype)
+
+
+def with_tokens_after_the_requests(requests: query_tiles.Requests, num_tokens: int) -> query_tiles.Requests:
+    """`requests` and one more, holding the tokens after the last one up to T: no context (no keys, so no
+    steps), flagged, so that the kernel writes NaN for its tokens before `num_actual_tokens` (no request holds
+    them) and 0 for the padding from there on."""
+    query_start_loc, query_lens, seq_lens, block_tables, flags = requests
+    return query_tiles.Requests(
+        jnp.append(query_start_loc, num_tokens).astype(query_start_loc.dtype),
+        jnp.append(query_lens, num_tokens - query_start_loc[-1]).astype(query_lens.dtype),
+        jnp.append(seq_lens, 0).astype(seq_lens.dtype),
+        jnp.concatenate([block_tables, jnp.zeros_like(block_tables[:1])]),
+        jnp.append(flags, True),
+    )

@@ -1,8 +1,8 @@
 """Paged attention over query tiles in Pallas Mosaic GPU: a producer warpgroup and one or two consumers.
 
 A query tile holds ``64 * num_consumers`` wgmma rows; each consumer warpgroup owns 64 of them, the G query
-heads of one KV head for ``64 // G`` consecutive tokens (row ``j * G + g``). One CTA per work item (tile, KV
-head, split), or with `KernelConfig.persistent_ctas` a fixed number of CTAs that loop over the work items, their
+heads of one KV head for ``64 // G`` consecutive tokens (row ``g * (64 // G) + j``: head g, token j). One CTA
+per work item (tile, KV head, split), or with `KernelConfig.persistent_ctas` a fixed number of CTAs that loop over the work items, their
 ring positions carrying on from one item to the next. The producer warpgroup streams the blocks between the
 first key any query of the tile may see and the last (window, chunk or sequence end) by TMA through the block
 table, ``block_kv // S`` blocks per step (``block_kv`` rows of one block when S is a multiple of ``block_kv``),
@@ -13,13 +13,17 @@ cores (a schedule barrier, as FlashAttention-3 does).
 Masks are applied only on steps that straddle an edge of a consumer's key range. On a step that holds keys
 outside the tile's range (a block's unwritten tail, or a clamped duplicate block), V rows that no query
 sees are zeroed first: stale or NaN memory must not reach ``0 * V``. With two consumers, consumer 0 zeroes
-and signals consumer 1 through the slot's barrier. A float8_e4m3fn cache is converted to q's dtype in each
-consumer's staging buffers (zeroing happens there); its k scale multiplies the logits and its v scale is
-applied after the split merge. P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
+and signals consumer 1 through the slot's barrier. A float8_e4m3fn cache is converted to the compute dtype (q's,
+or float16 for a bfloat16 q) in each consumer's staging buffers (zeroing happens there); its k scale multiplies
+the logits and its v scale the output. P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
 which runs wgmma only from shared memory, it goes through a shared-memory tile instead.
 
-Each split writes its normalized partial output (q's dtype) and its log-sum-exp; `tiles.merge_splits`
-combines them with the sinks, which enter the denominator only.
+Decode tiles and packed prefill tiles: each split writes its normalized partial output and its log-sum-exp;
+`tiles.merge_splits` combines them with the sinks, which enter the denominator only. With `direct` (prefill
+tiles, G = 1, 2, 4 or 8) each consumer reads its rows of each head from q [T, N, H] and writes its final output
+rows there (sinks and v scale applied), by TMA through an untiled staging tile: a request's tokens start
+anywhere, not on an 8-row tile, and are copied in exact power-of-two pieces, so no copy crosses into another
+request's rows.
 
 This module is the kernel body only (`launch.py` launches it over the work items, its options are in `config.py`,
 the tiles around it in `tiles.py`); it stays one module because the body is one Pallas function whose producer,
@@ -57,8 +61,9 @@ def take_turn(schedule) -> None:
 
 def paged_attention_cta(
     tile_request_ref, tile_query_start_ref, tile_query_len_ref, seq_lens_ref, query_lens_ref, block_tables_ref,
-    query_start_loc_ref, logit_scale_ref, sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None,
-    *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, has_sinks, config, p_in_registers,
+    query_start_loc_ref, request_flags_ref, num_actual_tokens_ref, scales_ref, sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None,
+    *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, has_sinks, compute_dtype, config,
+    p_in_registers,
 ):  # fmt: skip
     """One CTA: the producer and consumer warpgroups of one (query tile, KV head, split), or of several in turn.
 
@@ -68,8 +73,10 @@ def paged_attention_cta(
     them (ring slots, "loaded"/"consumed", the consumers' turns) is easiest to check when it sits in one place.
     """
     head_dim = q_ref.shape[-1]
-    dtype = q_ref.dtype
+    dtype = compute_dtype  # the wgmma operands'
     converts = k_ref.dtype != dtype  # float8 cache: consumers convert each step into staging buffers
+    if converts and dtype != jnp.float16:  # sm90 converts e4m3 to float16 in one instruction, to bfloat16 not at all
+        raise ValueError(f"a {k_ref.dtype} cache needs compute_dtype float16, not {dtype}")
     block_kv, num_stages, num_consumers = config.block_kv, config.num_stages, config.num_consumers
     # A step's block_kv keys come from several whole pages (S <= block_kv) or from a part of one (S > block_kv)
     pages_per_step = max(1, block_kv // block_size)
@@ -98,16 +105,18 @@ def paged_attention_cta(
         step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
         steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
         my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
-        my_hi = jnp.where(tile_len > 0, jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
+        # no keys, no steps: an idle tile, or a request with no context (the tokens after the last request)
+        my_hi = jnp.where((tile_len > 0) & (seq_len > 0), jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
 
         def consumer_rows(wg):
             """(offset of consumer `wg`'s first token in the tile, its tokens)."""
             return wg * tokens_per_consumer, jnp.clip(tile_len - wg * tokens_per_consumer, 0, tokens_per_consumer)
 
         def token_block(wg):
-            """With `direct`: the first of consumer `wg`'s tokens in q and the output [T, N, H], and their number."""
+            """With `direct`: the first of consumer `wg`'s tokens in q and the output [T, N, H], their number, and
+            whether the request is flagged (its tokens come out NaN)."""
             offset, length = consumer_rows(wg)
-            return query_start_loc_ref[request] + tile_start + offset, length
+            return query_start_loc_ref[request] + tile_start + offset, length, request_flags_ref[request] != 0
 
         def ring_slot(step):
             return lax.rem(ring_base + step - my_lo, num_stages)
@@ -171,15 +180,14 @@ def paged_attention_cta(
             inner_lo = jnp.where(my_len > 0, jnp.clip(pl.cdiv(all_lo, block_kv), my_lo, my_hi), my_hi)
             inner_hi = jnp.clip((jnp.minimum(all_hi, seq_len - 1) + 1) // block_kv, inner_lo, my_hi)
             # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
-            logit_scale = logit_scale_ref[0] if logits_soft_cap is not None else logit_scale_ref[0] * LOG2E
+            logit_scale = scales_ref[0] if logits_soft_cap is not None else scales_ref[0] * LOG2E
 
             def stage(slot_ref, staging, step, *, zero):
-                """Convert a float8 step into q's dtype (zeroing foreign V rows) in this consumer's buffer,
-                64 rows at a time to bound registers. sm90 converts e4m3 only to f16: bf16 goes through f32."""
+                """Convert a float8 step into float16 (zeroing foreign V rows) in this consumer's buffer, 64 rows
+                at a time to bound registers."""
                 for first_row in range(0, block_kv, ROWS):
                     rows = pl.ds(first_row, ROWS)
-                    x = slot_ref[rows]
-                    x = x.astype(dtype) if dtype == jnp.float16 else x.astype(jnp.float32).astype(dtype)
+                    x = slot_ref[rows].astype(dtype)
                     if zero:  # on steps without foreign keys every row is kept
                         x = zero_foreign_rows(x, step * block_kv + first_row)
                     staging[rows] = x
@@ -323,6 +331,10 @@ def paged_attention_cta(
 
         return producer, consumer, my_hi - my_lo, token_block
 
+    def row_iota(shape):
+        """Each element's row, in the wgmma accumulator's register layout."""
+        return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+
     def body(q_smem, lse_smem, rows_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
              k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
         wg = lax.axis_index("wg")
@@ -399,7 +411,7 @@ def paged_attention_cta(
                 if not direct:
                     plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[buffer, wg], loaded)
                     return
-                first_token, num_tokens = work_item(tile, kv_head, split, 0)[3](wg)
+                first_token, num_tokens, _ = work_item(tile, kv_head, split, 0)[3](wg)
                 token_row_pieces(
                     kv_head, first_token, num_tokens,
                     lambda smem_rows, token_rows: plgpu.copy_gmem_to_smem(q_ref.at[token_rows], smem_rows, loaded),
@@ -410,7 +422,7 @@ def paged_attention_cta(
                 """acc / l; with `direct` and sinks, each head's sink logit joins the denominator."""
                 if not (direct and has_sinks):
                     return acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
-                head_of_row = plgpu.broadcasted_iota(jnp.int32, acc.shape, 0, layout=plgpu.Layout.WGMMA) // tokens_per_consumer
+                head_of_row = row_iota(acc.shape) // tokens_per_consumer
                 sink = jnp.zeros(acc.shape, jnp.float32)
                 for g in range(group_size):
                     sink = jnp.where(head_of_row == g, sinks_ref[kv_head * group_size + g] * LOG2E, sink)
@@ -425,7 +437,10 @@ def paged_attention_cta(
                 buffer = lax.rem(i, num_q_buffers)
                 plgpu.barrier_wait(q_loaded.at[buffer * num_consumers + wg])
                 if direct:  # into the wgmma's tiled, swizzled layout (rows past the tokens hold stale values)
-                    q_smem[buffer, wg] = plgpu.load(rows_smem.at[wg], layout=copy_layout)
+                    q_rows = plgpu.load(rows_smem.at[wg], layout=copy_layout)
+                    if q_ref.dtype != dtype:  # a bfloat16 q scaled into float16 (`mixed_batch.float16_query`)
+                        q_rows = q_rows.astype(jnp.float32) * scales_ref[2]
+                    q_smem[buffer, wg] = q_rows.astype(dtype)
                     plgpu.commit_smem()
                 if num_q_buffers > 1:  # the next item's query tile, in the buffer the last item's output has left
                     pl.when(i + 1 < num_items)(partial(load_query, item + num_programs, 1 - buffer))
@@ -434,18 +449,23 @@ def paged_attention_cta(
                 acc, m_i, l_i = consumer(wg, q_smem.at[buffer, wg], *ring, extras)
                 if schedule is not None:
                     pl.when(wg == 0)(partial(take_turn, schedule))
-                out = normalized(acc, m_i, l_i, kv_head).astype(dtype)
-                if direct:  # the output rows straight into [T, N, H]
-                    rows_smem[wg] = out
+                out = normalized(acc, m_i, l_i, kv_head)
+                if direct:  # the final output rows straight into [T, N, H]: v scale applied, NaN for a flagged
+                    # request, 0 for padding tokens (from num_actual_tokens on), in the output's dtype
+                    first_token, num_tokens, flagged = token_block(wg)
+                    token = first_token + lax.rem(row_iota(out.shape), tokens_per_consumer)
+                    out = out * jnp.where(flagged, jnp.float32(jnp.nan), scales_ref[1])
+                    rows_smem[wg] = jnp.where(token < num_actual_tokens_ref[0], out, 0.0).astype(o_ref.dtype)
                     plgpu.commit_smem()
                     token_row_pieces(
-                        kv_head, *token_block(wg),
+                        kv_head, first_token, num_tokens,
                         lambda smem_rows, token_rows: plgpu.copy_smem_to_gmem(smem_rows, o_ref.at[token_rows]),
                     )  # fmt: skip
                 else:  # normalized per split, with the log-sum-exp that `tiles.merge_splits` weighs the splits by
-                    q_smem[buffer, wg] = out
+                    q_smem[buffer, wg] = out.astype(dtype)
                     has_keys = l_i > 0
-                    lse_smem[wg] = jnp.where(has_keys, (m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0))) / LOG2E, -jnp.inf)
+                    log_sum = (m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0))) / LOG2E
+                    lse_smem[wg] = jnp.where(has_keys, log_sum, -jnp.inf)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(q_smem.at[buffer, wg], o_ref.at[tile, kv_head, split, rows])
                     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile, kv_head, split, rows])
@@ -461,7 +481,7 @@ def paged_attention_cta(
         pl.when(wg < num_consumers)(lambda: run_consumer(wg))
 
     q_transforms = smem_transforms(head_dim, dtype)
-    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((ROWS, head_dim), dtype, q_transforms[1].swizzle)
+    copy_layout = plgpu.Layout.SMEM_GMEM_COPY((ROWS, head_dim), q_ref.dtype, q_transforms[1].swizzle)
     kv_transforms = smem_transforms(head_dim, k_ref.dtype)
     ring_shape = (num_stages, block_kv, head_dim)
     staging = (
@@ -471,7 +491,7 @@ def paged_attention_cta(
         body,
         plgpu.SMEM((num_q_buffers, num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
         plgpu.SMEM((num_consumers, ROWS), jnp.float32),
-        plgpu.SMEM((num_consumers, ROWS, head_dim), dtype) if direct else None,
+        plgpu.SMEM((num_consumers, ROWS, head_dim), o_ref.dtype) if direct else None,
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         staging,

@@ -10,6 +10,7 @@ so building them needs no host round trip; unused tiles have length 0.
 """
 
 import dataclasses
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
@@ -22,6 +23,7 @@ from .config import ROWS
 __all__ = [
     "ROWS",
     "QueryTiles",
+    "Requests",
     "decode_tiles",
     "prefill_tiles",
     "prefill_tiles_per_request",
@@ -31,6 +33,16 @@ __all__ = [
     "prefill_token_rows",
     "token_outputs",
 ]
+
+
+class Requests(NamedTuple):
+    """The batch's requests as the kernels see them."""
+
+    query_start_loc: Int[Array, "R+1"]
+    query_lens: Int[Array, "R"]
+    seq_lens: Int[Array, "R"]  # keys of each request; 0: none (its tokens' output is 0)
+    block_tables: Int[Array, "R P"]  # every entry a block of the pool
+    flagged: Bool[Array, "R"]  # requests that cannot be served: their tokens come out NaN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,19 +71,25 @@ def decode_tiles(query_lens: Int[Array, "R"], group_size: int) -> QueryTiles:
     )
 
 
-def prefill_tiles_per_request(query_lens: Int[Array, "R"], group_size: int, *, rows: int) -> Int[Array, "R"]:
-    """Prefill tiles of `rows` rows each request takes: none for a query that fits one decode tile."""
-    is_prefill = query_lens > tokens_per_tile(group_size)
-    return jnp.where(is_prefill, cdiv(query_lens, tokens_per_tile(group_size, rows)), 0)
+def prefill_tiles_per_request(
+    query_lens: Int[Array, "R"], group_size: int, *, rows: int, tiled: Bool[Array, "R"] | None = None
+) -> Int[Array, "R"]:
+    """Tiles of `rows` rows each request takes: those of `tiled`, by default the requests whose query does not fit
+    one decode tile."""
+    if tiled is None:
+        tiled = query_lens > tokens_per_tile(group_size)
+    return jnp.where(tiled, cdiv(query_lens, tokens_per_tile(group_size, rows)), 0)
 
 
-def prefill_tiles(query_lens: Int[Array, "R"], group_size: int, num_tokens: int, *, rows: int) -> QueryTiles:
-    """Tiles of `tokens_per_tile` tokens over the requests whose query does not fit one decode tile.
+def prefill_tiles(
+    query_lens: Int[Array, "R"], group_size: int, num_tokens: int, *, rows: int, tiled: Bool[Array, "R"] | None = None
+) -> QueryTiles:
+    """Tiles of `tokens_per_tile` tokens over the requests of `tiled` (`prefill_tiles_per_request`).
 
     The table has ``R + T // tokens_per_tile`` entries, enough for any lengths summing to T."""
     per_tile = tokens_per_tile(group_size, rows)
     num_reqs = query_lens.shape[0]
-    tiles_per_request = prefill_tiles_per_request(query_lens, group_size, rows=rows)
+    tiles_per_request = prefill_tiles_per_request(query_lens, group_size, rows=rows, tiled=tiled)
     ends = jnp.cumsum(tiles_per_request)
     index = jnp.arange(num_reqs + num_tokens // per_tile, dtype=jnp.int32)
     # loop-free (see `metadata.token_requests`)
@@ -124,82 +142,94 @@ def merge_splits(partial_out, lse, sinks):
     return out / jnp.where(denominator > 0, denominator, 1.0)[..., None]
 
 
-def _token_rows(query_start_loc, num_tokens: int, num_q_heads: int, group_size: int):
-    """Each token [T], its request [T] and its offset in its request's query [T], each head's KV head [N], and a
-    function from a token's offset within its tile [T] to the row of each of its heads there [T, N]."""
+def _token_states(requests: Requests, num_actual_tokens, num_tokens: int):
+    """Each token's request [T] and offset in its request's query [T], whether its request's tile holds it (a
+    request that is not flagged) [T], and the value of a token no tile holds [T]: NaN before `num_actual_tokens`,
+    0 (padding) from there on."""
     token = jnp.arange(num_tokens)
-    request = token_requests(query_start_loc, token)
-    offset = token - query_start_loc[request]
-    head = jnp.arange(num_q_heads)
-    per_block = ROWS // group_size  # tokens per 64-row warpgroup block
-
-    def row_of(offset_in_tile):
-        block, j = offset_in_tile // per_block, offset_in_tile % per_block
-        return (block * ROWS + j)[:, None] + (head % group_size * per_block)[None, :]
-
-    return token, request, offset, head // group_size, row_of
+    request = token_requests(requests.query_start_loc, token)
+    offset = token - requests.query_start_loc[request]
+    held = (offset >= 0) & (offset < requests.query_lens[request]) & ~requests.flagged[request]
+    return request, offset, held, jnp.where(token < num_actual_tokens, jnp.nan, 0.0)
 
 
 def prefill_token_rows(
     prefill: tuple[Float[Array, "NT K 1 rows H"], Float[Array, "NT K 1 rows"]],
-    query_start_loc: Int[Array, "R+1"],
-    query_lens: Int[Array, "R"],
+    requests: Requests,
+    num_actual_tokens: Int[Array, ""],
     sinks: Float[Array, "N"] | None,
+    v_scale: Float[Array, ""],
     *,
     group_size: int,
     num_tokens: int,
+    dtype,
 ) -> Float[Array, "T N H"]:
-    """Each token's output (float32) gathered from its prefill tile's partial output and log-sum-exp (one split:
-    the merge only adds the sinks and fuses into the gather). Tokens of other requests get arbitrary rows."""
+    """Each token's output (v scale applied, in `dtype`) gathered from its prefill tile's partial output and
+    log-sum-exp (one split: the merge only adds the sinks and fuses into the gather); NaN for the tokens of
+    flagged requests and those no request holds, 0 for padding. Decode requests' tokens get arbitrary rows
+    (`token_outputs` writes them)."""
     partial_out, lse = prefill
-    num_q_heads = partial_out.shape[1] * group_size
-    _, request, offset, kv_head, row_of = _token_rows(query_start_loc, num_tokens, num_q_heads, group_size)
-    per_tile = tokens_per_tile(group_size, partial_out.shape[3])
-    tiles_per_request = prefill_tiles_per_request(query_lens, group_size, rows=partial_out.shape[3])
+    request, offset, held, fill = _token_states(requests, num_actual_tokens, num_tokens)
+    head = jnp.arange(partial_out.shape[1] * group_size)
+    per_block, per_tile = ROWS // group_size, tokens_per_tile(group_size, partial_out.shape[3])
+    tiles_per_request = prefill_tiles_per_request(requests.query_lens, group_size, rows=partial_out.shape[3])
     first_tile = jnp.cumsum(tiles_per_request) - tiles_per_request
     tile = jnp.clip(first_tile[request] + offset // per_tile, 0, partial_out.shape[0] - 1)
-    index = (tile[:, None], kv_head[None, :], slice(None), row_of(offset % per_tile))  # -> [T, N, 1, ...]
-    return merge_splits(partial_out[index], lse[index], sinks)
+    in_tile = offset % per_tile
+    row = (in_tile // per_block * ROWS + in_tile % per_block)[:, None] + (head % group_size * per_block)[None, :]
+    index = (tile[:, None], (head // group_size)[None, :], slice(None), row)  # -> [T, N, 1, ...]
+    out = merge_splits(partial_out[index], lse[index], sinks) * v_scale
+    return jnp.where(held[:, None, None], out, fill[:, None, None]).astype(dtype)
 
 
 def token_outputs(
     decode: tuple[Float[Array, "R K S rows H"], Float[Array, "R K S rows"]],
     prefill_rows: Float[Array, "T N H"] | None,
-    query_start_loc: Int[Array, "R+1"],
-    query_lens: Int[Array, "R"],
-    flagged: Bool[Array, "R"],
+    requests: Requests,
     num_actual_tokens: Int[Array, ""],
     sinks: Float[Array, "N"] | None,
+    v_scale: Float[Array, ""],
     *,
     group_size: int,
     num_tokens: int,
+    dtype,
 ) -> Float[Array, "T N H"]:
-    """Each token's output (float32): from its request's decode tile (`decode_tiles`: the partial outputs and
-    log-sum-exps of `launch.launch_attention`, merged over the splits by `merge_splits`), or from `prefill_rows`
-    (the prefill launch's output per token, None where that launch was skipped). Padding tokens (from
-    `num_actual_tokens` on) get zeros. NaN flags the tokens of `flagged` requests and those no tile holds (a
-    prefill token without a prefill launch).
+    """Each token's output in `dtype`. With `prefill_rows` (the prefill launch's output per token, complete for
+    every token but those of decode requests: v scale applied, flagged and padding tokens filled, in `dtype`), the
+    decode tiles' tokens (`decode_tiles`: the partial outputs and log-sum-exps of `launch.launch_attention`) are
+    written into it, in place: a scatter of at most ``64 // G`` tokens per request, no pass over all T tokens.
+    Without (a batch of decodes, T small), one gather over the tokens. NaN flags the tokens of flagged requests
+    and those no tile holds (a prefill token without a prefill launch); padding tokens (from `num_actual_tokens`
+    on) get zeros.
 
-    Decode tiles are merged over their splits where they are ([R, K, 64, H], small) and then gathered per token:
-    every token reads its request's decode row, so merging after the gather would repeat the splits' sum for
-    each of T tokens."""
+    Decode tiles are merged over their splits where they are ([R, K, 64, H], small), not per token."""
     decode_out, decode_lse = decode
-    num_kv_heads = decode_out.shape[1]
-    token, request, offset, kv_head, row_of = _token_rows(
-        query_start_loc, num_tokens, num_kv_heads * group_size, group_size
-    )
-    per_block = ROWS // group_size
+    num_reqs, num_kv_heads = decode_out.shape[:2]
+    num_q_heads = num_kv_heads * group_size
+    per_block = ROWS // group_size  # tokens per 64-row warpgroup block, and per decode tile
     row_g = jnp.minimum(jnp.arange(ROWS) // per_block, group_size - 1)  # padding rows: any head
     row_heads = jnp.arange(num_kv_heads)[:, None] * group_size + row_g[None, :]  # [K, 64]
     decode_rows = merge_splits(  # [R, K, 64, H]
         jnp.moveaxis(decode_out, 2, -2), jnp.moveaxis(decode_lse, 2, -1), None if sinks is None else sinks[row_heads]
     )
-    held = (offset >= 0) & (offset < query_lens[request]) & ~flagged[request]
-    is_decode = query_lens[request] <= tokens_per_tile(group_size)
-    out = decode_rows[request[:, None], kv_head[None, :], row_of(jnp.where(is_decode, offset, 0))]
+    head = jnp.arange(num_q_heads)
+
+    def decode_values(request, j):  # [...] requests and token offsets -> their decode rows [..., N, H]
+        rows = (head % group_size * per_block) + j[..., None]
+        return decode_rows[request[..., None], head // group_size, rows] * v_scale
+
+    query_start_loc, query_lens, flagged = requests.query_start_loc, requests.query_lens, requests.flagged
+    is_decode = query_lens <= per_block
     if prefill_rows is None:
-        held &= is_decode
-    else:
-        out = jnp.where(is_decode[:, None, None], out, prefill_rows.astype(jnp.float32))
-    out = jnp.where(held[:, None, None], out, jnp.nan)
-    return jnp.where((token < num_actual_tokens)[:, None, None], out, 0.0)
+        request, offset, held, fill = _token_states(requests, num_actual_tokens, num_tokens)
+        held &= is_decode[request]
+        out = decode_values(request, jnp.where(held, offset, 0))
+        return jnp.where(held[:, None, None], out, fill[:, None, None]).astype(dtype)
+
+    j = jnp.arange(per_block)  # a decode tile's j-th token
+    token = query_start_loc[:-1, None] + j  # [R, 64/G]
+    values = decode_values(jnp.arange(num_reqs)[:, None], j[None, :])  # [R, 64/G, N, H]
+    values = jnp.where(flagged[:, None, None, None], jnp.nan, values)
+    values = jnp.where((token < num_actual_tokens)[..., None, None], values, 0.0).astype(dtype)
+    target = jnp.where(is_decode[:, None] & (j[None, :] < query_lens[:, None]), token, num_tokens)  # T: dropped
+    return prefill_rows.at[target.reshape(-1)].set(values.reshape(-1, *prefill_rows.shape[1:]), mode="drop")
