@@ -139,16 +139,17 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
             q_source = q
         else:
             tokens, heads = query_tiles.tile_rows(
-                tiles, requests.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads, num_tokens=num_tokens,
-                rows=config.rows,
+                tiles, requests.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads,
+                num_tokens=num_tokens, rows=config.rows,
             )  # fmt: skip
             q_source = query_tiles.pack_query_rows(q, tokens, heads)
             if compute_dtype != q.dtype:
                 q_source = float16_query(q_source, q_scale)
         return launch_attention(
-            q_source, k_source, v_source, tiles, *requests, metadata.num_actual_tokens, scales, sinks if direct else None, block_size=block_size,
-            group_size=group_size, num_kv_heads=num_kv_heads, params=params, kv_layout=kv_layout, stacked=stacked,
-            direct=direct, compute_dtype=compute_dtype, config=config, interpret=interpret,
+            q_source, k_source, v_source, tiles, *requests, metadata.num_actual_tokens, scales,
+            sinks if direct else None, block_size=block_size, group_size=group_size, num_kv_heads=num_kv_heads,
+            params=params, kv_layout=kv_layout, stacked=stacked, direct=direct, compute_dtype=compute_dtype,
+            config=config, interpret=interpret,
         )  # fmt: skip
 
     ctas_per_split = max(1, metadata.num_reqs * num_kv_heads)
@@ -167,7 +168,9 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
     def all_tokens(config, tiled):  # every token's output from one launch whose tiles hold the requests of `tiled`
         all_requests = with_tokens_after_the_requests(requests, num_tokens)
         tiled = jnp.append(tiled, True)  # and the tokens after the last request
-        tiles = query_tiles.prefill_tiles(all_requests.query_lens, group_size, num_tokens, rows=config.rows, tiled=tiled)
+        tiles = query_tiles.prefill_tiles(
+            all_requests.query_lens, group_size, num_tokens, rows=config.rows, tiled=tiled
+        )
         return run(tiles, config, all_requests, direct=True)
 
     is_decode = query_lens <= query_tiles.tokens_per_tile(group_size)
@@ -198,7 +201,7 @@ def with_tokens_after_the_requests(requests: query_tiles.Requests, num_tokens: i
     query_start_loc, query_lens, seq_lens, block_tables, flags = requests
     return query_tiles.Requests(
         jnp.append(query_start_loc, num_tokens).astype(query_start_loc.dtype),
-        jnp.append(query_lens, num_tokens - query_start_loc[-1]).astype(query_lens.dtype),
+        jnp.append(query_lens, jnp.maximum(num_tokens - query_start_loc[-1], 0)).astype(query_lens.dtype),
         jnp.append(seq_lens, 0).astype(seq_lens.dtype),
         jnp.concatenate([block_tables, jnp.zeros_like(block_tables[:1])]),
         jnp.append(flags, True),
