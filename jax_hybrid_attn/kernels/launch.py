@@ -1,9 +1,10 @@
 """Launching the paged-attention kernel (`paged_attention.paged_attention_cta`) over query tiles.
 
 One CTA per work item (query tile, KV head, split), or a persistent launch of `KernelConfig.persistent_ctas`
-CTAs that loop over the work items. Decode tiles (split keys) write partial outputs and log-sum-exps, which
-`tiles.token_outputs` merges per token; prefill tiles read q and write their output in [T, N, H] directly where
-the group size allows (`direct_io_supported`), else they go through packed rows and partials too.
+CTAs that loop over the work items. A launch with one split reads q and writes its output in [T, N, H] itself
+where the group size allows (`direct_io_supported`); else its tiles get packed query rows and write partial
+outputs and log-sum-exps, which `tiles.token_outputs` (decode tiles) or `tiles.prefill_token_rows` merge per
+token.
 """
 
 from functools import partial
@@ -18,7 +19,8 @@ from .paged_attention import paged_attention_cta
 
 def launch_attention(
     q_source, k_source, v_source, tiles, query_start_loc, query_lens, seq_lens, block_tables, request_flags,
-    num_actual_tokens, scales, sinks, *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, compute_dtype, config, interpret,
+    num_actual_tokens, scales, sinks, *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct,
+    compute_dtype, config, interpret,
 ):  # fmt: skip
     """Run the kernel over query tiles for a layer of `params` (its scale is already in `scales`).
 
@@ -35,10 +37,11 @@ def launch_attention(
         kernel with `direct` only) and q's scale (`mixed_batch.float16_query_scale`, or 1).
       compute_dtype: the wgmma operands' dtype (q's, or float16 for a bfloat16 q and a float8 cache).
       sinks: [N] float32 or None; used with `direct` only (else `tiles.merge_splits` adds them).
-      direct: each CTA reads its query rows from q and writes its output rows into [T, N, H] (one split; G
-        divides 64 and each head's ``64 // G`` rows fill whole 8-row tiles: `direct_io_supported`).
+      direct: each CTA reads its query rows from q and writes its output rows into [T, N, H] (one split,
+        `direct_io_supported`).
     Returns:
-      with `direct`, the output [T, N, H] (q's dtype; rows of tokens no tile holds are left unwritten). Else the
+      with `direct`, the output [T, N, H] (q's dtype; rows of tokens no tile holds are left unwritten: with
+      `mixed_batch.with_tokens_after_the_requests`, those of decode tiles only). Else the
       partial outputs [NT, K, splits, rows, H] (`compute_dtype`, normalized per split) and their log-sum-exp
       [NT, K, splits, rows] (float32, natural log; -inf where a split saw no key).
     """

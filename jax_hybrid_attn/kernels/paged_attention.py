@@ -2,8 +2,8 @@
 
 A query tile holds ``64 * num_consumers`` wgmma rows; each consumer warpgroup owns 64 of them, the G query
 heads of one KV head for ``64 // G`` consecutive tokens (row ``g * (64 // G) + j``: head g, token j). One CTA
-per work item (tile, KV head, split), or with `KernelConfig.persistent_ctas` a fixed number of CTAs that loop over the work items, their
-ring positions carrying on from one item to the next. The producer warpgroup streams the blocks between the
+per work item (tile, KV head, split), or with `KernelConfig.persistent_ctas` a fixed number of CTAs that loop
+over the work items, their ring positions carrying on from one item to the next. The producer warpgroup streams the blocks between the
 first key any query of the tile may see and the last (window, chunk or sequence end) by TMA through the block
 table, ``block_kv // S`` blocks per step (``block_kv`` rows of one block when S is a multiple of ``block_kv``),
 into a ring of `num_stages` slots that the consumers release through "consumed" barriers. Decode tiles use one consumer and split the keys across
@@ -18,12 +18,12 @@ or float16 for a bfloat16 q) in each consumer's staging buffers (zeroing happens
 the logits and its v scale the output. P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
 which runs wgmma only from shared memory, it goes through a shared-memory tile instead.
 
-Decode tiles and packed prefill tiles: each split writes its normalized partial output and its log-sum-exp;
-`tiles.merge_splits` combines them with the sinks, which enter the denominator only. With `direct` (prefill
-tiles, G = 1, 2, 4 or 8) each consumer reads its rows of each head from q [T, N, H] and writes its final output
-rows there (sinks and v scale applied), by TMA through an untiled staging tile: a request's tokens start
-anywhere, not on an 8-row tile, and are copied in exact power-of-two pieces, so no copy crosses into another
-request's rows.
+Packed tiles (q gathered into [NT, K, rows, H]): each split writes its normalized partial output and its
+log-sum-exp; `tiles.merge_splits` combines them with the sinks, which enter the denominator only. With `direct`
+(one split, G = 1, 2, 4 or 8: prefill tiles, and decode tiles that are not split) each consumer reads its rows of
+each head from q [T, N, H] and writes its final output rows there (sinks and v scale applied, NaN for a flagged
+request, 0 for padding tokens), by TMA through an untiled staging tile: a request's tokens start anywhere, not
+on an 8-row tile, and are copied in exact power-of-two pieces, so no copy crosses into another request's rows.
 
 This module is the kernel body only (`launch.py` launches it over the work items, its options are in `config.py`,
 the tiles around it in `tiles.py`); it stays one module because the body is one Pallas function whose producer,
@@ -61,8 +61,8 @@ def take_turn(schedule) -> None:
 
 def paged_attention_cta(
     tile_request_ref, tile_query_start_ref, tile_query_len_ref, seq_lens_ref, query_lens_ref, block_tables_ref,
-    query_start_loc_ref, request_flags_ref, num_actual_tokens_ref, scales_ref, sinks_ref, q_ref, k_ref, v_ref, o_ref, lse_ref=None,
-    *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, has_sinks, compute_dtype, config,
+    query_start_loc_ref, request_flags_ref, num_actual_tokens_ref, scales_ref, sinks_ref, q_ref, k_ref, v_ref,
+    o_ref, lse_ref=None, *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, has_sinks, compute_dtype, config,
     p_in_registers,
 ):  # fmt: skip
     """One CTA: the producer and consumer warpgroups of one (query tile, KV head, split), or of several in turn.
