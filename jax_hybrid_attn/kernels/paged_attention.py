@@ -90,6 +90,19 @@ def paged_attention_cta(
     # With `direct`, a consumer's tokens of one head are copied in pieces of these sizes (powers of two)
     row_pieces = [tokens_per_consumer >> i for i in range(tokens_per_consumer.bit_length())]
 
+    def consumer_rows(tile, wg):
+        """(offset of consumer `wg`'s first token in its tile, its number of tokens)."""
+        offset = wg * tokens_per_consumer
+        return offset, jnp.clip(tile_query_len_ref[tile] - offset, 0, tokens_per_consumer)
+
+    def token_block(tile, wg):
+        """With `direct`: the first of consumer `wg`'s tokens in q and the output [T, N, H], their number, and
+        whether its request is flagged (its tokens come out NaN)."""
+        request = tile_request_ref[tile]
+        offset, length = consumer_rows(tile, wg)
+        first_token = query_start_loc_ref[request] + tile_query_start_ref[tile] + offset
+        return first_token, length, request_flags_ref[request] != 0
+
     def work_item(tile, kv_head, split, ring_base):
         """The producer and consumer of one (query tile, KV head, split), whose first step goes to ring position
         `ring_base` (the steps this CTA streamed before it); both read the same ring slots in the same order."""
@@ -107,16 +120,6 @@ def paged_attention_cta(
         my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
         # no keys, no steps: an idle tile, or a request with no context (the tokens after the last request)
         my_hi = jnp.where((tile_len > 0) & (seq_len > 0), jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
-
-        def consumer_rows(wg):
-            """(offset of consumer `wg`'s first token in the tile, its tokens)."""
-            return wg * tokens_per_consumer, jnp.clip(tile_len - wg * tokens_per_consumer, 0, tokens_per_consumer)
-
-        def token_block(wg):
-            """With `direct`: the first of consumer `wg`'s tokens in q and the output [T, N, H], their number, and
-            whether the request is flagged (its tokens come out NaN)."""
-            offset, length = consumer_rows(wg)
-            return query_start_loc_ref[request] + tile_start + offset, length, request_flags_ref[request] != 0
 
         def ring_slot(step):
             return lax.rem(ring_base + step - my_lo, num_stages)
@@ -172,7 +175,7 @@ def paged_attention_cta(
             inner steps, masked edge steps. Long for the reason the kernel is: its helpers share its registers'
             layouts and the ring's barriers."""
             k_staging, v_staging, p_smem, v_zeroed, schedule = extras
-            my_offset, my_len = consumer_rows(wg)  # the same for every split
+            my_offset, my_len = consumer_rows(tile, wg)  # the same for every split
             my_first_q_pos = first_q_pos + my_offset
             # Steps whose keys every query of this consumer sees need no mask.
             all_lo, _ = allowed_key_range(my_first_q_pos + my_len - 1, seq_len, params=params)
@@ -329,7 +332,7 @@ def paged_attention_cta(
             carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
             return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
 
-        return producer, consumer, my_hi - my_lo, token_block
+        return producer, consumer, my_hi - my_lo
 
     def row_iota(shape):
         """Each element's row, in the wgmma accumulator's register layout."""
@@ -365,7 +368,7 @@ def paged_attention_cta(
                 plgpu.set_max_registers(config.producer_registers, action="decrease")
 
             def produce(i, item, ring_base):
-                producer, _, num_steps, _ = work_item(*coordinates(item), ring_base)
+                producer, _, num_steps = work_item(*coordinates(item), ring_base)
                 producer(*ring)
                 return num_steps
 
@@ -411,7 +414,7 @@ def paged_attention_cta(
                 if not direct:
                     plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[buffer, wg], loaded)
                     return
-                first_token, num_tokens, _ = work_item(tile, kv_head, split, 0)[3](wg)
+                first_token, num_tokens, _ = token_block(tile, wg)
                 token_row_pieces(
                     kv_head, first_token, num_tokens,
                     lambda smem_rows, token_rows: plgpu.copy_gmem_to_smem(q_ref.at[token_rows], smem_rows, loaded),
@@ -433,7 +436,7 @@ def paged_attention_cta(
 
             def consume(i, item, ring_base):
                 tile, kv_head, split = coordinates(item)
-                _, consumer, num_steps, token_block = work_item(tile, kv_head, split, ring_base)
+                _, consumer, num_steps = work_item(tile, kv_head, split, ring_base)
                 buffer = lax.rem(i, num_q_buffers)
                 plgpu.barrier_wait(q_loaded.at[buffer * num_consumers + wg])
                 if direct:  # into the wgmma's tiled, swizzled layout (rows past the tokens hold stale values)
@@ -452,7 +455,7 @@ def paged_attention_cta(
                 out = normalized(acc, m_i, l_i, kv_head)
                 if direct:  # the final output rows straight into [T, N, H]: v scale applied, NaN for a flagged
                     # request, 0 for padding tokens (from num_actual_tokens on), in the output's dtype
-                    first_token, num_tokens, flagged = token_block(wg)
+                    first_token, num_tokens, flagged = token_block(tile, wg)
                     token = first_token + lax.rem(row_iota(out.shape), tokens_per_consumer)
                     out = out * jnp.where(flagged, jnp.float32(jnp.nan), scales_ref[1])
                     rows_smem[wg] = jnp.where(token < num_actual_tokens_ref[0], out, 0.0).astype(o_ref.dtype)
@@ -490,7 +493,7 @@ def paged_attention_cta(
     pl.run_scoped(
         body,
         plgpu.SMEM((num_q_buffers, num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
-        plgpu.SMEM((num_consumers, ROWS), jnp.float32),
+        None if direct else plgpu.SMEM((num_consumers, ROWS), jnp.float32),  # log-sum-exps
         plgpu.SMEM((num_consumers, ROWS, head_dim), o_ref.dtype) if direct else None,
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),

@@ -3,9 +3,8 @@
 A tile of `rows` wgmma rows holds consecutive query tokens of one request, ``64 // G`` per 64-row
 warpgroup block; row ``g * (64 // G) + j`` of a block is its token j, query head ``h * G + g`` of KV head h (each
 head's rows together, so that a head's block is one strided copy of q; when G does not divide 64 the last rows
-are padding). Requests whose whole query fits one
-64-row tile are decode tiles (one per request, keys split across CTAs); longer queries are cut into
-prefill tiles of 128 rows (two consumer warpgroups). Both tables have static sizes (a bound from R and T),
+are padding). Requests whose whole query fits one 64-row tile are decode tiles (one per request, keys split
+across CTAs); longer queries are cut into prefill tiles of 128 rows (two consumer warpgroups). Both tables have static sizes (a bound from R and T),
 so building them needs no host round trip; unused tiles have length 0.
 """
 
