@@ -107,8 +107,9 @@ def time_decode(rows, name, q, kv_cache, metadata, options, full_ms, *, breakdow
     """One decode timing line: GB/s of the K and V blocks a query can see, and with `breakdown` a line of the
     call's kernels; returns the time."""
     num_reqs, seq_len = q.shape[0], int(metadata.seq_lens[0])
+    _, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]  # [B, 2, S, K, H]
     _, first = visible_keys(1, seq_len, options.get("params", CAUSAL))
-    needed = num_reqs * (seq_len - int(first[0]) // 16 * 16) * 8 * 128 * 2 * kv_cache.dtype.itemsize
+    needed = num_reqs * (seq_len - int(first[0]) // block_size * block_size) * num_kv_heads * head_dim * 2 * kv_cache.dtype.itemsize
     fn = jax.jit(partial(paged_attention, **options))
     try:
         expected = reference.paged_attention(q, kv_cache, metadata, **options).astype(jnp.float32)
@@ -229,6 +230,23 @@ def decode_section(rows, *, sweep):
         del q, kv_cache
 
 
+def decode_variant_sweep(rows):
+    """The decodes that move half the plain case's bytes per key (head_dim 64; GQA 8:1, half the KV heads) under
+    other pipelines and splits, 64 requests x 8,192 keys."""
+    q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=8192, **dict(SHAPE, head_dim=64))
+    time_decode(rows, "sweep decode B=64 ctx=8192 head_dim 64 default", q, kv_cache, metadata, {}, None)
+    for block_kv, stages in [(128, 3), (128, 4), (256, 2)]:
+        with configs_changed(decode=KernelConfig(block_kv=block_kv, num_stages=stages)):
+            time_decode(rows, f"sweep decode B=64 ctx=8192 head_dim 64 block_kv={block_kv} stages={stages}", q, kv_cache,
+                        metadata, {}, None)  # fmt: skip
+    del q, kv_cache
+    q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=8192, **dict(SHAPE, num_kv_heads=4))
+    time_decode(rows, "sweep decode B=64 ctx=8192 GQA 8:1 default", q, kv_cache, metadata, {}, None)
+    for splits in (1, 2):
+        with configs_changed(decode=KernelConfig(num_splits=splits)):
+            time_decode(rows, f"sweep decode B=64 ctx=8192 GQA 8:1 splits={splits}", q, kv_cache, metadata, {}, None)
+
+
 def stock_mgpu_prefill(rows, q, k, flops):
     """`jax.experimental.pallas.ops.gpu.attention_mgpu` (two consumer warpgroups taking turns, K/V by TMA, dense
     [batch, seq, heads, head_dim]) on the causal prefill, checked against cuDNN's output. Its shared-memory
@@ -312,6 +330,8 @@ def main():
         parity_section(rows)
     if "decode" in sections:
         decode_section(rows, sweep=args.sweep)
+        if args.sweep:
+            decode_variant_sweep(rows)
     if "prefill" in sections:
         prefill_section(rows, sweep=args.sweep)
         if args.sweep:

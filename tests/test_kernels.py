@@ -294,7 +294,7 @@ def test_padding_tokens_are_zero_and_a_last_request_may_end_at_the_last_token(he
     output rows in [T, N, H] themselves, in exact pieces: a last request that ends at the array's last token (no
     copy may run past it), then the same batch with padding tokens after it, which come out 0. For G = 6 the rows go
     through packed tiles and a gather instead. No races between the copies."""
-    monkeypatch.setattr(mixed_batch, "TARGET_DECODE_CTAS", 1)  # one split whatever the batch
+    monkeypatch.setattr(mixed_batch, "NUM_SMS", 1)  # one split whatever the batch: splitting fills no idle SM
     num_q_heads, num_kv_heads = heads
     inputs = random_paged_inputs(7, query_lens=query_lens, seq_lens=[30, 60, 37, 90][: len(query_lens)],
                                  num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=64, block_size=16,

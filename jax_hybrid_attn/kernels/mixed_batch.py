@@ -25,11 +25,12 @@ from . import tiles as query_tiles
 from .config import SMEM_BUDGET_BYTES, default_config
 from .launch import direct_io_supported, launch_attention
 
-__all__ = ["KERNEL_DTYPES", "check_kernel_support", "kernel_configs", "paged_attention_kernels"]
+__all__ = ["KERNEL_DTYPES", "check_kernel_support", "decode_splits", "kernel_configs", "paged_attention_kernels"]
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-TARGET_DECODE_CTAS = 2 * 132  # two waves of the H200's 132 SMs
+NUM_SMS = 132  # the H200's streaming multiprocessors: one wave of CTAs
 MAX_DECODE_SPLITS = 16
+SPLIT_SLACK = 1.1  # more splits only where they save more than this factor: each adds a merge and pipeline fills
 
 
 def paged_attention_kernels(
@@ -73,6 +74,21 @@ def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_splits: int = 1):
     except NotImplementedError:
         prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=1)
     return decode, prefill
+
+
+def decode_splits(ctas_per_split: int) -> int:
+    """How many CTAs share each decode tile's keys (flash-decoding), for a launch of `ctas_per_split` CTAs
+    (tiles × KV heads) unsplit.
+
+    Decodes stream their keys, each CTA at about one SM's share of the bandwidth, so s splits of C CTAs take
+    ``ceil(s * C / NUM_SMS)`` waves of 1/s the keys. The fewest splits whose time is within `SPLIT_SLACK` of the
+    best: a batch that fills whole waves is not split (512 CTAs: 3.9 waves either way), one that leaves SMs idle
+    is (64 CTAs: 2 splits, half the time)."""
+    def waves(splits):
+        return math.ceil(splits * ctas_per_split / NUM_SMS) / splits
+
+    best = min(waves(splits) for splits in range(1, MAX_DECODE_SPLITS + 1))
+    return next(splits for splits in range(1, MAX_DECODE_SPLITS + 1) if waves(splits) <= SPLIT_SLACK * best)
 
 
 def float16_query_scale(q: Float[Array, "T N H"]) -> Float[Array, ""]:
@@ -152,10 +168,8 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
             config=config, interpret=interpret,
         )  # fmt: skip
 
-    ctas_per_split = max(1, metadata.num_reqs * num_kv_heads)
-    decode_splits = max(1, min(MAX_DECODE_SPLITS, math.ceil(TARGET_DECODE_CTAS / ctas_per_split)))
     decode_config, prefill_config = kernel_configs(
-        head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=decode_splits
+        head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=decode_splits(max(1, metadata.num_reqs * num_kv_heads))
     )
 
     def writes_tokens(config):  # whether the launch can read q and write the output in [T, N, H] itself
