@@ -237,6 +237,18 @@ def test_a_config_beyond_shared_memory_raises(monkeypatch):
         paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, implementation="kernel")
 
 
+@pytest.mark.parametrize(
+    ("ctas", "max_key_steps", "splits"),
+    [(512, 64, 1), (256, 64, 1), (132, 64, 1), (64, 64, 2), (40, 64, 3), (300, 64, 2), (1, 64, 15), (1, 4, 4),
+     (40, 2, 2), (1, 1, 1), (1, 0, 1)],
+)  # fmt: skip
+def test_decode_splits_fill_idle_sms_only(ctas, max_key_steps, splits):
+    """Whole waves are not split (512 CTAs: 3.9 waves either way); a launch leaving SMs idle is, with the fewest
+    splits within `SPLIT_SLACK` of the best (64 CTAs: 2 splits halve the time, more gain nothing), and never
+    more splits than key steps."""
+    assert mixed_batch.decode_splits(ctas, max_key_steps=max_key_steps) == splits
+
+
 def test_cpu_default_is_the_reference():
     inputs = random_paged_inputs(0, query_lens=[2], seq_lens=[20], num_q_heads=2, num_kv_heads=1, head_dim=64,
                                  block_size=16, dtype=jnp.bfloat16)  # fmt: skip

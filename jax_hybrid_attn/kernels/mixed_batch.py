@@ -76,19 +76,22 @@ def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_splits: int = 1):
     return decode, prefill
 
 
-def decode_splits(ctas_per_split: int) -> int:
+def decode_splits(ctas_per_split: int, *, max_key_steps: int = MAX_DECODE_SPLITS) -> int:
     """How many CTAs share each decode tile's keys (flash-decoding), for a launch of `ctas_per_split` CTAs
-    (tiles × KV heads) unsplit.
+    (tiles × KV heads) unsplit whose requests have at most `max_key_steps` steps of keys.
 
     Decodes stream their keys, each CTA at about one SM's share of the bandwidth, so s splits of C CTAs take
     ``ceil(s * C / NUM_SMS)`` waves of 1/s the keys. The fewest splits whose time is within `SPLIT_SLACK` of the
     best: a batch that fills whole waves is not split (512 CTAs: 3.9 waves either way), one that leaves SMs idle
-    is (64 CTAs: 2 splits, half the time)."""
+    is (64 CTAs: 2 splits, half the time). Splits divide key steps, so never more than `max_key_steps`: the rest
+    would have no keys."""
+    candidates = range(1, max(1, min(MAX_DECODE_SPLITS, max_key_steps)) + 1)
+
     def waves(splits):
         return math.ceil(splits * ctas_per_split / NUM_SMS) / splits
 
-    best = min(waves(splits) for splits in range(1, MAX_DECODE_SPLITS + 1))
-    return next(splits for splits in range(1, MAX_DECODE_SPLITS + 1) if waves(splits) <= SPLIT_SLACK * best)
+    best = min(waves(splits) for splits in candidates)
+    return next(splits for splits in candidates if waves(splits) <= SPLIT_SLACK * best)
 
 
 def float16_query_scale(q: Float[Array, "T N H"]) -> Float[Array, ""]:
@@ -168,9 +171,11 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
             config=config, interpret=interpret,
         )  # fmt: skip
 
-    decode_config, prefill_config = kernel_configs(
-        head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=decode_splits(max(1, metadata.num_reqs * num_kv_heads))
+    unsplit, _ = kernel_configs(head_dim, q.dtype, kv_cache_dtype(kv_cache))
+    splits = decode_splits(
+        max(1, metadata.num_reqs * num_kv_heads), max_key_steps=math.ceil(metadata.max_seq_len / unsplit.block_kv)
     )
+    decode_config, prefill_config = kernel_configs(head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=splits)
 
     def writes_tokens(config):  # whether the launch can read q and write the output in [T, N, H] itself
         kv_itemsize = kv_cache_dtype(kv_cache).itemsize
