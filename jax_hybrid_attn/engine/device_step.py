@@ -1,5 +1,5 @@
 """The device half of an engine step, two jitted calls sent back to back: `allocate` (the allocator's step,
-compiled once), then `run_model` (each group's metadata, the model over the paged caches, sampling, the sampled
+compiled once per allocator configuration), then `run_model` (each group's metadata, the model over the paged caches, sampling, the sampled
 tokens back into the allocator; compiled per step shape).
 
 Everything a step needs from the steps before it stays on the device: the allocator's state (the known tokens
@@ -12,6 +12,7 @@ Shape letters: R rows (request slots, ``max_num_seqs``) · T tokens of the step 
 """
 
 from collections.abc import Sequence
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -97,10 +98,12 @@ class StepResult(NamedTuple):
     num_free_blocks: Int[Array, ""]
 
 
+@partial(jax.jit, static_argnames=("allocator_config", "defer_rest"), donate_argnames=("state",))
 def allocate(
     allocator_config: AllocatorConfig, state: DeviceState, plan: StepPlan, *, defer_rest: bool = False
 ) -> tuple[DeviceState, StepOutput, Int[Array, "R"]]:
-    """A step's allocation on the device (jit it with `state` donated, `defer_rest` static): each row's new tokens
+    """A step's allocation on the device (jitted, `state` donated; engines with equal allocator configurations
+    share its executables): each row's new tokens
     are the tokens known and not yet in the cache, at most `plan.max_new_tokens`. Returns (the state, the
     allocator's `StepOutput` of T = ``max_num_batched_tokens`` tokens, [R] tokens known before the step).
 

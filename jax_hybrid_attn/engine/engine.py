@@ -122,9 +122,7 @@ class Engine:
         weights, weights_treedef = jax.tree.flatten(state)
         self._weights = tuple(weights)
         self._num_computed = jax.device_put(jnp.zeros(config.max_num_seqs, jnp.int32), self._replicated)
-        self._allocate = jax.jit(
-            partial(allocate, self.allocator_config), static_argnames=("defer_rest",), donate_argnames=("state",)
-        )
+        self._allocate = partial(allocate, self.allocator_config)
         self._run_model = jax.jit(
             partial(run_model, graphdef, weights_treedef, self.allocator_config, self.layout, config.implementation,
                     config.interpret, mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS),  # fmt: skip
