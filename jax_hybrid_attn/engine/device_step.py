@@ -1,6 +1,6 @@
 """The device half of an engine step, two jitted calls sent back to back: `allocate` (the allocator's step,
-compiled once per allocator configuration), then `run_model` (each group's metadata, the model over the paged caches, sampling, the sampled
-tokens back into the allocator; compiled per step shape).
+compiled once per allocator configuration), then `run_model` (each group's metadata, the model over the paged
+caches, sampling, the sampled tokens back into the allocator; compiled per step shape).
 
 Everything a step needs from the steps before it stays on the device: the allocator's state (the known tokens
 of each request, their block tables), the KV caches and each request's count of computed tokens. The host sends
@@ -103,9 +103,9 @@ def allocate(
     allocator_config: AllocatorConfig, state: DeviceState, plan: StepPlan, *, defer_rest: bool = False
 ) -> tuple[DeviceState, StepOutput, Int[Array, "R"]]:
     """A step's allocation on the device (jitted, `state` donated; engines with equal allocator configurations
-    share its executables): each row's new tokens
-    are the tokens known and not yet in the cache, at most `plan.max_new_tokens`. Returns (the state, the
-    allocator's `StepOutput` of T = ``max_num_batched_tokens`` tokens, [R] tokens known before the step).
+    share its executables): each row's new tokens are the tokens known and not yet in the cache, at most
+    `plan.max_new_tokens`. Returns (the state, the allocator's `StepOutput` of T = ``max_num_batched_tokens``
+    tokens, [R] tokens known before the step).
 
     `defer_rest` (`step.allocate_slots`): rows the allocator's vectorised path does not serve at once are
     deferred, and the call makes the host wait for nothing; for decode steps, where that path serves every row

@@ -9,6 +9,7 @@ round trip. A float8_e4m3fn cache's k scale multiplies the logits in the kernel 
 bfloat16 query the kernels compute in float16 (`float16_query_scale`).
 """
 
+import dataclasses
 import math
 from functools import partial
 
@@ -64,11 +65,14 @@ def paged_attention_kernels(
     )
 
 
-def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_splits: int = 1):
-    """The decode (one consumer, split keys) and prefill (two consumers, or one where two do not fit in
-    shared memory: head_dim 256 with a float8 cache) kernel configurations."""
+def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_ctas: int = 1, max_seq_len: int = 0):
+    """The decode (one consumer, keys split over `decode_splits` CTAs for a launch of `decode_ctas` tiles × KV
+    heads whose requests hold at most `max_seq_len` keys) and prefill (two consumers, or one where two do not fit
+    in shared memory: head_dim 256 with a float8 cache) kernel configurations."""
     itemsizes = (jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize)
-    decode = default_config(head_dim, *itemsizes, num_splits=decode_splits, num_consumers=1)
+    decode = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=1)
+    splits = decode_splits(decode_ctas, max_key_steps=math.ceil(max_seq_len / decode.block_kv))
+    decode = dataclasses.replace(decode, num_splits=splits)
     try:
         prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=2)
     except NotImplementedError:
@@ -171,11 +175,10 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
             config=config, interpret=interpret,
         )  # fmt: skip
 
-    unsplit, _ = kernel_configs(head_dim, q.dtype, kv_cache_dtype(kv_cache))
-    splits = decode_splits(
-        max(1, metadata.num_reqs * num_kv_heads), max_key_steps=math.ceil(metadata.max_seq_len / unsplit.block_kv)
-    )
-    decode_config, prefill_config = kernel_configs(head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_splits=splits)
+    decode_config, prefill_config = kernel_configs(
+        head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_ctas=max(1, metadata.num_reqs * num_kv_heads),
+        max_seq_len=metadata.max_seq_len,
+    )  # fmt: skip
 
     def writes_tokens(config):  # whether the launch can read q and write the output in [T, N, H] itself
         kv_itemsize = kv_cache_dtype(kv_cache).itemsize
