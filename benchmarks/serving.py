@@ -30,7 +30,6 @@ import numpy as np
 
 from jax_hybrid_attn.allocator import KVCacheManager, max_concurrency
 from jax_hybrid_attn.engine import Engine, EngineConfig, KVCacheLayout, SamplingParams
-from jax_hybrid_attn.engine.device_step import STEP_SHAPE, DeviceState
 from jax_hybrid_attn.models import ModelConfig, embedded_config, load_model, random_model
 from jax_hybrid_attn.models.partitioning import tensor_parallel_config
 from trace_summary import profiled
@@ -236,24 +235,17 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
         print("throughput", line, flush=True)
         rows.append(("throughput", line))
     line = (f"ours warm: {stats.steps} steps, prefill {stats.prefill_tokens_per_s or 0:,.0f} tok/s, decode "
-            f"{stats.decode_tokens_per_s or 0:,.0f} tok/s; cold run compiled {stats_cold.compile_steps} shapes in "
+            f"{stats.decode_tokens_per_s or 0:,.0f} tok/s; cold run compiled {stats_cold.compiled_executables} executables in "
             f"{stats_cold.compile_time:.0f} s")  # fmt: skip
     print("throughput", line, flush=True)
     rows.append(("throughput", line))
 
 
-MODEL_CALL_VARIANTS = {  # XLA options of the model's jitted call, compared side by side by `busy_share`
-    "default": {},
-    "no CUDA graphs in the model's call": {"xla_gpu_enable_command_buffer": ""},
-}
-
-
 def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None) -> None:
     """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together.
-    Timed: the engine's steps (wall), and the same step's two jitted calls replayed back to back on copies of its
+    Timed: the engine's steps (wall), and the same step's jitted calls replayed back to back on copies of its
     inputs (no host work in between but XLA's own). Profiled (CUPTI, under `trace` or a temporary directory): the
-    time the GPU runs kernels or copies during `steps` engine steps and `steps` replays. Each of
-    `MODEL_CALL_VARIANTS` in turn."""
+    time the GPU runs kernels or copies during `steps` engine steps and `steps` replays."""
     trace = trace or tempfile.mkdtemp()
     config = ModelConfig.from_hf(shape)
     model = random_model(config, seed=0, dtype=jnp.bfloat16)
@@ -266,15 +258,10 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     while engine._waiting or not all(request.output_token_ids for request in engine._admitted):
         engine.step()  # every prompt prefilled
     engine.synchronize()
-    default = engine._run_model
-    for name, options in MODEL_CALL_VARIANTS.items():
-        engine._run_model = jax.jit(default.__wrapped__, static_argnames=STEP_SHAPE, donate_argnames=("state",),
-                                    compiler_options=options)  # fmt: skip
-        line = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)
-        line = f"{name} | decode step of {num_requests} requests: {line}"
-        print("busy", line, flush=True)
-        rows.append(("busy", line))
-    engine._run_model = default
+    line = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)
+    line = f"decode step of {num_requests} requests: {line}"
+    print("busy", line, flush=True)
+    rows.append(("busy", line))
 
 
 def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
@@ -293,38 +280,35 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
     engine_trace = profiled(f"{trace}/engine", engine_steps)
     phases = _host_phases(engine, steps=steps)
 
-    device_step, recorded = engine._device_step, {}
+    runner, recorded = engine.runner, {}
+    run_step = runner.run_step
 
-    def recording(state, plan, **options):  # the allocator's state before one step, copied
-        recorded.update(allocator=jax.tree.map(jnp.copy, state.allocator), num_computed=jnp.copy(state.num_computed),
-                        plan=plan, options=options)  # fmt: skip
-        return device_step(state, plan, **options)
+    def recording(plan, shape, **options):  # the allocator's state before one step, copied
+        recorded.update(allocator=jax.tree.map(jnp.copy, runner.manager.state), num_computed=jnp.copy(runner.num_computed),
+                        plan=plan, shape=shape, options=options)  # fmt: skip
+        return run_step(plan, shape, **options)
 
-    engine._device_step = recording
+    runner.run_step = recording
     engine.step()
     engine.synchronize()  # the step is sent (by the engine's device worker)
-    engine._device_step = device_step
-    caches = tuple(engine.kv_caches)  # a replay rewrites the recorded step's K/V, in the same slots
+    runner.run_step = run_step
 
-    def replay(allocator, caches):  # the step's calls, as the engine sends them
-        state = DeviceState(caches, allocator, jnp.copy(recorded["num_computed"]))
-        state, result = device_step(state, recorded["plan"], **recorded["options"])
-        return state.kv_caches, result
+    def replay(allocator):  # the step's calls, as the engine sends them (a replay rewrites its K/V, in the same slots)
+        runner.manager.state, runner.num_computed = allocator, jnp.copy(recorded["num_computed"])
+        return run_step(recorded["plan"], recorded["shape"], **recorded["options"])
 
     def replays():
-        nonlocal caches
         allocators = [jax.tree.map(jnp.copy, recorded["allocator"]) for _ in range(steps)]
         jax.block_until_ready(allocators)
         started = time.perf_counter()
         for allocator in allocators:
-            caches, result = replay(allocator, caches)
+            result = replay(allocator)
         jax.block_until_ready(result)
         return (time.perf_counter() - started) / steps * 1e3
 
     replays()  # warm
     replay_time = replays()
     replay_trace = profiled(f"{trace}/replay", replays)
-    engine.kv_caches = list(caches)
     busy = engine_trace.gpu_busy_ms
     return (f"engine {step_time:.2f} ms per step, GPU busy {busy / engine_trace.gpu_span_ms:.0%} of it "
             f"({busy / steps:.2f} ms of kernels and copies per step, {engine_trace.gpu_ops / steps:.0f} of them); "

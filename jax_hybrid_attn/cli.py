@@ -11,6 +11,7 @@ stdout.
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -18,6 +19,8 @@ import time
 import numpy as np
 
 __all__ = ["main"]
+
+PROCESS_START = time.perf_counter()  # (about) when the process started: this module is imported first
 
 DEFAULT_PROMPTS = (
     "The capital of France is",
@@ -64,10 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--max-num-seqs", type=int, default=16)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the token budget of a step (default: 8192 on a GPU, 512 elsewhere)")  # fmt: skip
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests in flight at once (default: 256 on a GPU, 16 elsewhere)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: 16, or less where the model's chunks need it)")  # fmt: skip
     g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model's heads and MLP over N devices (--kv-memory is then per device)")  # fmt: skip
     pool = g.add_mutually_exclusive_group()
@@ -79,10 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and cache (default: bfloat16 on a GPU, float32 elsewhere)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--warmup", action="store_true",
-                   help="run the batch once first (compiling its step shapes), then time a second run with a cold "
-                        "prefix cache")  # fmt: skip
+                   help="run the batch once first, then time a second run with a cold prefix cache")  # fmt: skip
     g.add_argument("--compilation-cache", metavar="DIR",
-                   help="keep compiled steps in DIR (JAX's persistent compilation cache): later runs start faster")  # fmt: skip
+                   help="keep compiled steps in DIR (JAX's persistent compilation cache, every entry and XLA's GPU "
+                        "autotuning kept): later runs start faster")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object and nothing else on stdout")
     g.add_argument("--no-progress", action="store_true")
     return parser
@@ -94,8 +100,8 @@ def percentiles(values) -> dict[str, float] | None:
     return {f"p{p}": float(np.percentile(values, p)) for p in (50, 90, 99)}
 
 
-def report(engine, outputs, wall_seconds: float) -> dict:
-    """The run's metrics as a JSON-ready dict."""
+def report(engine, outputs, wall_seconds: float, startup: dict) -> dict:
+    """The run's metrics as a JSON-ready dict; `startup` holds the seconds before serving (import, load, compile)."""
     stats = engine.stats
     layout = engine.layout
     groups: dict = {}  # KV-cache groups of one spec, together
@@ -116,8 +122,11 @@ def report(engine, outputs, wall_seconds: float) -> dict:
         "decode_tokens": stats.decode_tokens,
         "prefill_tokens_per_s": stats.prefill_tokens_per_s,
         "decode_tokens_per_s": stats.decode_tokens_per_s,
+        "startup_s": {k: v for k, v in startup.items() if k != "first_token_since_start"},
+        "first_token_since_start_s": startup.get("first_token_since_start"),
+        "step_shapes": [str(shape) for shape in engine.runner.shapes],
         "compile_s": stats.compile_time,
-        "compiled_shapes": stats.compile_steps,
+        "compiled_executables": stats.compiled_executables,
         "output_tokens_per_s": sum(len(o.output_token_ids) for o in ran) / wall_seconds if wall_seconds else None,
         "ttft_s": percentiles([o.time_to_first_token for o in ran if o.time_to_first_token is not None]),
         "itl_s": percentiles([t for o in ran for t in o.inter_token_latencies]),
@@ -167,8 +176,9 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
     lines += [
         f"peak KV in use {kv['peak_blocks_in_use']} blocks ({kv['peak_bytes_in_use'] / 2**20:.2f} MiB); the same requests "
         f"with every layer as full attention: {kv['peak_blocks_full_attention']} ({saved} blocks saved)",
-        f"compiled {metrics['compiled_shapes']} step shapes in {metrics['compile_s']:.1f} s (not in the tokens/s; in "
-        "TTFT and ITL, unless --warmup)",
+        f"startup: " + ", ".join(f"{k} {v:.1f} s" for k, v in metrics["startup_s"].items())
+        + f"; {metrics['compiled_executables']} executables compiled before serving (step shapes: "
+        + ", ".join(metrics["step_shapes"]) + ")",
         f"prefix-cache hit rate {metrics['prefix_cache_hit_rate']:.1%}, preemptions {metrics['preemptions']}",
     ]
     print("\n".join(lines), file=file)
@@ -182,8 +192,6 @@ def load(args):
 
     from .models import ByteTokenizer, Decoder, embedded_config, load_model, load_tokenizer
 
-    if args.compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     name = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     dtype = jnp.dtype(name)
     if args.model is None:
@@ -200,9 +208,20 @@ def generate(args, out=None, err=None) -> dict:
     out, err = out or sys.stdout, err or sys.stderr
     from tqdm import tqdm
 
+    started = time.perf_counter()
+    import jax
+
     from .engine import Engine, EngineConfig, SamplingParams
 
+    if args.compilation_cache:
+        from .engine.step_cache import use_compilation_cache
+
+        use_compilation_cache(args.compilation_cache)
+    startup = {"import": time.perf_counter() - started}
+    started = time.perf_counter()
     config, model, tokenizer = load(args)
+    jax.block_until_ready(nnx_leaves(model))
+    startup["load"] = time.perf_counter() - started
     prompts = list(args.prompt)
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
@@ -221,18 +240,31 @@ def generate(args, out=None, err=None) -> dict:
             max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
             kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
             seed=args.seed, tensor_parallel=args.tensor_parallel,
+            compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
         ),
         eos_token_ids=tokenizer.eos_token_ids,
     )  # fmt: skip
+    del model  # the engine keeps its own layout of the weights
+    startup["engine"] = time.perf_counter() - started - startup["load"]
+    names = engine.runner.executable_keys()
+    shapes = ", ".join(map(str, engine.runner.shapes))
+    with tqdm(total=len(names), desc=f"compiling (step shapes {shapes})", unit="fn", file=err,
+              disable=args.no_progress) as compiling:  # fmt: skip
+        report_compile = engine.compile(progress=lambda _: compiling.update(1))
+    startup["compile"] = report_compile.wall_s
+    startup["lowering"] = report_compile.lowering_s
     if args.warmup:
         engine.generate(token_lists, sampling)
         engine.reset()
     bar = tqdm(total=len(token_lists), desc="requests", unit="req", file=err, disable=args.no_progress)
+    first_token = []
     started = time.perf_counter()
-    outputs = engine.generate(token_lists, sampling, on_finish=lambda _: bar.update(1))
+    outputs = engine.generate(token_lists, sampling, on_finish=lambda _: bar.update(1),
+                              on_token=lambda *_: first_token or first_token.append(time.perf_counter()))  # fmt: skip
     wall = time.perf_counter() - started
+    startup["first_token_since_start"] = first_token[0] - PROCESS_START if first_token else None
     bar.close()
-    metrics = report(engine, outputs, wall)
+    metrics = report(engine, outputs, wall, startup)
     if args.json:
         payload = {
             "outputs": [
@@ -249,6 +281,14 @@ def generate(args, out=None, err=None) -> dict:
                 print(f"refused: {o.error}", file=err)
         print_report(metrics, outputs, tokenizer, out)
     return metrics
+
+
+def nnx_leaves(model) -> list:
+    """The model's weight arrays (to wait for their transfer)."""
+    import jax
+    from flax import nnx
+
+    return jax.tree.leaves(nnx.state(model))
 
 
 def main(argv=None) -> int:

@@ -110,29 +110,20 @@ def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_toke
     assert engine.stats.deferred_rows > 0 and engine.stats.preemptions == 0
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_a_decode_step_has_no_loop_or_branch_on_device_values(temperature):
-    """On a GPU, XLA reads such a predicate back before it launches what follows: with none in a decode step's two
-    calls, the host sends the next step while this one runs."""
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_a_decode_step_has_no_loop_or_branch_on_device_values(greedy_only):
+    """On a GPU, XLA reads such a predicate back before it launches what follows: with none in a decode step's
+    three calls (the layers' scans have static trip counts), the host sends the next step while this one runs."""
     from jax_hybrid_attn.testing import device_dependent_control_flow
 
     config, model = tiny_model("gemma3_text")
     engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                                                 max_model_len=64))  # fmt: skip
-    calls, device_step = [], engine._device_step
-
-    def recording(*args, **kwargs):
-        calls.append((args, kwargs))
-        return device_step(*args, **kwargs)
-
-    engine._device_step = recording
-    engine.generate(PROMPTS[:2], SamplingParams(max_tokens=4, temperature=temperature))
-    decodes = [(args, kwargs) for args, kwargs in calls if kwargs["defer_rest"]]
-    assert decodes and all(kwargs["max_query_len"] == 1 for _, kwargs in decodes), [kwargs for _, kwargs in calls]
-    args, kwargs = decodes[-1]
-    jaxpr = jax.make_jaxpr(lambda *args: device_step(*args, **kwargs))(*args)  # both calls, as sub-jaxprs
-    assert [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns] == ["jit", "jit"]
-    assert device_dependent_control_flow(jaxpr.jaxpr) == []
+    runner = engine.runner
+    decode = next(shape for shape in runner.shapes if shape.decode_only)
+    for key in (("allocate", True), ("forward", decode), ("sample", greedy_only)):
+        jaxpr = runner.trace(key).jaxpr.jaxpr
+        assert device_dependent_control_flow(jaxpr) == [], key
 
 
 def test_preemption_happens_and_does_not_change_sampled_outputs():
@@ -223,6 +214,6 @@ def test_the_pool_can_be_sized_in_bytes():
     engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
                                                 max_model_len=64, kv_memory=budget))  # fmt: skip
     assert budget - engine.layout.block_bytes < engine.layout.total_bytes <= budget
-    assert sum(x.nbytes for x in engine.kv_caches) == engine.layout.total_bytes
+    assert engine.runner.kv_cache.nbytes == engine.layout.total_bytes
     with pytest.raises(ValueError, match="max_model_len"):
         Engine(model, config, EngineConfig(block_size=4, max_model_len=64, kv_memory=4_000))

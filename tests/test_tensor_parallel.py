@@ -53,7 +53,7 @@ CHECK = textwrap.dedent(
                                                     max_model_len=64, tensor_parallel=tp))
         outputs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))
         runs[tp] = ([o.output_token_ids for o in outputs], engine.layout.total_bytes // tp)
-        assert len(engine.kv_caches[0].sharding.device_set) == tp
+        assert len(engine.runner.kv_cache.sharding.device_set) == tp
     assert all(runs[tp][0] == runs[1][0] for tp in runs), runs
     per_device = [runs[tp][1] for tp in (1, 2, 4, 8)]
     assert per_device[1] * 2 == per_device[0], per_device  # 2 KV heads over 2 devices: half each

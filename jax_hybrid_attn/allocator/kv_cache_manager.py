@@ -125,20 +125,28 @@ class KVCacheManager:
         if not self._free_slots:
             raise ValueError(f"all max_num_seqs={self.config.max_num_seqs} request slots are in use")
         slot = self._free_slots.pop()
-        row = np.zeros((1, self.config.max_model_len), np.int32)
-        row[0, : tokens.size] = tokens
-        self.state = request_ops.add_requests(
-            self.config,
-            self.state,
-            jnp.array([slot]),
-            jnp.asarray(row),
-            jnp.array([tokens.size]),
-            jnp.asarray(salt)[None],
-            jnp.array([adapter_id]),
-        )
+        self.state = self._add(self.state, slot, tokens, salt, adapter_id)
         self._slot_of[request_id] = slot
         self._num_computed[request_id] = 0
         return slot
+
+    def _add(self, state, slot: int, tokens: np.ndarray, salt, adapter_id: int):
+        row = np.zeros((1, self.config.max_model_len), np.int32)
+        row[0, : tokens.size] = tokens
+        return request_ops.add_requests(
+            self.config, state, jnp.array([slot]), jnp.asarray(row), jnp.array([tokens.size]),
+            jnp.asarray(salt)[None], jnp.array([adapter_id]),
+        )  # fmt: skip
+
+    def _free(self, state, slot: int):
+        return step_ops.free(self.config, state, jnp.array([slot]))
+
+    def compile(self) -> None:
+        """Compile `add_request`'s and `free`'s device operations for this configuration, on a copy of the state
+        (the manager is unchanged): a server calls it before serving so that no request waits for a compile."""
+        state = jax.tree.map(jnp.copy, self.state)
+        state = self._add(state, 0, np.zeros(1, np.int32), cache_salt_words(None), NO_ADAPTER)
+        jax.block_until_ready(self._free(state, 0))
 
     def append_token_ids(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Append tokens (e.g. the one sampled this step) to a request.
@@ -315,8 +323,7 @@ class KVCacheManager:
     def preempt(self, request_id: Hashable) -> None:
         """Free a request's blocks but keep it (and its tokens): its next `allocate_slots` starts over, with
         prefix hits on whatever of its blocks is still cached."""
-        slot = self._slot(request_id)
-        self.state = step_ops.free(self.config, self.state, jnp.array([slot]))
+        self.state = self._free(self.state, self._slot(request_id))
         self._num_computed[request_id] = 0
 
     # --------------------------------------------------------------------------------------- inspection

@@ -4,10 +4,17 @@ import dataclasses
 
 from ..integers import check_bool, check_int
 
-__all__ = ["DEFAULT_MAX_MODEL_LEN", "EngineConfig", "EngineStats"]
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "DEFAULT_SIZES", "DEFAULT_BLOCK_SIZE", "EngineConfig", "EngineStats"]
 
 DEFAULT_MAX_MODEL_LEN = 2048
 """``max_model_len`` when neither the engine config nor the model bounds it lower."""
+DEFAULT_SIZES = {"gpu": (256, 8192), "other": (16, 512)}
+"""(``max_num_seqs``, ``max_num_batched_tokens``) by platform when the config gives none: vLLM's on a GPU, small
+ones elsewhere (a CPU runs tests and the embedded demo)."""
+DEFAULT_BLOCK_SIZE = 16
+"""``block_size`` when none is given, halved until it divides every chunk of the model."""
+DEFAULT_COMPILE_WORKERS = 8
+"""``compile_workers`` on a GPU when none is given (lowering the kernels is most of a step's compile time)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -15,11 +22,13 @@ class EngineConfig:
     """The engine's sizes and options (vLLM's names).
 
     Attributes:
-      block_size: S, tokens per KV block.
-      max_num_seqs: R, requests in flight at once.
+      block_size: S, tokens per KV block (None: `DEFAULT_BLOCK_SIZE`, or the largest power of two below it that
+        divides every ``attention_chunk_size`` of the model).
+      max_num_seqs: R, requests in flight at once (None: `DEFAULT_SIZES` of the platform).
       max_model_len: most tokens of one request, prompt and output (None: the model's maximum, at most
         `DEFAULT_MAX_MODEL_LEN`).
-      max_num_batched_tokens: the token budget of one step (prefill chunks and decodes together).
+      max_num_batched_tokens: the token budget of one step, prefill chunks and decodes together (None:
+        `DEFAULT_SIZES` of the platform).
       num_blocks, kv_memory: the KV pool, in blocks or bytes (at most one; neither: room for `max_num_seqs`
         requests of `max_model_len` tokens at once, in this layout).
       hybrid: allocate sliding-window and chunked layers as such (False: every layer as full attention).
@@ -31,12 +40,16 @@ class EngineConfig:
       implementation, interpret: as `paged_attention` (default: the kernels on a GPU, the reference elsewhere).
       tensor_parallel: devices the model's heads and MLP are split over (the first `tensor_parallel` of
         `jax.devices()`, one mesh axis; `models.partitioning`). `kv_memory` is then each device's.
+      compilation_cache: a directory that keeps the lowered step functions across processes (`step_cache`; for
+        XLA's executables too, point JAX's persistent cache there first: `step_cache.use_compilation_cache`).
+      compile_workers: processes that lower the step functions in parallel before serving (None: 8 on a GPU,
+        none elsewhere; 0: lower in this process).
     """
 
-    block_size: int = 16
-    max_num_seqs: int = 16
+    block_size: int | None = None
+    max_num_seqs: int | None = None
     max_model_len: int | None = None
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int | None = None
     num_blocks: int | None = None
     kv_memory: int | None = None
     hybrid: bool = True
@@ -47,10 +60,16 @@ class EngineConfig:
     implementation: str | None = None
     interpret: bool = False
     tensor_parallel: int = 1
+    compilation_cache: str | None = None
+    compile_workers: int | None = None
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel"):
-            object.__setattr__(self, name, check_int(name, getattr(self, name)))
+        object.__setattr__(self, "tensor_parallel", check_int("tensor_parallel", self.tensor_parallel))
+        if self.compile_workers is not None:
+            object.__setattr__(self, "compile_workers", check_int("compile_workers", self.compile_workers, minimum=0))
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_int(name, getattr(self, name)))
         for name in ("max_model_len", "num_blocks", "kv_memory"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, check_int(name, getattr(self, name), maximum=None))
@@ -60,6 +79,27 @@ class EngineConfig:
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, maximum=2**32 - 1))
 
+    def resolved(self, *, platform: str, chunk_sizes: tuple[int, ...] = ()) -> "EngineConfig":
+        """This config with its None sizes chosen: `DEFAULT_SIZES` of `platform` ("gpu" or another), and a block
+        size that divides every one of `chunk_sizes` (the model's ``attention_chunk_size``)."""
+        seqs, tokens = DEFAULT_SIZES["gpu" if platform == "gpu" else "other"]
+        block_size = self.block_size
+        if block_size is None:
+            block_size = DEFAULT_BLOCK_SIZE
+            while block_size > 1 and any(chunk % block_size for chunk in chunk_sizes):
+                block_size //= 2
+        workers = self.compile_workers
+        if workers is None:
+            workers = DEFAULT_COMPILE_WORKERS if platform == "gpu" else 0
+        implementation = self.implementation  # as `paged_attention` resolves it, fixed here for worker processes
+        if implementation is None:
+            implementation = "kernel" if platform == "gpu" or self.interpret else "reference"
+        return dataclasses.replace(
+            self, block_size=block_size, max_num_seqs=self.max_num_seqs or seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or tokens, compile_workers=workers,
+            implementation=implementation,
+        )  # fmt: skip
+
 
 @dataclasses.dataclass
 class EngineStats:
@@ -68,44 +108,37 @@ class EngineStats:
     steps: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    timed_prefill_tokens: int = 0  # in steps that did not compile, over prefill_time
-    timed_decode_tokens: int = 0  # in decode-only steps that did not compile, over decode_time
     prefill_time: float = 0.0
     decode_time: float = 0.0
     cached_prompt_tokens: int = 0
     prompt_tokens: int = 0
     preemptions: int = 0
     deferred_rows: int = 0  # rows a decode step's allocator left for the next step (they computed nothing)
-    compile_steps: int = 0  # steps whose shape ran for the first time (compiled): not in the prefill/decode times
-    compile_time: float = 0.0  # spent in the dispatches that compiled a step shape
+    compiled_executables: int = 0  # by `Engine.compile`, before the first step
+    compile_time: float = 0.0  # spent in `Engine.compile`
     peak_blocks_in_use: int = 0
     peak_blocks_full_attention: int = 0  # what the same requests would hold with every group as full attention
 
     def record_step(
-        self, num_tokens: int, decode_tokens: int, seconds: float, *, compiled: bool, blocks_in_use: int,
-        full_attention_blocks: int,
+        self, num_tokens: int, decode_tokens: int, seconds: float, *, blocks_in_use: int, full_attention_blocks: int
     ) -> None:
-        """Count one step read back: its tokens (`decode_tokens` of them decodes), its host wall time (a step
-        that compiled is not timed; a step is a prefill step if it computes any prompt token), and the blocks in
-        use after it, with what the same requests would hold with every group as full attention."""
+        """Count one step read back: its tokens (`decode_tokens` of them decodes), its host wall time (a step is a
+        prefill step if it computes any prompt token), and the blocks in use after it, with what the same requests
+        would hold with every group as full attention."""
         self.steps += 1
-        self.compile_steps += compiled
         self.decode_tokens += decode_tokens
         self.prefill_tokens += num_tokens - decode_tokens
-        if not compiled:
-            self.timed_decode_tokens += decode_tokens
-            self.timed_prefill_tokens += num_tokens - decode_tokens
-            if num_tokens > decode_tokens:
-                self.prefill_time += seconds
-            else:
-                self.decode_time += seconds
+        if num_tokens > decode_tokens:
+            self.prefill_time += seconds
+        else:
+            self.decode_time += seconds
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, blocks_in_use)
         self.peak_blocks_full_attention = max(self.peak_blocks_full_attention, full_attention_blocks)
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
-        return self.timed_prefill_tokens / self.prefill_time if self.prefill_time else None
+        return self.prefill_tokens / self.prefill_time if self.prefill_time else None
 
     @property
     def decode_tokens_per_s(self) -> float | None:
-        return self.timed_decode_tokens / self.decode_time if self.decode_time else None
+        return self.decode_tokens / self.decode_time if self.decode_time else None

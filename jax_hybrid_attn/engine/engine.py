@@ -39,22 +39,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from ..allocator import KVCacheManager
-from ..integers import cdiv, check_int, next_power_of_two
+from ..integers import cdiv, check_int
 from ..models.config import ModelConfig
-from ..models.partitioning import shard_model
-from ..sharding import TENSOR_AXIS, kv_cache_spec, tensor_parallel_mesh
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineStats
-from .device_step import NO_SLOT, STEP_SHAPE, DeviceState, StepPlan, StepResult, allocate, run_model
-from .kv_layout import KVCacheLayout
+from .device_step import NO_SLOT, StepPlan, StepResult
+from .model_runner import CompileReport, ModelRunner
 from .requests import FinishReason, InFlightWork, Request, RequestOutput
 from .sampling import SamplingParams
+from .step_cache import RunnerSpec, StepCache
+from .step_shapes import StepShape, select_step_shape
 
 __all__ = ["Engine"]
 
@@ -84,6 +80,8 @@ class Engine:
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        chunks = (model_config.attention_chunk_size,) if "chunked_attention" in model_config.layer_types else ()
+        config = config.resolved(platform=jax.default_backend(), chunk_sizes=chunks)
         self.config, self.model_config = config, model_config
         self.eos_token_ids = frozenset(check_int("eos_token_ids", t, minimum=0) for t in eos_token_ids)
         max_model_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -93,54 +91,37 @@ class Engine:
                 f"{model_config.max_position_embeddings}"
             )
         self.max_model_len = max_model_len
-        self.mesh = tensor_parallel_mesh(config.tensor_parallel)
-        if self.mesh is None:
-            graphdef, state = nnx.split(model)
-            run_config = model_config
-        else:  # heads and MLP split over the mesh; everything else (allocator, metadata) replicated
-            graphdef, state, run_config = shard_model(model, self.mesh, TENSOR_AXIS)
-        kv_memory = None if config.kv_memory is None else config.kv_memory * config.tensor_parallel
-        dtype = config.kv_cache_dtype or model.dtype  # the activations' dtype: k and v are written in it
-        self.layout = KVCacheLayout.for_model(
-            run_config, block_size=config.block_size, max_model_len=max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs, dtype=dtype,
-            num_blocks=config.num_blocks, kv_memory=kv_memory, hybrid=config.hybrid,
-        )  # fmt: skip
-        self.allocator_config = self.layout.allocator_config(
-            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, enable_caching=config.enable_prefix_caching,
-            sliding_window_in_window_only=config.sliding_window_in_window_only,
-        )  # fmt: skip
-        self.manager = KVCacheManager(self.allocator_config)
-        self._replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
-        if self.mesh is not None:
-            self.manager.state = jax.device_put(self.manager.state, self._replicated)
-        self.kv_caches = self.layout.allocate(
-            None if self.mesh is None else NamedSharding(self.mesh, kv_cache_spec(TENSOR_AXIS))
-        )
-        # the weights travel as a flat list of arrays: flattening the model's `nnx.State` on every call costs more
-        weights, weights_treedef = jax.tree.flatten(state)
-        self._weights = tuple(weights)
-        self._num_computed = jax.device_put(jnp.zeros(config.max_num_seqs, jnp.int32), self._replicated)
-        self._allocate = partial(allocate, self.allocator_config)
-        self._run_model = jax.jit(
-            partial(run_model, graphdef, weights_treedef, self.allocator_config, self.layout, config.implementation,
-                    config.interpret, mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS),  # fmt: skip
-            static_argnames=STEP_SHAPE,
-            donate_argnames=("state",),
-        )
+        self.runner = ModelRunner(model, model_config, config, max_model_len=max_model_len)
+        # how a worker process rebuilds the runner to lower its step functions (None: only this process can)
+        self._spec = None if config.interpret else RunnerSpec.of(model, model_config, config, max_model_len)
+        self.layout, self.allocator_config = self.runner.layout, self.runner.allocator_config
         self.stats = EngineStats()
-        self._shapes: set[tuple[int, int, bool, bool]] = set()  # step shapes sent so far (compiled)
         self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jha-device")
         self._device_calls: list[Future] = []  # calls on the worker whose errors are not yet looked at
         self._in_flight: collections.deque[_SentStep] = collections.deque()  # sent, not yet read back, oldest first
         self._deferred_rows = False  # the last step read back deferred rows: the next one serves every row
         self._last_read = time.perf_counter()
-        self._compile_seconds = 0.0  # of the dispatches since the last read
         self._waiting: collections.deque[Request] = collections.deque()
         self._admitted: list[Request] = []  # hold a request slot, in arrival order
         self._ids: set[Hashable] = set()
         self._next_index = 0
+
+    @property
+    def manager(self) -> KVCacheManager:
+        """The allocator (the model runner's)."""
+        return self.runner.manager
+
+    def compile(self, *, progress: Callable[[str], None] | None = None) -> CompileReport:
+        """Compile every step shape (`ModelRunner.compile`; `progress(name)` as each is ready). The first `step`
+        calls it when nobody has; after it, serving compiles nothing. Returns what it did (also in `stats`)."""
+        cache = None if self.config.compilation_cache is None else StepCache(self.config.compilation_cache)
+        exported = self._spec is not None and (cache is not None or self.config.compile_workers > 0)
+        report = self.runner.compile(
+            progress=progress, cache=cache, spec=self._spec if exported else None, workers=self.config.compile_workers
+        )
+        self.stats.compile_time += report.wall_s
+        self.stats.compiled_executables += report.executables
+        return report
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -200,6 +181,8 @@ class Engine:
         """One scheduling step: send the next step to the device, then read back the oldest step in flight once
         more than `STEPS_IN_FLIGHT` are. Returns the requests that finished in the step read back; `on_token(request_id, token)` is called for each of its
         tokens. The device calls it makes may still be queued when it returns (`synchronize`)."""
+        if not self.runner.compiled:
+            self.compile()
         rows = self._schedule()
         if rows:
             self._in_flight.append(self._send(rows))
@@ -299,57 +282,34 @@ class Engine:
             temperature=column(temperature, np.float32, 0), top_k=column(top_k, np.int32, 0),
             top_p=column(top_p, np.float32, 1), seeds=column(seeds, np.uint32, 0),
         )  # fmt: skip
-        # The static shape bounds what the device computes: prefix hits and earlier failures only lower it
-        shape = (
-            min(next_power_of_two(sum(needs), minimum=8), self.config.max_num_batched_tokens),
-            1 if max(needs) == 1 else self.config.max_num_batched_tokens,
-            not bool((plan.temperature > 0).any()),
-        )
+        # The shape bounds what the device computes: prefix hits and earlier failures only lower it
+        shape = select_step_shape(self.runner.shapes, sum(needs), decode_only=max(needs) == 1)
+        greedy_only = not bool((plan.temperature > 0).any())
         # A decode step lets the allocator defer the rows it cannot serve at once (then nothing in the step makes
         # the host wait for the device); the step after one that deferred rows serves every row.
-        defer_rest = shape[1] == 1 and not self._deferred_rows
+        defer_rest = shape.decode_only and not self._deferred_rows
         self._deferred_rows = False
         ids = [request.request_id for request, _ in rows]
         sent_at = time.perf_counter()
-        call = self._on_device(self._dispatch, ids, plan, shape, defer_rest)
-        compiled = (*shape, defer_rest) not in self._shapes
-        if compiled:  # wait for its dispatch, which compiles it: not run time of the step read back next
-            self._shapes.add((*shape, defer_rest))
-            call.result()
-            seconds = time.perf_counter() - sent_at
-            self._compile_seconds += seconds
-            self.stats.compile_time += seconds
-        return _SentStep([(request, request.num_preemptions) for request, _ in rows], call, compiled, sent_at)
+        call = self._on_device(self._dispatch, ids, plan, shape, defer_rest, greedy_only)
+        return _SentStep([(request, request.num_preemptions) for request, _ in rows], call, sent_at)
 
     def _dispatch(
-        self, request_ids: list[Hashable], plan: StepPlan, shape: tuple[int, int, bool], defer_rest: bool
+        self, request_ids: list[Hashable], plan: StepPlan, shape: StepShape, defer_rest: bool, greedy_only: bool
     ) -> StepResult:
-        """(On the device worker.) Send the step's jitted calls; the allocator's state, the caches and the
-        computed counts become their outputs."""
+        """(On the device worker.) Send the step's calls through the model runner."""
         slots = [self.manager.slot(request_id) for request_id in request_ids]
         pad = self.config.max_num_seqs - len(slots)
         plan = plan._replace(slots=np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=NO_SLOT))
-        plan = jax.device_put(plan, self._replicated)
-        state = DeviceState(tuple(self.kv_caches), self.manager.state, self._num_computed)
-        state, result = self._device_step(state, plan, defer_rest=defer_rest, **dict(zip(STEP_SHAPE, shape)))
-        self.kv_caches, self.manager.state = list(state.kv_caches), state.allocator
-        self._num_computed = state.num_computed
-        return result
-
-    def _device_step(self, state: DeviceState, plan: StepPlan, *, defer_rest: bool,
-                     **shape) -> tuple[DeviceState, StepResult]:  # fmt: skip
-        """(On the device worker.) The step's two calls: the allocator's step, then the model (`device_step`);
-        `shape` holds the `STEP_SHAPE` values."""
-        state, out, known = self._allocate(state, plan, defer_rest=defer_rest)
-        return self._run_model(self._weights, state, out, known, plan, **shape)
+        return self.runner.run_step(plan, shape, defer_rest=defer_rest, greedy_only=greedy_only)
 
     def _read(self, sent: "_SentStep", on_token) -> list[RequestOutput]:
         """Read a step back: its tokens, finished requests, preemptions and counters."""
         result = StepResult(*jax.device_get(tuple(sent.call.result())))
         self._raise_device_errors()
         now = time.perf_counter()
-        seconds = now - max(self._last_read, sent.sent_at) - self._compile_seconds
-        self._last_read, self._compile_seconds = now, 0.0
+        seconds = now - max(self._last_read, sent.sent_at)
+        self._last_read = now
         finished, failed = [], []
         decode_tokens = 0
         for i, (request, preemptions) in enumerate(sent.rows):
@@ -383,7 +343,7 @@ class Engine:
             cdiv(r.num_computed_tokens, self.config.block_size) for r in self._admitted
         )
         self.stats.record_step(
-            int(result.num_scheduled.sum()), decode_tokens, seconds, compiled=sent.compiled,
+            int(result.num_scheduled.sum()), decode_tokens, seconds,
             blocks_in_use=self.layout.num_blocks - 1 - int(result.num_free_blocks),
             full_attention_blocks=full_attention_blocks,
         )  # fmt: skip
@@ -433,9 +393,8 @@ class Engine:
 @dataclasses.dataclass
 class _SentStep:
     """A step handed to the device worker: its rows (each request with its preemption count when sent), the
-    worker's call (its `StepResult` on the device), whether its shape compiled, and when it was handed over."""
+    worker's call (its `StepResult` on the device), and when it was handed over."""
 
     rows: list[tuple[Request, int]]
     call: Future
-    compiled: bool
     sent_at: float

@@ -120,10 +120,15 @@ class KVCacheLayout:
         """The allocator of this layout; `options` are `AllocatorConfig`'s other fields."""
         return AllocatorConfig.from_kv_cache_config(self.kv_config, **options)
 
-    def allocate(self, sharding: jax.sharding.Sharding | None = None) -> tuple:
-        """The KV-cache tensors, zero-filled, on the default device or created with `sharding`."""
-        zeros = jax.jit(lambda: jnp.zeros(self.tensor_shape, self.dtype), out_shardings=sharding)
-        return tuple(zeros() for _ in self.kv_config.kv_cache_tensors)
+    def allocate(self, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+        """The KV-cache tensors stacked in one zero-filled array [num_tensors, B, 2, S, K, H], on the default
+        device or created with `sharding`."""
+        shape = (self.num_tensors, *self.tensor_shape)
+        return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.kv_config.kv_cache_tensors)
 
     @property
     def num_blocks(self) -> int:

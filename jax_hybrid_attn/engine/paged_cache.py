@@ -1,21 +1,31 @@
 """The serving path's `AttentionCache`: each layer writes this step's K/V by slot and attends over its pages.
 
-`PagedCache` is the join of one serving step. The allocator's `StepOutput` gives, through `metadata_from_step`,
-one `AttentionMetadata` per KV-cache group; the model calls ``attend(layer, q, k, v, ...)``, and the layer's
-tensor and group metadata go to `layer_attention` (the Mosaic GPU kernels on a GPU, the reference elsewhere).
-Everything here is traced inside the engine's one jitted step.
+`PagedCache` is the join of one serving step. It holds the allocator's `StepOutput` for the step (every KV-cache
+group's block tables and slots) and the engine's KV-cache tensors stacked in one array; the model calls
+``attend(layer, q, k, v, ...)``, and the layer's tensor and its group's `AttentionMetadata` go to
+`layer_attention` (the Mosaic GPU kernels on a GPU, the reference elsewhere). Everything here is traced inside
+the engine's jitted forward.
 
-Shape letters: T tokens · N query heads · K kv heads · H head size.
+A layer's tensor and group may be traced values (`at_layer` inside a scan over layers): the layer then attends
+over the whole stack viewed as one pool of ``num_tensors * B`` blocks, with its block ids and slots offset into
+its own tensor (a view, never a copy of the tensor). Tensor t's block 0 is its null block, so offset null
+entries stay null.
+
+Shape letters: T tokens · R rows · G KV-cache groups · P blocks per row · N query heads · K kv heads ·
+H head size · B blocks · S block size.
 """
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jaxtyping import Array, Int
 
 from .._compat import register_pytree_dataclass
+from ..allocator import StepOutput
 from ..attention import layer_attention
+from ..constants import PAD_SLOT_ID
 from ..metadata import AttentionMetadata
 from ..sharding import sharded_layer_attention
 
@@ -24,43 +34,76 @@ __all__ = ["PagedCache"]
 
 @dataclasses.dataclass(frozen=True)
 class PagedCache:
-    """The step's KV-cache tensors and per-group metadata, and each layer's place in them.
+    """The step's KV-cache tensors and block tables, and each layer's place in them.
 
     Attributes:
-      tensors: the shared KV-cache tensors, [B, 2, S, K, H] each.
-      metadata: one `AttentionMetadata` per KV-cache group, for this step's T tokens.
+      kv: [num_tensors, B, 2, S, K, H], the shared KV-cache tensors (`KVCacheLayout.allocate`).
+      step: the allocator's `StepOutput` for this step's T tokens (block tables [G, R, P_max], slots [G, T]).
       positions: [T] position of each token in its request.
+      layer: the layer attending now (`at_layer`; traced inside a scan), or None: `attend`'s argument.
       layer_group, layer_tensor: per layer, its group and tensor (static; `KVCacheLayout`).
+      blocks_per_row: per group, P (static; the allocator's).
+      max_query_len, max_seq_len: the metadata's static bounds.
       implementation, interpret: as `paged_attention` (static).
       mesh, axis: with a mesh, each layer's heads are split over its `axis` (`sharded_layer_attention`; the
         tensors split the same way); None: one device.
     """
 
-    tensors: tuple[jax.Array, ...]
-    metadata: tuple[AttentionMetadata, ...]
+    kv: jax.Array
+    step: StepOutput
     positions: Int[Array, "T"]
+    layer: Int[Array, ""] | int | None
     layer_group: tuple[int, ...]
     layer_tensor: tuple[int, ...]
+    blocks_per_row: tuple[int, ...]
+    max_query_len: int
+    max_seq_len: int
     implementation: str | None = None
     interpret: bool = False
     mesh: Mesh | None = None
     axis: str | None = None
 
+    def at_layer(self, layer) -> "PagedCache":
+        return dataclasses.replace(self, layer=layer)
+
+    def metadata(self, layer, kind_layer: int) -> AttentionMetadata:
+        """Layer `layer`'s metadata over the stack viewed as one pool: its group's block tables and slots,
+        offset into its tensor. `kind_layer` (static) has the same kind, hence the same P."""
+        step = self.step
+        num_blocks, block_size = self.kv.shape[1], self.kv.shape[3]
+        if isinstance(layer, int):
+            group, tensor = self.layer_group[layer], self.layer_tensor[layer]
+        else:
+            group = jnp.asarray(self.layer_group, jnp.int32)[layer]
+            tensor = jnp.asarray(self.layer_tensor, jnp.int32)[layer]
+        width = self.blocks_per_row[self.layer_group[kind_layer]]
+        slots = step.slot_mappings[group, : self.positions.shape[0]]
+        return AttentionMetadata(
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            block_tables=step.block_tables[group, :, :width] + tensor * num_blocks,
+            slot_mapping=jnp.where(slots == PAD_SLOT_ID, PAD_SLOT_ID, slots + tensor * num_blocks * block_size),
+            num_actual_tokens=step.query_start_loc[-1],
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+        )
+
     def attend(self, layer, q, k, v, *, params, sinks=None):
         """Write the layer's k/v into its tensor at its group's slots, then attend (`layer_attention`)."""
-        tensor = self.layer_tensor[layer]
+        where = layer if self.layer is None else self.layer
+        metadata = self.metadata(where, layer)
+        pool = self.kv.reshape(-1, *self.kv.shape[2:])  # [num_tensors * B, 2, S, K, H]: a view
         options = dict(params=params, sinks=sinks, implementation=self.implementation, interpret=self.interpret)
-        inputs = (q, k, v, self.tensors[tensor], self.metadata[self.layer_group[layer]])
         if self.mesh is None:
-            out, updated = layer_attention(*inputs, **options)
+            out, pool = layer_attention(q, k, v, pool, metadata, **options)
         else:
-            out, updated = sharded_layer_attention(self.mesh, self.axis, *inputs, **options)
-        tensors = self.tensors[:tensor] + (updated,) + self.tensors[tensor + 1 :]
-        return out, dataclasses.replace(self, tensors=tensors)
+            out, pool = sharded_layer_attention(self.mesh, self.axis, q, k, v, pool, metadata, **options)
+        return out, dataclasses.replace(self, kv=pool.reshape(self.kv.shape))
 
 
 register_pytree_dataclass(
     PagedCache,
-    data_fields=["tensors", "metadata", "positions"],
-    meta_fields=["layer_group", "layer_tensor", "implementation", "interpret", "mesh", "axis"],
-)
+    data_fields=["kv", "step", "positions", "layer"],
+    meta_fields=["layer_group", "layer_tensor", "blocks_per_row", "max_query_len", "max_seq_len",
+                 "implementation", "interpret", "mesh", "axis"],
+)  # fmt: skip

@@ -33,6 +33,11 @@ class AttentionCache(Protocol):
     @property
     def positions(self) -> Int[Array, "T"]: ...
 
+    def at_layer(self, layer: "int | Int[Array, ''] | None") -> "AttentionCache":
+        """The cache as layer `layer` sees it: inside a scan over layers the index is traced, and `attend`'s own
+        `layer` argument then names only the layer's kind. None: back to `attend`'s argument."""
+        ...
+
     def attend(
         self,
         layer: int,
@@ -94,8 +99,12 @@ class DenseAttention:
     def positions(self) -> Int[Array, "T"]:
         return jnp.arange(self.num_tokens, dtype=jnp.int32)
 
-    def attend(self, layer, q, k, v, *, params, sinks=None):
+    def at_layer(self, layer):
         del layer  # every layer sees the same sequence
+        return self
+
+    def attend(self, layer, q, k, v, *, params, sinks=None):
+        del layer
         return dense_attention(q, k, v, params=params, sinks=sinks), self
 
 

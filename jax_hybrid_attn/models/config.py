@@ -131,8 +131,6 @@ class ModelConfig:
             check_int("num_experts", self.num_experts)
             check_int("num_experts_per_tok", self.num_experts_per_tok, maximum=self.num_experts)
 
-    # --- reading config.json ---------------------------------------------------------------------------
-
     # --- reading config.json (`hf_config`) ------------------------------------------------------------
 
     @classmethod
@@ -191,6 +189,18 @@ class ModelConfig:
     def layer_rope(self, layer: int) -> RopeParameters | None:
         """Layer `layer`'s RoPE (None: no position embedding)."""
         return self.rope[self._check_layer(layer)]
+
+    def layer_kind(self, layer: int) -> tuple:
+        """What layer `layer` computes beyond its weights (hashable): its attention type and parameters, RoPE,
+        sinks and MLP. Layers of one kind have weights of the same shapes and run the same code, so a scan over
+        the layers traces and compiles each kind once (`models.layer_scan`)."""
+        return (
+            self.layer_types[self._check_layer(layer)],
+            self.layer_params(layer),
+            self.layer_rope(layer),
+            self.layer_has_sinks(layer),
+            self.layer_is_moe(layer),
+        )
 
 
 # --- the readers, one per family ----------------------------------------------------------------------

@@ -6,7 +6,8 @@ parameters carry transformers' names and layouts (``model.layers.3.self_attn.q_p
 weight ``[out, in]``), so that loading a checkpoint is one name-for-name copy (`loading.py`).
 
 Each layer calls ``cache.attend(layer, q, k, v, params=config.layer_params(layer), sinks=...)`` once; RoPE
-uses ``cache.positions``. The layers are a Python loop: their static parameters differ.
+uses ``cache.positions``. `Decoder.__call__` runs the layers as a Python loop; the serving engine runs them as
+scans over the layers' repeating pattern (`layer_scan`), each kind of layer traced once.
 
 Shape letters: T tokens · R rows kept for the LM head · N query heads · K kv heads · H head size ·
 D hidden size · I MLP width · E experts · k experts per token · V vocabulary.
@@ -25,7 +26,7 @@ from .attention_cache import AttentionCache
 from .config import ModelConfig
 from .rope import RopeParameters, apply_rope
 
-__all__ = ["Decoder"]
+__all__ = ["Decoder", "DecoderEnds"]
 
 _PRECISION = jax.lax.Precision.HIGHEST
 """float32 products at full precision on every backend (a GPU would use TF32 otherwise); bf16 is unaffected."""
@@ -379,22 +380,46 @@ class Decoder(nnx.Module):
         """Float32 logits of the rows `logits_indices` of this call's T tokens (all T when None), and the cache.
 
         The rows are gathered after the final norm and before the LM head, so a serving step computes the
-        logits of the rows it samples only."""
-        config, dt = self.config, self.dtype
-        x = self.model.embed_tokens.weight[...][token_ids].astype(dt)
-        if config.architecture in ("gemma2", "gemma3_text"):
-            x = x * jnp.asarray(math.sqrt(config.hidden_size), dt)  # in the dtype, as transformers does
+        logits of the rows it samples only. The layers run one after another; `layer_scan.ScannedDecoder` runs
+        the same computation as scans over the layers' pattern."""
+        ends = DecoderEnds(self)
+        x = ends.embed(token_ids)
         for layer in self.model.layers:
             x, cache = layer(x, cache)
-        x = self.model.norm(x)
+        return ends.logits(x, logits_indices), cache
+
+
+class DecoderEnds(nnx.Module):
+    """What a `Decoder` runs before and after its layers: the token embedding (Gemma scales it), and the final
+    norm, the LM head (or the tied embedding) and the final soft cap. It holds the decoder's own modules (no
+    copy), so that the layers can be run apart from it."""
+
+    def __init__(self, decoder: Decoder):
+        self.embed_tokens = decoder.model.embed_tokens
+        self.norm = decoder.model.norm
+        self.lm_head = decoder.lm_head
+        self.config = decoder.config
+        self.dtype = decoder.dtype
+
+    def embed(self, token_ids: Int[Array, "T"]) -> Float[Array, "T D"]:
+        config, dt = self.config, self.dtype
+        x = self.embed_tokens.weight[...][token_ids].astype(dt)
+        if config.architecture in ("gemma2", "gemma3_text"):
+            x = x * jnp.asarray(math.sqrt(config.hidden_size), dt)  # in the dtype, as transformers does
+        return x
+
+    def logits(self, x: Float[Array, "T D"], logits_indices: Int[Array, "R"] | None) -> Float[Array, "R V"]:
+        """Float32 logits of the rows `logits_indices` of `x` (every row when None)."""
+        config, dt = self.config, self.dtype
+        x = self.norm(x)
         if logits_indices is not None:
             x = x[logits_indices]
         if self.lm_head is None:
-            logits = _matmul(x, self.model.embed_tokens.weight[...].astype(dt).T)
+            logits = _matmul(x, self.embed_tokens.weight[...].astype(dt).T)
         else:
             logits = self.lm_head(x)
         logits = logits.astype(jnp.float32)
         if config.final_logit_softcapping is not None:
             cap = config.final_logit_softcapping
             logits = cap * jnp.tanh(logits / cap)
-        return logits, cache
+        return logits

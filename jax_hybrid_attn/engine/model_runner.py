@@ -1,0 +1,302 @@
+"""The model runner: the one owner of an engine's device state and of its compiled step functions.
+
+It holds the weights (laid out for scans over the layers, `ScannedDecoder`), the KV cache (every tensor of the
+`KVCacheLayout` in one array), the allocator (`KVCacheManager`, whose state is the allocator's) and each request
+slot's count of computed tokens; and the executables of a step's three calls (`device_step`): `allocate` and
+`sample` (two variants each) and `forward` for every shape of `step_shapes`. `compile` builds all of them ahead of
+time: the calls are lowered one after another (lowering holds Python's lock) while XLA compiles the ones lowered
+before in a thread pool. After it, serving compiles nothing.
+
+The engine calls it from one thread (its device worker), in order: `run_step` and the request operations.
+"""
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import export
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..allocator import KVCacheManager
+from ..models.config import ModelConfig
+from ..models.layer_scan import ScannedDecoder
+from ..models.partitioning import shard_model
+from ..sharding import TENSOR_AXIS, kv_cache_spec, tensor_parallel_mesh
+from .config import EngineConfig
+from .device_step import StepPlan, StepResult, allocate, forward, sample
+from .kv_layout import KVCacheLayout
+from .step_cache import RunnerSpec, StepCache, export_in_workers, export_step, flat_positions, load_step
+from .step_shapes import StepShape, step_shapes
+
+__all__ = ["CompileReport", "ModelRunner"]
+
+MAX_COMPILE_THREADS = 16
+"""Executables XLA compiles at once in `ModelRunner.compile` (at most the host's cores)."""
+
+
+def _stack_abstract(states):
+    return jax.tree.map(lambda *xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype), *states)
+
+
+def _abstract(tree):
+    """`tree` with every array replaced by its `jax.ShapeDtypeStruct` (sharding included)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What `ModelRunner.compile` did: the executables built, the seconds spent lowering (tracing included, on the
+    calling thread) and in all, and per executable its lowering and its XLA compile seconds."""
+
+    executables: int = 0
+    lowering_s: float = 0.0
+    wall_s: float = 0.0
+    per_executable: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+
+
+class ModelRunner:
+    """Weights, caches, allocator and compiled step functions of one engine (see the module docstring).
+
+    Args:
+      model: the `Decoder`; its layer weights are stacked into new arrays (the decoder's stay as they are). An
+        abstract one (`nnx.eval_shape`) makes a runner that only traces and lowers (nothing is allocated).
+      model_config: its `ModelConfig`.
+      config: the `EngineConfig`.
+      max_model_len: the engine's resolved ``max_model_len``.
+    """
+
+    def __init__(self, model, model_config: ModelConfig, config: EngineConfig, *, max_model_len: int):
+        self.config = config
+        self.mesh = tensor_parallel_mesh(config.tensor_parallel)
+        self._replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
+        self.abstract = isinstance(jax.tree.leaves(nnx.state(model))[0], jax.ShapeDtypeStruct)
+        if self.mesh is None:
+            decoder, run_config, stack = model, model_config, _stack_abstract if self.abstract else None
+        else:  # heads and MLP split over the mesh; everything else (allocator, metadata) replicated
+            graphdef, state, run_config = shard_model(model, self.mesh, TENSOR_AXIS)
+            decoder, stack = nnx.merge(graphdef, state), self._stack_sharded
+        self.model = ScannedDecoder.from_decoder(decoder, **({} if stack is None else {"stack": stack}))
+        kv_memory = None if config.kv_memory is None else config.kv_memory * config.tensor_parallel
+        self.layout = KVCacheLayout.for_model(
+            run_config, block_size=config.block_size, max_model_len=max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            dtype=config.kv_cache_dtype or model.dtype, num_blocks=config.num_blocks, kv_memory=kv_memory,
+            hybrid=config.hybrid,
+        )  # fmt: skip
+        self.allocator_config = self.layout.allocator_config(
+            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens, enable_caching=config.enable_prefix_caching,
+            sliding_window_in_window_only=config.sliding_window_in_window_only,
+        )  # fmt: skip
+        self.manager = KVCacheManager(self.allocator_config)
+        if self.mesh is not None:
+            self.manager.state = jax.device_put(self.manager.state, self._replicated)
+        if self.abstract:  # a runner to lower the step functions with (`step_cache`), nothing allocated
+            self.kv_cache = jax.ShapeDtypeStruct((self.layout.num_tensors, *self.layout.tensor_shape), self.layout.dtype)
+        else:
+            self.kv_cache = self.layout.allocate(
+                None if self.mesh is None else NamedSharding(self.mesh, P(None, *kv_cache_spec(TENSOR_AXIS)))
+            )
+        self.num_computed = jax.device_put(jnp.zeros(config.max_num_seqs, jnp.int32), self._replicated)
+        self.shapes = step_shapes(max_num_seqs=config.max_num_seqs,
+                                  max_num_batched_tokens=config.max_num_batched_tokens)  # fmt: skip
+        self._forward = jax.jit(
+            partial(forward, self.layout, self.allocator_config, config.implementation, config.interpret,
+                    mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS),  # fmt: skip
+            static_argnames=("num_tokens", "max_query_len"),
+            donate_argnames=("kv_cache",),
+        )
+        self._executables: dict[tuple, jax.stages.Compiled] = {}
+        self._inputs: dict | None = None  # abstract inputs of the step's calls (`trace`)
+
+    def _stack_sharded(self, states):
+        """Stack layer states on a new leading axis, each leaf keeping its split over the mesh."""
+
+        def stack(*leaves):
+            sharding = NamedSharding(self.mesh, P(None, *leaves[0].sharding.spec))
+            return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
+
+        return jax.tree.map(stack, *states)
+
+    # ---------------------------------------------------------------------------------------- compiling
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self._executables)
+
+    def executable_keys(self) -> list[tuple]:
+        """Every executable of a step, in compile order: ("allocate", defer_rest), ("forward", shape) per shape,
+        ("sample", greedy_only)."""
+        return [("allocate", False), ("allocate", True), *(("forward", s) for s in self.shapes),
+                ("sample", True), ("sample", False)]  # fmt: skip
+
+    def call(self, key: tuple) -> tuple[Callable, tuple, tuple[int, ...]]:
+        """Executable `key` (`executable_keys`) as (its function of the dynamic arguments, those arguments as
+        abstract values of this runner's sizes, the positions of the donated ones)."""
+        kind, variant = key
+        inputs = self._abstract_inputs()
+        config = self.allocator_config
+        if kind == "allocate":
+            return (partial(allocate, config, defer_rest=variant),
+                    (inputs["allocator"], inputs["num_computed"], inputs["plan"]), (0,))  # fmt: skip
+        if kind == "forward":
+            return (partial(self._forward, num_tokens=variant.num_tokens, max_query_len=variant.max_query_len),
+                    (inputs["model"], inputs["kv_cache"], inputs["out"]), (1,))  # fmt: skip
+        return (partial(sample, config, greedy_only=variant),
+                (inputs["allocator"], inputs["num_computed"], inputs["out"], inputs["known"], inputs["plan"],
+                 inputs["logits"]), (0, 1))  # fmt: skip
+
+    def trace(self, key: tuple) -> jax.stages.Traced:
+        """The traced call of executable `key` on abstract inputs of this runner's sizes."""
+        fn, args, _ = self.call(key)
+        return fn.func.trace(*fn.args, *args, **fn.keywords)
+
+    def _abstract_inputs(self) -> dict:
+        if self._inputs is None:
+            rows = self.config.max_num_seqs
+            dtypes = (np.int32, np.int32, np.int32, np.float32, np.int32, np.float32, np.uint32)
+            sharding = self._default_sharding()
+            inputs = dict(
+                plan=StepPlan(*(jax.ShapeDtypeStruct((rows,), d, sharding=sharding) for d in dtypes)),
+                allocator=_abstract(self.manager.state), num_computed=_abstract(self.num_computed),
+                model=_abstract(self.model), kv_cache=_abstract(self.kv_cache),
+            )  # fmt: skip
+            self._inputs = inputs  # what the two traces below read; they add the rest
+            _, inputs["out"], inputs["known"] = self.trace(("allocate", False)).out_info
+            inputs["logits"] = self.trace(("forward", self.shapes[0])).out_info[1]
+        return self._inputs
+
+    def compile(
+        self,
+        *,
+        progress: Callable[[str], None] | None = None,
+        cache: StepCache | None = None,
+        spec: RunnerSpec | None = None,
+        workers: int = 0,
+    ) -> CompileReport:
+        """Compile every executable of a step ahead of time (`executable_keys`) and the allocator's request
+        operations; `progress(name)` is called as each executable is ready.
+
+        Lowering holds Python's lock: without a `spec`, it runs on this thread while XLA compiles what was lowered
+        before in a pool of threads. With the `spec` of this runner (`RunnerSpec.of`), the step functions come as
+        `jax.export` modules: from `cache` where it has them, else lowered by `workers` new processes (0: on this
+        thread), and put in `cache`."""
+        report = CompileReport()
+        started = time.perf_counter()
+        keys = self.executable_keys()
+        threads = max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="jha-compile") as pool:
+            futures = {}
+
+            def submit(key, blob=None):
+                """Lower `key` (from its serialized step function, if given) and hand it to the pool."""
+                t = time.perf_counter()
+                if blob is None:
+                    lowered, out_tree = self.trace(key).lower(), None
+                else:
+                    _, args, donated = self.call(key)
+                    lowered, out_tree = load_step(blob, jax.tree.leaves(args), donate=flat_positions(args, donated))
+                lowering_s = time.perf_counter() - t
+                report.lowering_s += lowering_s
+                futures[key] = (lowering_s, out_tree, pool.submit(self._compile_one, lowered))
+
+            if spec is None:
+                for key in keys:
+                    submit(key)
+            else:
+                for key, blob in self._serialized_steps(keys, spec, cache, workers):
+                    submit(key, blob)
+            self.manager.compile()
+            for key in keys:
+                lowering_s, out_tree, future = futures[key]
+                compiled, compile_s = future.result()
+                self._executables[key] = compiled if out_tree is None else _FlatCall(compiled, out_tree)
+                report.per_executable[_name(key)] = (lowering_s, compile_s)
+                report.executables += 1
+                if progress is not None:
+                    progress(_name(key))
+        report.wall_s = time.perf_counter() - started
+        return report
+
+    def _serialized_steps(self, keys: list[tuple], spec: RunnerSpec, cache: StepCache | None, workers: int):
+        """(key, serialized step function) of each of `keys`, as each is ready: from `cache`, else lowered (by
+        `workers` processes: each forward shape in one of its own, the rest together) and put in `cache`."""
+        platform = export.default_export_platform()  # "cuda", not "gpu"
+        device_kind = jax.devices()[0].device_kind
+        missing = []
+        for key in keys:
+            fingerprint = spec.fingerprint(key, platform=platform, device_kind=device_kind)
+            blob = None if cache is None else cache.get(fingerprint)
+            if blob is None:
+                missing.append((key, fingerprint))
+            else:
+                yield key, blob
+        fingerprints = dict(missing)
+        if not missing:
+            return
+        if workers > 0:
+            forwards = [key for key, _ in missing if key[0] == "forward"]
+            rest = [key for key, _ in missing if key[0] != "forward"]
+            shares = [[key] for key in forwards] + ([rest] if rest else [])
+            merged = [sum(shares[i::workers], []) for i in range(min(workers, len(shares)))]
+            ready = export_in_workers(spec, merged, platform=platform)
+        else:
+            ready = ((key, export_step(self, key, platform=platform)) for key in fingerprints)
+        for key, blob in ready:
+            if cache is not None:
+                cache.put(fingerprints[key], blob)
+            yield key, blob
+
+    @staticmethod
+    def _compile_one(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float]:
+        t = time.perf_counter()
+        compiled = lowered.compile()
+        return compiled, time.perf_counter() - t
+
+    def _default_sharding(self):
+        if self._replicated is not None:
+            return self._replicated
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    # ------------------------------------------------------------------------------------------ serving
+
+    def run_step(self, plan: StepPlan, shape: StepShape, *, defer_rest: bool, greedy_only: bool) -> StepResult:
+        """Send one step's three calls (nothing is read back): allocate, forward at `shape`, sample. The state
+        becomes their outputs; returns the `StepResult` (device arrays)."""
+        if not self._executables:
+            raise RuntimeError("ModelRunner.compile() must run before the first step")
+        plan = jax.device_put(plan, self._default_sharding())
+        allocator, out, known = self._executables["allocate", defer_rest](
+            self.manager.state, self.num_computed, plan
+        )
+        self.manager.state = allocator
+        self.kv_cache, logits = self._executables["forward", shape](self.model, self.kv_cache, out)
+        self.manager.state, self.num_computed, result = self._executables["sample", greedy_only](
+            self.manager.state, self.num_computed, out, known, plan, logits
+        )
+        return result
+
+
+class _FlatCall:
+    """A compiled step function of flat arguments (`step_cache`), called as the function it was exported from."""
+
+    def __init__(self, compiled: jax.stages.Compiled, out_tree):
+        self.compiled, self.out_tree = compiled, out_tree
+
+    def __call__(self, *args):
+        return jax.tree.unflatten(self.out_tree, self.compiled(*jax.tree.leaves(args)))
+
+
+def _name(key: tuple) -> str:
+    kind, variant = key
+    labels = {"allocate": {False: "allocate", True: "allocate (defer rest)"},
+              "sample": {True: "sample (greedy)", False: "sample"}}  # fmt: skip
+    return f"forward {variant}" if kind == "forward" else labels[kind][variant]

@@ -1,0 +1,176 @@
+"""A runner's step functions lowered in worker processes, and kept across processes (`jax.export`).
+
+Lowering a step function holds Python's lock, and most of it is the Mosaic GPU kernels' lowering, so threads do not
+speed it up. Worker processes do: each rebuilds the runner abstractly from a picklable `RunnerSpec` (nothing
+allocated, JAX on its CPU), lowers its share of the executables for the GPU and sends them back as serialized
+`jax.export` modules of flat arguments. The engine's process compiles those (XLA's compiles in threads).
+
+The same modules are kept in a directory (``EngineConfig(compilation_cache=DIR)``), keyed by everything that shapes
+them: this package's source, JAX's version, the device kind, the spec and the executable. A later process loads
+them instead of lowering, and with JAX's persistent cache in the same directory (`use_compilation_cache`) XLA's
+compiles become cache loads too.
+"""
+
+import dataclasses
+import hashlib
+import os
+import pickle
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import export
+
+from ..models.config import ModelConfig
+from ..models.decoder import Decoder
+from .config import EngineConfig
+
+__all__ = ["RunnerSpec", "StepCache", "export_step", "export_in_workers", "use_compilation_cache"]
+
+FORMAT_VERSION = 1
+"""Bumped when what a cache entry holds changes."""
+MOSAIC_GPU_CALL = "mosaic_gpu_v2"
+"""The custom call of the Mosaic GPU kernels: not one of `jax.export`'s stable targets, kept as lowered (the cache
+key pins the versions)."""
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+
+
+def use_compilation_cache(directory: str | os.PathLike) -> None:
+    """JAX's persistent compilation cache in `directory`, keeping every entry (however fast it compiled or small it
+    is) and XLA's GPU autotuning results. Call it before anything compiles."""
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "xla_gpu_per_fusion_autotune_cache_dir")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerSpec:
+    """What a worker needs to rebuild a `ModelRunner` abstractly: the model's config and dtypes, the resolved
+    engine config and ``max_model_len``."""
+
+    model_config: ModelConfig
+    engine_config: EngineConfig
+    max_model_len: int
+    dtype: str
+    param_dtype: str
+
+    @classmethod
+    def of(cls, model: Decoder, model_config: ModelConfig, config: EngineConfig, max_model_len: int):
+        """The spec of a runner of `model`, or None when a worker could not rebuild it: a model other than
+        ``Decoder(model_config, dtype=..., param_dtype=...)`` with its dtypes, or a runner over several devices."""
+        if config.tensor_parallel != 1 or not isinstance(model, Decoder) or model.config != model_config:
+            return None
+        param_dtype = jnp.dtype(model.model.embed_tokens.weight.dtype).name
+        # where and how it is compiled, not what: equal steps share entries
+        config = dataclasses.replace(config, compilation_cache=None, compile_workers=0, max_model_len=max_model_len)
+        spec = cls(model_config, config, max_model_len, jnp.dtype(model.dtype).name, param_dtype)
+        rebuilt = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(spec.abstract_model()))
+        actual = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(model))
+        return spec if rebuilt == actual else None
+
+    def abstract_model(self) -> Decoder:
+        return nnx.eval_shape(lambda: Decoder(self.model_config, rngs=nnx.Rngs(0), dtype=self.dtype,
+                                              param_dtype=self.param_dtype))  # fmt: skip
+
+    def abstract_runner(self):
+        from .model_runner import ModelRunner
+
+        return ModelRunner(self.abstract_model(), self.model_config, self.engine_config,
+                           max_model_len=self.max_model_len)  # fmt: skip
+
+    def fingerprint(self, key: tuple, *, platform: str, device_kind: str) -> str:
+        """The cache key of executable `key` of this spec on a device of `device_kind`."""
+        digest = hashlib.sha256()
+        for path in sorted(_PACKAGE_DIR.rglob("*.py")):
+            digest.update(path.relative_to(_PACKAGE_DIR).as_posix().encode())
+            digest.update(path.read_bytes())
+        digest.update(repr((FORMAT_VERSION, jax.__version__, platform, device_kind, self, key)).encode())
+        return digest.hexdigest()[:32]
+
+
+def export_step(runner, key: tuple, *, platform: str) -> bytes:
+    """Executable `key` of `runner` lowered for `platform`, as a serialized `jax.export` module of flat arguments
+    (the leaves of its dynamic arguments, in `jax.tree.flatten` order), with the structure of its outputs."""
+    fn, args, _ = runner.call(key)
+    leaves, in_tree = jax.tree.flatten(args)
+    out_tree = []
+
+    def flat(*leaves):
+        outputs, tree = jax.tree.flatten(fn(*jax.tree.unflatten(in_tree, leaves)))
+        out_tree.append(tree)
+        return tuple(outputs)
+
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    exported = export.export(jax.jit(flat), platforms=[platform],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(MOSAIC_GPU_CALL)])(*abstract)  # fmt: skip
+    return pickle.dumps({"exported": exported.serialize(), "out_tree": out_tree[0]})
+
+
+def export_in_workers(spec: RunnerSpec, shares: list[list[tuple]], *, platform: str):
+    """`export_step` of the executables of each share in a new process of its own (``python -m`` this module, JAX
+    on its CPU: it lowers for `platform` and touches no GPU). Yields (key, serialized step) as each process ends."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(_PACKAGE_DIR.parent), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+
+    def run(share):
+        done = subprocess.run([sys.executable, "-m", __name__], input=pickle.dumps((spec, share, platform)),
+                              capture_output=True, env=env)  # fmt: skip
+        if done.returncode:
+            raise RuntimeError(f"a process lowering the step functions failed ({done.returncode}):\n"
+                               f"{done.stderr.decode(errors='replace')[-4000:]}")  # fmt: skip
+        return list(zip(share, pickle.loads(done.stdout), strict=True))
+
+    with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+        for future in as_completed([pool.submit(run, share) for share in shares]):
+            yield from future.result()
+
+
+def _worker_main() -> None:
+    """(In a worker process.) Read (spec, keys, platform) from stdin, write their `export_step`s to stdout."""
+    spec, keys, platform = pickle.loads(sys.stdin.buffer.read())
+    runner = spec.abstract_runner()
+    sys.stdout.buffer.write(pickle.dumps([export_step(runner, key, platform=platform) for key in keys]))
+
+
+class StepCache:
+    """Serialized step functions in `directory` (created if missing), one file per fingerprint."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def get(self, fingerprint: str) -> bytes | None:
+        path = self.directory / f"{fingerprint}.step"
+        return path.read_bytes() if path.is_file() else None
+
+    def put(self, fingerprint: str, blob: bytes) -> None:
+        path = self.directory / f"{fingerprint}.step"
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_bytes(blob)
+        partial.replace(path)  # atomic: a reader sees the whole entry or none
+
+
+def load_step(blob: bytes, abstract_args: list, *, donate: tuple[int, ...]):
+    """(the `jax.stages.Lowered` of a serialized step function on these flat abstract arguments, the structure of
+    its outputs)."""
+    entry = pickle.loads(blob)
+    exported = export.deserialize(entry["exported"])
+    lowered = jax.jit(exported.call, donate_argnums=donate).lower(*abstract_args)
+    return lowered, entry["out_tree"]
+
+
+def flat_positions(tree, donated_args: tuple[int, ...]) -> tuple[int, ...]:
+    """The flat leaf positions of the positional arguments `donated_args` of the argument tuple `tree`."""
+    counts = [len(jax.tree.leaves(arg)) for arg in tree]
+    starts = np.cumsum([0, *counts])
+    return tuple(int(i) for a in donated_args for i in range(starts[a], starts[a + 1]))
+
+
+if __name__ == "__main__":
+    _worker_main()

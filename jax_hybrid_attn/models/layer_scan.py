@@ -1,0 +1,137 @@
+"""A decoder's layers as scans over their repeating pattern: each kind of layer is traced, lowered and compiled
+once, however deep the model.
+
+Layers of one kind (`ModelConfig.layer_kind`: attention type and parameters, RoPE, sinks, MLP) run the same code
+on weights of the same shapes. A model's layers are a few `LayerRun`s: a period of kinds repeated, e.g. Gemma 3's
+26 layers are its 6-layer period (5 sliding-window, 1 global) 4 times and then 2 sliding-window layers. Each run
+is one `jax.lax.scan` whose body is the period unrolled, over the period's weights stacked by repeat (MaxText
+scans Gemma 3 the same way). A scan's trip count is static, so on a GPU it makes the host wait for nothing.
+
+The layers reach their KV cache through ``cache.at_layer(i)``: inside a scan the layer index is traced, and the
+cache finds the layer's tensor and group from it (`engine.paged_cache.PagedCache`).
+
+Shape letters: T tokens · D hidden size · V vocabulary · R rows kept for the LM head.
+"""
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from .attention_cache import AttentionCache
+from .config import ModelConfig
+from .decoder import Decoder, DecoderEnds
+
+__all__ = ["LayerRun", "ScannedDecoder", "layer_runs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRun:
+    """Layers ``start, ..., start + period * repeats - 1``: the kinds of the first `period` of them, `repeats`
+    times over."""
+
+    start: int
+    period: int
+    repeats: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.repeats
+
+    def layers(self, position: int) -> list[int]:
+        """The layers at `position` of the period, one per repeat."""
+        return [self.start + repeat * self.period + position for repeat in range(self.repeats)]
+
+
+def _smallest_period(kinds: Sequence[Hashable]) -> int:
+    """The smallest p such that every kind equals the one p layers before it."""
+    return next(p for p in range(1, len(kinds) + 1) if all(kinds[i] == kinds[i - p] for i in range(p, len(kinds))))
+
+
+def layer_runs(kinds: Sequence[Hashable]) -> tuple[LayerRun, ...]:
+    """The layers (of these kinds, in order) as runs: the smallest period of the kinds, repeated as often as it
+    fits, then the rest the same way. Gemma 3's 26 layers: runs of period 6 × 4 and period 1 × 2 (7 layers to
+    compile; a model of 6 of them compiles 6)."""
+    runs, start = [], 0
+    while start < len(kinds):
+        rest = kinds[start:]
+        period = _smallest_period(rest)
+        runs.append(LayerRun(start, period, len(rest) // period))
+        start = runs[-1].stop
+    return tuple(runs)
+
+
+def _stack(states: list[nnx.State]) -> nnx.State:
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScannedDecoder:
+    """A `Decoder` laid out for scans over its layers: its ends (`DecoderEnds`) and, per `LayerRun` and position
+    in its period, the weights of that position's layers stacked on a leading axis (one entry per repeat).
+
+    It is a pytree: the weights are its leaves, the graphs and runs static, so a jitted step takes it as an
+    argument. `from_decoder` stacks the layer weights into new arrays: the decoder's own stay as they are (drop
+    the decoder to free them).
+
+    Attributes:
+      runs: the `layer_runs` of the layers' kinds.
+      ends_graph, ends: the graph and weights of the decoder's `DecoderEnds`.
+      layer_graphs: per run, per position, the graph of that position's first layer (all its repeats share it).
+      layer_weights: per run, per position, the stacked weights.
+    """
+
+    runs: tuple[LayerRun, ...]
+    ends_graph: nnx.GraphDef
+    ends: nnx.State
+    layer_graphs: tuple[tuple[nnx.GraphDef, ...], ...]
+    layer_weights: tuple[tuple[nnx.State, ...], ...]
+
+    @classmethod
+    def from_decoder(cls, decoder: Decoder, *, stack=_stack) -> "ScannedDecoder":
+        """Lay `decoder` out for scans. `stack` makes a stacked state of a list of layer states (default:
+        `jnp.stack` of each leaf, on the leaves' device)."""
+        config: ModelConfig = decoder.config
+        runs = layer_runs([config.layer_kind(i) for i in range(config.num_layers)])
+        ends_graph, ends = nnx.split(DecoderEnds(decoder))
+        layers = decoder.model.layers
+        graphs, weights = [], []
+        for run in runs:
+            graphs.append(tuple(nnx.graphdef(layers[run.start + j]) for j in range(run.period)))
+            weights.append(tuple(stack([nnx.state(layers[i]) for i in run.layers(j)]) for j in range(run.period)))
+        return cls(runs, ends_graph, ends, tuple(graphs), tuple(weights))
+
+    def __call__(
+        self,
+        token_ids: Int[Array, "T"],
+        cache: AttentionCache,
+        *,
+        logits_indices: Int[Array, "R"] | None = None,
+    ) -> tuple[Float[Array, "R V"], AttentionCache]:
+        """`Decoder.__call__`: the same logits and cache, the layers run as scans."""
+        ends = nnx.merge(self.ends_graph, self.ends)
+        x = ends.embed(token_ids)
+        for run, graphs, weights in zip(self.runs, self.layer_graphs, self.layer_weights, strict=True):
+
+            def period(carry, xs, graphs=graphs):
+                x, cache = carry
+                states, ids = xs
+                for j, (graph, state) in enumerate(zip(graphs, states, strict=True)):
+                    x, cache = nnx.merge(graph, state)(x, cache.at_layer(ids[j]))
+                return (x, cache.at_layer(None)), None
+
+            if run.repeats == 1:  # nothing to scan: the period once, on the unstacked weights, its layers static
+                unstacked = jax.tree.map(lambda leaf: leaf[0], weights)
+                (x, cache), _ = period((x, cache), (unstacked, range(run.start, run.stop)))
+            else:
+                layer_ids = jnp.asarray([run.layers(j) for j in range(run.period)], jnp.int32).T  # [repeats, period]
+                (x, cache), _ = jax.lax.scan(period, (x, cache), (weights, layer_ids))
+        return ends.logits(x, logits_indices), cache
+
+
+jax.tree_util.register_dataclass(
+    ScannedDecoder, data_fields=["ends", "layer_weights"], meta_fields=["runs", "ends_graph", "layer_graphs"]
+)
