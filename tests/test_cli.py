@@ -39,8 +39,11 @@ def test_a_saved_transformers_checkpoint_runs(capsys, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8)  # fmt: skip
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
-    code, out, _ = run(capsys, "--model", str(tmp_path), "--json", "--max-tokens", "4", "--prompt", "abc")
+    code, out, _ = run(capsys, "--model", str(tmp_path), "--json", "--max-tokens", "4", "--prompt", "abc",
+                       "--ignore-eos")  # fmt: skip
     assert code == 0 and len(json.loads(out)["outputs"][0]["output_token_ids"]) == 4
 
 

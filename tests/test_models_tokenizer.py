@@ -79,3 +79,13 @@ def test_embedded_model_runs():
     assert np.isfinite(np.asarray(logits)).all()
     again = Decoder(config, rngs=nnx.Rngs(0))
     assert np.array_equal(again.model.embed_tokens.weight[...], model.model.embed_tokens.weight[...])
+
+
+def test_bytes_stand_in_for_a_missing_tokenizer_with_the_checkpoints_own_eos(tmp_path):
+    """Byte 258 means something else in the checkpoint's vocabulary: generation stops on its own EOS ids."""
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert load_tokenizer(tmp_path).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106]}))
+    assert load_tokenizer(tmp_path).eos_token_ids == (1, 106)
+    (tmp_path / "bare").mkdir()
+    assert load_tokenizer(tmp_path / "bare").eos_token_ids == ()  # neither file: no EOS

@@ -374,7 +374,9 @@ class AllocatorConfig:
 
     @property
     def hash_blocks_per_row(self) -> int:
-        return self.max_model_len // self.hash_block_size
+        """Hash columns of a request row (at least one, never filled when ``max_model_len`` is below a block: the
+        allocator's gathers need a non-empty row)."""
+        return max(1, self.max_model_len // self.hash_block_size)
 
     @functools.cached_property
     def attention_groups(self) -> tuple[tuple[int, ...], ...]:

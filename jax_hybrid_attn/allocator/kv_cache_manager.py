@@ -88,6 +88,7 @@ class KVCacheManager:
         self.reuse_output_buffers = bool(reuse_output_buffers)
         self._last_output: step_ops.StepOutput | None = None
         self._compiled_steps: dict[bool, jax.stages.Compiled] = {}  # by whether a previous output is reused
+        self._compiled_ops: dict[str, jax.stages.Compiled] = {}  # `compile`: add_request's and free's operations
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._num_computed: dict[Hashable, int] = {}
@@ -133,20 +134,33 @@ class KVCacheManager:
     def _add(self, state, slot: int, tokens: np.ndarray, salt, adapter_id: int):
         row = np.zeros((1, self.config.max_model_len), np.int32)
         row[0, : tokens.size] = tokens
-        return request_ops.add_requests(
-            self.config, state, jnp.array([slot]), jnp.asarray(row), jnp.array([tokens.size]),
-            jnp.asarray(salt)[None], jnp.array([adapter_id]),
-        )  # fmt: skip
+        args = (np.array([slot], np.int32), row, np.array([tokens.size], np.int32), np.asarray(salt)[None],
+                np.array([adapter_id], np.int32))  # fmt: skip
+        if self._compiled_ops:
+            return self._compiled_ops["add"](state, *args)
+        return request_ops.add_requests(self.config, state, *args)
 
     def _free(self, state, slot: int):
-        return step_ops.free(self.config, state, jnp.array([slot]))
+        slots = np.array([slot], np.int32)
+        if self._compiled_ops:
+            return self._compiled_ops["free"](state, slots)
+        return step_ops.free(self.config, state, slots)
 
     def compile(self) -> None:
-        """Compile `add_request`'s and `free`'s device operations for this configuration, on a copy of the state
-        (the manager is unchanged): a server calls it before serving so that no request waits for a compile."""
-        state = jax.tree.map(jnp.copy, self.state)
-        state = self._add(state, 0, np.zeros(1, np.int32), cache_salt_words(None), NO_ADAPTER)
-        jax.block_until_ready(self._free(state, 0))
+        """Compile `add_request`'s and `free`'s (and so `preempt`'s) device operations ahead of time for this
+        configuration and state: a server calls it before serving, so that no request waits for a compile (a
+        later call with other shapes is an error, never a silent compile)."""
+        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+
+        def abstract(*arrays):
+            return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+
+        row, salt = np.zeros((1, self.config.max_model_len), np.int32), cache_salt_words(None)[None]
+        one = np.zeros(1, np.int32)
+        self._compiled_ops = {
+            "add": request_ops.add_requests.lower(self.config, state, *abstract(one, row, one, salt, one)).compile(),
+            "free": step_ops.free.lower(self.config, state, *abstract(one)).compile(),
+        }
 
     def append_token_ids(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Append tokens (e.g. the one sampled this step) to a request.

@@ -36,7 +36,11 @@ class ByteTokenizer:
     vocab_size = 259
     pad_token_id = PAD
     bos_token_id = BOS
-    eos_token_ids = (EOS,)
+
+    def __init__(self, *, eos_token_ids: tuple[int, ...] = (EOS,)):
+        """`eos_token_ids`: the ids that end a generation (a checkpoint's own, where the bytes stand in for its
+        missing tokenizer: its vocabulary gives 258 another meaning)."""
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -104,7 +108,9 @@ class HFTokenizer:
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> "HFTokenizer | ByteTokenizer":
     """The tokenizer of the checkpoint directory `path`: its ``tokenizer.json`` when present, else (and for
-    ``path=None``, the embedded model) a `ByteTokenizer`. A directory that does not exist is a `ValueError`."""
+    ``path=None``, the embedded model) a `ByteTokenizer`, which for a checkpoint stops on the checkpoint's own EOS
+    ids (``generation_config.json``, else ``config.json``; none: never). A directory that does not exist is a
+    `ValueError`."""
     if path is None:
         return ByteTokenizer()
     directory = Path(path)
@@ -112,4 +118,8 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> "HFTokenizer | Byte
         raise ValueError(f"path={str(path)!r} is not a directory")
     if (directory / "tokenizer.json").is_file():
         return HFTokenizer(directory)
-    return ByteTokenizer()
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(directory / name).get("eos_token_id")
+        if value is not None:
+            return ByteTokenizer(eos_token_ids=_ids(value))
+    return ByteTokenizer(eos_token_ids=())
