@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax._src import monitoring
+from jax import monitoring
 
 from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
 from jax_hybrid_attn.engine import step_cache
