@@ -144,7 +144,6 @@ def depth(rows: list, *, shape: dict, depths=(6, 26), repeats: int = 20) -> None
     """Compile and run time of the forward at two depths, scanned against unrolled, kernels against reference."""
     import jax
     import jax.numpy as jnp
-    from flax import nnx
 
     from jax_hybrid_attn.engine import EngineConfig
     from jax_hybrid_attn.engine.device_step import forward

@@ -176,7 +176,7 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
     lines += [
         f"peak KV in use {kv['peak_blocks_in_use']} blocks ({kv['peak_bytes_in_use'] / 2**20:.2f} MiB); the same requests "
         f"with every layer as full attention: {kv['peak_blocks_full_attention']} ({saved} blocks saved)",
-        f"startup: " + ", ".join(f"{k} {v:.1f} s" for k, v in metrics["startup_s"].items())
+        "startup: " + ", ".join(f"{k} {v:.1f} s" for k, v in metrics["startup_s"].items())
         + f"; {metrics['compiled_executables']} executables compiled before serving (step shapes: "
         + ", ".join(metrics["step_shapes"]) + ")",
         f"prefix-cache hit rate {metrics['prefix_cache_hit_rate']:.1%}, preemptions {metrics['preemptions']}",

@@ -36,7 +36,6 @@ import dataclasses
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import partial
 
 import jax
 import numpy as np
@@ -92,8 +91,12 @@ class Engine:
             )
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model, model_config, config, max_model_len=max_model_len)
-        # how a worker process rebuilds the runner to lower its step functions (None: only this process can)
-        self._spec = None if config.interpret else RunnerSpec.of(model, model_config, config, max_model_len)
+        # how a worker process rebuilds the runner to lower its step functions (None: only this process can, or
+        # the step functions are neither kept nor lowered by workers)
+        exported = config.compilation_cache is not None or config.compile_workers > 0
+        self._spec = None
+        if exported and not config.interpret:
+            self._spec = RunnerSpec.of(model, model_config, config, max_model_len)
         self.layout, self.allocator_config = self.runner.layout, self.runner.allocator_config
         self.stats = EngineStats()
         self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jha-device")
@@ -115,10 +118,7 @@ class Engine:
         """Compile every step shape (`ModelRunner.compile`; `progress(name)` as each is ready). The first `step`
         calls it when nobody has; after it, serving compiles nothing. Returns what it did (also in `stats`)."""
         cache = None if self.config.compilation_cache is None else StepCache(self.config.compilation_cache)
-        exported = self._spec is not None and (cache is not None or self.config.compile_workers > 0)
-        report = self.runner.compile(
-            progress=progress, cache=cache, spec=self._spec if exported else None, workers=self.config.compile_workers
-        )
+        report = self.runner.compile(progress=progress, cache=cache, spec=self._spec, workers=self.config.compile_workers)
         self.stats.compile_time += report.wall_s
         self.stats.compiled_executables += report.executables
         return report
