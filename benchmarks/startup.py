@@ -9,6 +9,10 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/startup.py [--sect
              `generate_batch` (`paged|sdpa`) on the same token ids. Ours split their wall time into import,
              weight loading, engine setup, compiling (of it lowering), serving, and the first token's time since
              the process started;
+  kernels    in this process: every step shape lowered (the engine's executables, abstract weights), the Mosaic GPU
+             kernels each one holds (distinct modules: jaxlib compiles each once per process, one at a time, under
+             one lock), each kernel's compile on its own (`MosaicGpuCompile`), then each shape's XLA compile;
+  xla-flags  cold runs of the newcomer command (no cache) under XLA_FLAGS variants: compile time against speed;
   depth      in this process: the compile time of one step shape (the 8,192-token mixed shape and the decode
              shape) for 6 and for 26 layers of the same shape, the layers scanned (the engine's forward) and
              unrolled (`Decoder.__call__`, as the engine ran before), each forward's run time on empty rows (every
@@ -66,18 +70,22 @@ def run_process(args: list[str], env: dict | None = None) -> tuple[float, str]:
     return wall, done.stdout
 
 
-def ours(label: str, model_dir: str, prompts: str, flags: list[str], rows: list) -> dict:
+def ours(label: str, model_dir: str, prompts: str, flags: list[str], rows: list, *, env: dict | None = None,
+         section: str = "processes") -> dict:
     command = [sys.executable, "-m", "jax_hybrid_attn", "generate", "--model", model_dir, "--prompt-file", prompts,
                "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json", "--no-progress", *flags]  # fmt: skip
-    wall, stdout = run_process(command)
+    wall, stdout = run_process(command, env)
     payload = json.loads(stdout)
     m = payload["metrics"]
     split = ", ".join(f"{k} {v:.1f}" for k, v in m["startup_s"].items())
     line = (f"{label} | process {wall:.1f} s | {split} | serving {m['wall_s']:.1f} s | first token at "
             f"{m['first_token_since_start_s']:.1f} s | prefill {m['prefill_tokens_per_s'] or 0:,.0f} tok/s, "
             f"decode {m['decode_tokens_per_s'] or 0:,.0f} tok/s | shapes {', '.join(m['step_shapes'])}")  # fmt: skip
-    print("processes", line, flush=True)
-    rows.append(("processes", line))
+    print(section, line, flush=True)
+    rows.append((section, line))
+    timeline = "; ".join(f"{name} {t['lowered_at_s']:.1f} -> {t['compiled_at_s']:.1f}"
+                         for name, t in payload["compile_timeline"].items())  # fmt: skip
+    print(section, f"{label} | compile timeline (s from its start: lowered -> compiled) | {timeline}", flush=True)
     return {"wall": wall, "payload": payload}
 
 
@@ -190,6 +198,82 @@ def depth(rows: list, *, shape: dict, depths=(6, 26), repeats: int = 20) -> None
             del runner
 
 
+def kernels(rows: list, *, shape: dict) -> None:
+    """Lowering of every step shape, its distinct Mosaic GPU kernels and their compile times, then XLA's."""
+    import ctypes
+
+    import jax
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+
+    from jax_hybrid_attn.engine import EngineConfig
+    from jax_hybrid_attn.engine.step_cache import RunnerSpec
+    from jax_hybrid_attn.models import ModelConfig
+
+    config = ModelConfig.from_hf(shape)
+    engine_config = EngineConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048)
+    engine_config = engine_config.resolved(platform=jax.default_backend())
+    runner = RunnerSpec(config, engine_config, 2048, "bfloat16", "bfloat16").abstract_runner()
+
+    def record(line):
+        print("kernels", line, flush=True)
+        rows.append(("kernels", line))
+
+    lowered, kernels_of = {}, {}
+    for key in runner.executable_keys():
+        before = set(mosaic_core.KNOWN_KERNELS)
+        t = time.perf_counter()
+        lowered[key] = runner.trace(key).lower()
+        lowering = time.perf_counter() - t
+        kernels_of[key] = [k for k in mosaic_core.KNOWN_KERNELS if k not in before]
+        record(f"{key[0]} {key[1]} | lowering {lowering:.2f} s | new kernels {len(kernels_of[key])}")
+    record(f"distinct Mosaic GPU kernels in all shapes: {len(mosaic_core.KNOWN_KERNELS)}")
+
+    compile_s = {}
+    if jax.default_backend() == "gpu":
+        import jax_plugins.xla_cuda13 as cuda_plugin
+
+        cuda = ctypes.CDLL("libcuda.so.1")
+        context, device = ctypes.c_void_p(), ctypes.c_int()
+        assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+        assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device) == 0
+        assert cuda.cuCtxSetCurrent(context) == 0
+        plugin = ctypes.CDLL(cuda_plugin._get_library_path())
+        plugin.MosaicGpuCompile.argtypes = [ctypes.c_char_p, ctypes.c_int]
+        plugin.MosaicGpuCompile.restype = ctypes.POINTER(ctypes.c_void_p)
+        for kernel_id, module in mosaic_core.KNOWN_KERNELS.items():
+            t = time.perf_counter()
+            assert plugin.MosaicGpuCompile(module, len(module)), "Mosaic GPU compile failed"
+            compile_s[kernel_id] = time.perf_counter() - t
+        total = sum(compile_s.values())
+        record(f"Mosaic GPU kernel compiles, one at a time: {total:.1f} s in all, "
+               f"{min(compile_s.values()):.2f}-{max(compile_s.values()):.2f} s each")  # fmt: skip
+    for key, step in lowered.items():
+        t = time.perf_counter()
+        step.compile()
+        whole = time.perf_counter() - t
+        own = sum(compile_s.get(k, 0.0) for k in kernels_of[key])
+        record(f"{key[0]} {key[1]} | compile {whole:.2f} s, of it its new kernels ~{own:.2f} s")
+
+
+XLA_FLAG_VARIANTS = {
+    "default": "",
+    "autotune level 0": "--xla_gpu_autotune_level=0",
+    "no Triton GEMMs": "--xla_gpu_enable_triton_gemm=false",
+}
+
+
+def xla_flags(rows: list, *, shape: dict, num_prompts: int, lengths) -> None:
+    """The newcomer command cold (no cache) under each of `XLA_FLAG_VARIANTS`."""
+    with tempfile.TemporaryDirectory() as work:
+        model_dir, prompts = os.path.join(work, "model"), os.path.join(work, "prompts.txt")
+        write_checkpoint(model_dir, shape)
+        write_prompts(prompts, num_prompts=num_prompts, lengths=lengths)
+        for label, flags in XLA_FLAG_VARIANTS.items():
+            env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+            ours(f"ours, cold, XLA flags {label}", model_dir, prompts, NEWCOMER_FLAGS, rows, env=env,
+                 section="xla-flags")  # fmt: skip
+
+
 class _Unrolled:
     """`Decoder.__call__` as a pytree argument (graph static, weights data): the layers one after another."""
 
@@ -229,6 +313,11 @@ def main() -> None:
     if "processes" in sections:
         processes(rows, shape=shape, transformers_too=not args.no_transformers,
                   num_prompts=8 if args.tiny else NUM_PROMPTS, lengths=(16, 64) if args.tiny else (128, 1024))  # fmt: skip
+    if "kernels" in sections:
+        kernels(rows, shape=shape)
+    if "xla-flags" in sections:
+        xla_flags(rows, shape=shape, num_prompts=8 if args.tiny else NUM_PROMPTS,
+                  lengths=(16, 64) if args.tiny else (128, 1024))  # fmt: skip
     if "depth" in sections:
         tiny_depth = dict(TINY, num_hidden_layers=26, layer_types=GEMMA3_1B["layer_types"])
         depth(rows, shape=tiny_depth if args.tiny else shape, repeats=2 if args.tiny else 20)

@@ -1,8 +1,9 @@
 """The JAX calls whose spelling changes between releases, in one place (pinned: jax 0.11.2).
 
 When the pin moves, this module is the one to re-check: `register_dataclass` field arguments,
-the Mosaic GPU import path and interpret-mode parameters (public from 0.11.1), and
-`jax.nn.dot_product_attention`'s `local_window_size`.
+the Mosaic GPU import path and interpret-mode parameters (public from 0.11.1),
+`jax.nn.dot_product_attention`'s `local_window_size`, and the Mosaic GPU lowering that
+`share_identical_kernels` wraps.
 """
 
 import os
@@ -17,6 +18,7 @@ __all__ = [
     "check_interpret_threads",
     "races_found",
     "dense_attention",
+    "share_identical_kernels",
 ]
 
 
@@ -74,3 +76,33 @@ def dense_attention(q, k, v, *, scale: float, is_causal: bool, local_window_size
     return jax.nn.dot_product_attention(
         q, k, v, scale=scale, is_causal=is_causal, local_window_size=local_window_size, implementation="xla"
     )
+
+
+MOSAIC_GPU_DUMP_NAME = "mosaic_gpu.dump_basename"
+"""The attribute Pallas stamps on each Mosaic GPU module: a per-process counter-numbered name for debug dumps."""
+
+
+def share_identical_kernels() -> None:
+    """Let a Mosaic GPU kernel lowered in several step functions compile once per process (idempotent).
+
+    jaxlib compiles each Mosaic GPU kernel once per process, keyed by a hash of its serialized module, one kernel
+    at a time (a lock), seconds each. But the Pallas lowering stamps every module with a new name for debug dumps
+    (`MOSAIC_GPU_DUMP_NAME`: "anonymous_2", "anonymous_6", ...), so the same kernel lowered into two step shapes
+    hashes apart and compiles twice. This wraps the lowering (a private function in 0.11.2) to drop that name
+    before the module is hashed; jaxlib names it again when it compiles it, for its dumps."""
+    from jax._src.interpreters import mlir
+    from jax.experimental.mosaic.gpu import core as mosaic_core
+
+    lowering = mosaic_core._mosaic_gpu_lowering_rule
+    if getattr(lowering, "_drops_dump_name", False):
+        return
+
+    def content_addressed(ctx, *args, module, **kwargs):
+        attributes = module.operation.attributes
+        if MOSAIC_GPU_DUMP_NAME in attributes:
+            del attributes[MOSAIC_GPU_DUMP_NAME]
+        return lowering(ctx, *args, module=module, **kwargs)
+
+    content_addressed._drops_dump_name = True
+    mosaic_core._mosaic_gpu_lowering_rule = content_addressed  # what Pallas' `pallas_call` lowering calls
+    mlir.register_lowering(mosaic_core.mosaic_gpu_p, content_addressed, "cuda")

@@ -253,6 +253,8 @@ def generate(args, out=None, err=None) -> dict:
         report_compile = engine.compile(progress=lambda _: compiling.update(1))
     startup["compile"] = report_compile.wall_s
     startup["lowering"] = report_compile.lowering_s
+    compile_timeline = {name: {"lowered_at_s": ready, "compiled_at_s": done}
+                        for name, (ready, done) in report_compile.timeline.items()}  # fmt: skip
     if args.warmup:
         engine.generate(token_lists, sampling)
         engine.reset()
@@ -265,6 +267,7 @@ def generate(args, out=None, err=None) -> dict:
     startup["first_token_since_start"] = first_token[0] - PROCESS_START if first_token else None
     bar.close()
     metrics = report(engine, outputs, wall, startup)
+    metrics["compile_timeline"] = compile_timeline
     if args.json:
         payload = {
             "outputs": [

@@ -8,7 +8,8 @@ position ``k``, both counted from the request's first token), in the convention 
 A combination allows a key when every rule that is on allows it and both positions exist (``< seq_len``).
 The predicates broadcast over numpy and jax arrays alike. Since each rule allows an interval of keys, so
 does their combination: `allowed_key_range` gives its first and last key, which kernels use to skip
-whole blocks.
+whole blocks. Both also take the window as a value (``sliding_window=``, which may be traced): the kernels read
+it from memory, so that layers that differ only in their window share one compiled kernel.
 """
 
 import jax.numpy as jnp
@@ -33,32 +34,44 @@ def chunked_local_mask(q_pos, k_pos, attention_chunk_size: int):
     return k_pos // attention_chunk_size == q_pos // attention_chunk_size
 
 
-def attention_mask(q_pos, k_pos, seq_len, *, params: LayerAttentionParams = CAUSAL):
-    """True where query `q_pos` attends to key `k_pos` of a request holding `seq_len` keys, for a layer of
-    `params` (its causality, window and chunk)."""
+def _window(params: LayerAttentionParams, sliding_window):
+    """The window in force: `params`' or the `sliding_window` value given for it (params then has none)."""
     check_params(params)
+    if sliding_window is None:
+        return params.sliding_window
+    if params.sliding_window is not None:
+        raise ValueError(f"{params.sliding_window=} and a sliding_window value: give the window once")
+    return sliding_window
+
+
+def attention_mask(q_pos, k_pos, seq_len, *, params: LayerAttentionParams = CAUSAL, sliding_window=None):
+    """True where query `q_pos` attends to key `k_pos` of a request holding `seq_len` keys, for a layer of
+    `params` (its causality, window and chunk); `sliding_window`, a value that may be traced, stands for a
+    window that `params` does not hold."""
+    window = _window(params, sliding_window)
     allowed = (0 <= k_pos) & (k_pos < seq_len) & (q_pos < seq_len)
     if params.causal:
         allowed = allowed & causal_mask(q_pos, k_pos)
-    if params.sliding_window is not None:
-        allowed = allowed & sliding_window_mask(q_pos, k_pos, params.sliding_window)
+    if window is not None:
+        allowed = allowed & sliding_window_mask(q_pos, k_pos, window)
     if params.attention_chunk_size is not None:
         allowed = allowed & chunked_local_mask(q_pos, k_pos, params.attention_chunk_size)
     return allowed
 
 
-def allowed_key_range(q_pos, seq_len, *, params: LayerAttentionParams = CAUSAL):
-    """First and last key position (both inclusive) that query `q_pos` attends to.
+def allowed_key_range(q_pos, seq_len, *, params: LayerAttentionParams = CAUSAL, sliding_window=None):
+    """First and last key position (both inclusive) that query `q_pos` attends to (`sliding_window` as in
+    `attention_mask`).
 
     For ``0 <= q_pos < seq_len`` the range is never empty: the query's own position is always allowed.
     Works elementwise on arrays and returns jax arrays;
     ``attention_mask(q, k, n, params=p) == (first <= k) & (k <= last)``.
     """
-    check_params(params)
+    window = _window(params, sliding_window)
     first = jnp.zeros_like(q_pos)
     last = q_pos if params.causal else jnp.broadcast_to(seq_len - 1, jnp.shape(q_pos))
-    if params.sliding_window is not None:
-        first = jnp.maximum(first, q_pos - params.sliding_window + 1)
+    if window is not None:
+        first = jnp.maximum(first, q_pos - window + 1)
     if params.attention_chunk_size is not None:
         chunk = params.attention_chunk_size
         chunk_start = (q_pos // chunk) * chunk

@@ -55,6 +55,9 @@ class AttentionMetadata:
         under jit its tokens come out NaN, never a wrong number; ``checked=True`` raises instead.
       max_seq_len: static upper bound of `seq_lens`.
       causal: static; whether keys after a query are masked.
+      token_budget: static; the most tokens (T, padding included) of any step that shares these kernels, e.g.
+        an engine's ``max_num_batched_tokens``, or None for T. The kernels size their query-tile tables for it,
+        so steps of several T compile one kernel; the results do not depend on it.
     """
 
     query_start_loc: Int[Array, "R+1"]
@@ -65,6 +68,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
+    token_budget: int | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -87,7 +91,7 @@ class AttentionMetadata:
 register_pytree_dataclass(
     AttentionMetadata,
     data_fields=["query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_actual_tokens"],
-    meta_fields=["max_query_len", "max_seq_len", "causal"],
+    meta_fields=["max_query_len", "max_seq_len", "causal", "token_budget"],
 )
 
 

@@ -64,6 +64,9 @@ def check_metadata(metadata) -> None:
             raise ValueError(f"metadata.{name}={value!r} must be an int >= 0")
     if not isinstance(metadata.causal, bool):
         raise ValueError(f"metadata.causal={metadata.causal!r} must be a bool")
+    budget, num_tokens = metadata.token_budget, metadata.slot_mapping.shape[0]
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < num_tokens):
+        raise ValueError(f"metadata.token_budget={budget!r} must be None or an int >= T={num_tokens}")
 
 
 def _concrete(name: str, x) -> np.ndarray:

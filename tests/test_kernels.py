@@ -4,6 +4,7 @@ The same cases run at larger shapes on the H200 through benchmarks/paged_attenti
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -327,3 +328,46 @@ def test_padding_tokens_are_zero_and_a_last_request_may_end_at_the_last_token(he
     out = np.asarray(out, np.float32)
     np.testing.assert_allclose(out[: len(expected)], expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
     np.testing.assert_array_equal(out[len(expected) :], 0.0)
+
+
+def _kernel_hashes(q, kv_cache, metadata, params) -> set[str]:
+    """The Mosaic GPU kernels (their hashes) that `paged_attention` lowers to for a GPU, lowered on this CPU."""
+    fn = jax.jit(lambda q, c, m: paged_attention(q, c, m, params=params, implementation="kernel"))
+    text = fn.trace(q, kv_cache, metadata).lower(lowering_platforms=("cuda",)).as_text()
+    return set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (6, 1)], ids=["in-kernel-rows", "packed-rows"])
+def test_steps_under_one_token_budget_and_layers_of_any_window_share_their_kernels(heads):
+    """Kernels are compiled once per process for each distinct module. Two steps of different T lower to the same
+    kernels where the prefill tiles' rows are packed (their tile tables are sized for `token_budget`; with rows in
+    [T, N, H] the prefill kernel holds T), and layers that differ in their window and scale only share theirs (the
+    window is data). The budget changes no result (compared on the CPU, interpret mode)."""
+    num_q_heads, num_kv_heads = heads
+    window = LayerAttentionParams(sliding_window=20)
+    steps = []
+    for num_padding in (0, 37):
+        inputs = random_paged_inputs(5, query_lens=[1, 45, 37], seq_lens=[30, 60, 90], num_q_heads=num_q_heads,
+                                     num_kv_heads=num_kv_heads, head_dim=64, block_size=16, dtype=jnp.bfloat16)  # fmt: skip
+        pad = jnp.full((num_padding,), PAD_SLOT_ID, jnp.int32)
+        metadata = inputs.metadata.replace(slot_mapping=jnp.concatenate([inputs.metadata.slot_mapping, pad]),
+                                           token_budget=128)  # fmt: skip
+        q = jnp.concatenate([inputs.q, jnp.ones((num_padding, *inputs.q.shape[1:]), inputs.q.dtype)])
+        steps.append((q, inputs.kv_cache, metadata))
+    small, large = (_kernel_hashes(*step, window) for step in steps)
+    assert len(small) == 2  # a decode and a prefill launch
+    assert len(small & large) == (2 if heads == (6, 1) else 1)
+    assert _kernel_hashes(*steps[0], LayerAttentionParams(sm_scale=0.2)) == small
+
+    q, kv_cache, metadata = steps[1]
+    options = dict(params=window, interpret=True)
+    budgeted = paged_attention(q, kv_cache, metadata, **options)
+    exact = paged_attention(q, kv_cache, metadata.replace(token_budget=None), **options)
+    np.testing.assert_array_equal(np.asarray(budgeted, np.float32), np.asarray(exact, np.float32))
+
+
+def test_a_token_budget_below_the_step_is_refused():
+    inputs = random_paged_inputs(0, query_lens=[1, 20], seq_lens=[10, 30], num_q_heads=4, num_kv_heads=2,
+                                 head_dim=64, block_size=16, dtype=jnp.bfloat16)  # fmt: skip
+    with pytest.raises(ValueError, match="token_budget=8 must be None or an int >= T=21"):
+        paged_attention(inputs.q, inputs.kv_cache, inputs.metadata.replace(token_budget=8), interpret=True)

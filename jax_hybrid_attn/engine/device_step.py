@@ -134,7 +134,8 @@ def forward(
     cache = PagedCache(
         kv=kv_cache, step=out, positions=out.positions[:num_tokens], layer=None, layer_group=layout.layer_group,
         layer_tensor=layout.layer_tensor, blocks_per_row=allocator_config.blocks_per_row,
-        max_query_len=max_query_len, max_seq_len=allocator_config.max_model_len, implementation=implementation,
+        max_query_len=max_query_len, max_seq_len=allocator_config.max_model_len,
+        token_budget=allocator_config.max_num_batched_tokens, implementation=implementation,
         interpret=interpret, mesh=mesh, axis=axis,
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)

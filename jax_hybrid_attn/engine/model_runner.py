@@ -54,12 +54,14 @@ def _abstract(tree):
 @dataclasses.dataclass
 class CompileReport:
     """What `ModelRunner.compile` did: the executables built, the seconds spent lowering (tracing included, on the
-    calling thread) and in all, and per executable its lowering and its XLA compile seconds."""
+    calling thread) and in all, and per executable its lowering and XLA compile seconds and, counted from the
+    start, when its lowered module was ready and when its compile ended (`timeline`)."""
 
     executables: int = 0
     lowering_s: float = 0.0
     wall_s: float = 0.0
     per_executable: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    timeline: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 class ModelRunner:
@@ -206,7 +208,8 @@ class ModelRunner:
                     lowered, out_tree = load_step(blob, jax.tree.leaves(args), donate=flat_positions(args, donated))
                 lowering_s = time.perf_counter() - t
                 report.lowering_s += lowering_s
-                futures[key] = (lowering_s, out_tree, pool.submit(self._compile_one, lowered))
+                ready = time.perf_counter() - started
+                futures[key] = (lowering_s, ready, out_tree, pool.submit(self._compile_one, lowered))
 
             if spec is None:
                 for key in keys:
@@ -216,10 +219,11 @@ class ModelRunner:
                     submit(key, blob)
             self.manager.compile()
             for key in keys:
-                lowering_s, out_tree, future = futures[key]
-                compiled, compile_s = future.result()
+                lowering_s, ready, out_tree, future = futures[key]
+                compiled, compile_s, done = future.result()
                 self._executables[key] = compiled if out_tree is None else _FlatCall(compiled, out_tree)
                 report.per_executable[_name(key)] = (lowering_s, compile_s)
+                report.timeline[_name(key)] = (ready, done - started)
                 report.executables += 1
                 if progress is not None:
                     progress(_name(key))
@@ -256,10 +260,12 @@ class ModelRunner:
             yield key, blob
 
     @staticmethod
-    def _compile_one(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float]:
+    def _compile_one(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float, float]:
+        """(the executable, its compile seconds, when it ended)."""
         t = time.perf_counter()
         compiled = lowered.compile()
-        return compiled, time.perf_counter() - t
+        done = time.perf_counter()
+        return compiled, done - t, done
 
     def _default_sharding(self):
         if self._replicated is not None:

@@ -43,7 +43,7 @@ class PagedCache:
       layer: the layer attending now (`at_layer`; traced inside a scan), or None: `attend`'s argument.
       layer_group, layer_tensor: per layer, its group and tensor (static; `KVCacheLayout`).
       blocks_per_row: per group, P (static; the allocator's).
-      max_query_len, max_seq_len: the metadata's static bounds.
+      max_query_len, max_seq_len, token_budget: the metadata's static bounds.
       implementation, interpret: as `paged_attention` (static).
       mesh, axis: with a mesh, each layer's heads are split over its `axis` (`sharded_layer_attention`; the
         tensors split the same way); None: one device.
@@ -58,6 +58,7 @@ class PagedCache:
     blocks_per_row: tuple[int, ...]
     max_query_len: int
     max_seq_len: int
+    token_budget: int | None = None
     implementation: str | None = None
     interpret: bool = False
     mesh: Mesh | None = None
@@ -86,6 +87,7 @@ class PagedCache:
             num_actual_tokens=step.query_start_loc[-1],
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
+            token_budget=self.token_budget,
         )
 
     def attend(self, layer, q, k, v, *, params, sinks=None):
@@ -105,5 +107,5 @@ register_pytree_dataclass(
     PagedCache,
     data_fields=["kv", "step", "positions", "layer"],
     meta_fields=["layer_group", "layer_tensor", "blocks_per_row", "max_query_len", "max_seq_len",
-                 "implementation", "interpret", "mesh", "axis"],
+                 "token_budget", "implementation", "interpret", "mesh", "axis"],
 )  # fmt: skip

@@ -7,14 +7,20 @@ outputs and log-sum-exps, which `tiles.token_outputs` (decode tiles) or `tiles.p
 token.
 """
 
+import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from .._compat import plgpu, resolve_interpret
+from .._compat import plgpu, resolve_interpret, share_identical_kernels
 from .config import SMEM_BUDGET_BYTES
 from .paged_attention import paged_attention_cta
+
+share_identical_kernels()  # the step shapes' equal kernels compile once
+
+NO_WINDOW = 2**31 - 1
+"""The window a layer without one passes (int32's largest): it allows every key before any int32 position."""
 
 
 def launch_attention(
@@ -52,6 +58,9 @@ def launch_attention(
     if direct and (config.num_splits != 1 or not direct_io_supported(group_size)):
         raise ValueError(f"direct query and output rows need one split and G in (1, 2, 4, 8): {config} {group_size=}")
     interpret = resolve_interpret(interpret)
+    # The window goes in as data and the scale is in `scales`: layers that differ only in those share a kernel.
+    window = jnp.full((1,), NO_WINDOW if params.sliding_window is None else params.sliding_window, jnp.int32)
+    params = dataclasses.replace(params, sliding_window=None, sm_scale=None)
     kernel = partial(
         paged_attention_cta, block_size=block_size, group_size=group_size, num_kv_heads=num_kv_heads, params=params,
         kv_layout=kv_layout, stacked=stacked, direct=direct, has_sinks=sinks is not None,
@@ -92,6 +101,7 @@ def launch_attention(
         request_flags.astype(jnp.int32),
         jnp.reshape(num_actual_tokens, (1,)).astype(jnp.int32),
         scales,
+        window,
         jnp.zeros((1,), jnp.float32) if sinks is None else sinks,
         q_source,
         k_source,

@@ -205,7 +205,9 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
         if writes_tokens(prefill_config):  # every token's output but the decodes'
             prefill_rows = all_tokens(prefill_config, ~is_decode)
         else:
-            tiles = query_tiles.prefill_tiles(query_lens, group_size, num_tokens, rows=prefill_config.rows)
+            # tables sized for the budget, not T: every step shape up to it shares this kernel
+            table_tokens = metadata.token_budget or num_tokens
+            tiles = query_tiles.prefill_tiles(query_lens, group_size, table_tokens, rows=prefill_config.rows)
             prefill_rows = query_tiles.prefill_token_rows(
                 run(tiles, prefill_config, requests), requests, metadata.num_actual_tokens, sinks, v_scale,
                 group_size=group_size, num_tokens=num_tokens, dtype=q.dtype,

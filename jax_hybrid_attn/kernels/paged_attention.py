@@ -61,7 +61,7 @@ def take_turn(schedule) -> None:
 
 def paged_attention_cta(
     tile_request_ref, tile_query_start_ref, tile_query_len_ref, seq_lens_ref, query_lens_ref, block_tables_ref,
-    query_start_loc_ref, request_flags_ref, num_actual_tokens_ref, scales_ref, sinks_ref, q_ref, k_ref, v_ref,
+    query_start_loc_ref, request_flags_ref, num_actual_tokens_ref, scales_ref, window_ref, sinks_ref, q_ref, k_ref, v_ref,
     o_ref, lse_ref=None, *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, has_sinks, compute_dtype, config,
     p_in_registers,
 ):  # fmt: skip
@@ -83,6 +83,9 @@ def paged_attention_cta(
     rows_per_page = min(block_size, block_kv)
     tokens_per_consumer = ROWS // group_size  # rows g * tokens_per_consumer + j: head g, token j
     logits_soft_cap = params.logits_soft_cap
+    if params.sliding_window is not None or params.sm_scale is not None:
+        raise ValueError(f"{params=}: the kernel reads the window from window_ref and the scale from scales_ref")
+    mask = dict(params=params, sliding_window=window_ref[0])  # the layer's window (`NO_WINDOW`: none) as data
     num_tiles = tile_request_ref.shape[0]
     num_work_items = num_tiles * num_kv_heads * config.num_splits
     num_programs = config.num_programs(num_work_items)
@@ -112,8 +115,8 @@ def paged_attention_cta(
         tile_start, tile_len = tile_query_start_ref[tile], tile_query_len_ref[tile]
         first_q_pos = seq_len - query_len + tile_start
         # Keys some query of the tile sees: [key_lo, key_hi]. The CTA streams the steps holding them.
-        key_lo, _ = allowed_key_range(first_q_pos, seq_len, params=params)
-        _, key_hi = allowed_key_range(first_q_pos + tile_len - 1, seq_len, params=params)
+        key_lo, _ = allowed_key_range(first_q_pos, seq_len, **mask)
+        _, key_hi = allowed_key_range(first_q_pos + tile_len - 1, seq_len, **mask)
         block_lo, block_hi = key_lo // block_size, key_hi // block_size
         step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
         steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
@@ -178,8 +181,8 @@ def paged_attention_cta(
             my_offset, my_len = consumer_rows(tile, wg)  # the same for every split
             my_first_q_pos = first_q_pos + my_offset
             # Steps whose keys every query of this consumer sees need no mask.
-            all_lo, _ = allowed_key_range(my_first_q_pos + my_len - 1, seq_len, params=params)
-            _, all_hi = allowed_key_range(my_first_q_pos, seq_len, params=params)
+            all_lo, _ = allowed_key_range(my_first_q_pos + my_len - 1, seq_len, **mask)
+            _, all_hi = allowed_key_range(my_first_q_pos, seq_len, **mask)
             inner_lo = jnp.where(my_len > 0, jnp.clip(pl.cdiv(all_lo, block_kv), my_lo, my_hi), my_hi)
             inner_hi = jnp.clip((jnp.minimum(all_hi, seq_len - 1) + 1) // block_kv, inner_lo, my_hi)
             # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
@@ -250,7 +253,7 @@ def paged_attention_cta(
                     q_pos = my_first_q_pos + lax.rem(rows, tokens_per_consumer)
                     k_pos = step * block_kv + cols
                     logits = jnp.where(
-                        attention_mask(q_pos, k_pos, seq_len, params=params), logits, MASKED_LOGIT
+                        attention_mask(q_pos, k_pos, seq_len, **mask), logits, MASKED_LOGIT
                     )
                 m_new = jnp.maximum(m_i, logits.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
