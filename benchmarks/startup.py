@@ -84,7 +84,7 @@ def ours(label: str, model_dir: str, prompts: str, flags: list[str], rows: list,
     print(section, line, flush=True)
     rows.append((section, line))
     timeline = "; ".join(f"{name} {t['lowered_at_s']:.1f} -> {t['compiled_at_s']:.1f}"
-                         for name, t in payload["compile_timeline"].items())  # fmt: skip
+                         for name, t in m["compile_timeline"].items())  # fmt: skip
     print(section, f"{label} | compile timeline (s from its start: lowered -> compiled) | {timeline}", flush=True)
     return {"wall": wall, "payload": payload}
 
