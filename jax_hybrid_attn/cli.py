@@ -184,16 +184,28 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
     print("\n".join(lines), file=file)
 
 
-def load(args):
-    """(model config, model, tokenizer) from ``--model`` or the embedded default."""
+def model_dtype(args):
+    """The dtype of the model's weights and activations: ``--dtype``, else bfloat16 on a GPU and float32 elsewhere."""
     import jax
     import jax.numpy as jnp
+
+    return jnp.dtype(args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32"))
+
+
+def model_config(args):
+    """The `ModelConfig` of ``--model`` (its config.json) or of the embedded default."""
+    from .models import ModelConfig, embedded_config
+
+    return embedded_config() if args.model is None else ModelConfig.from_dir(args.model)
+
+
+def load(args):
+    """(model config, model, tokenizer) from ``--model`` or the embedded default."""
     from flax import nnx
 
     from .models import ByteTokenizer, Decoder, embedded_config, load_model, load_tokenizer
 
-    name = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-    dtype = jnp.dtype(name)
+    dtype = model_dtype(args)
     if args.model is None:
         config = embedded_config()
         model = Decoder(config, rngs=nnx.Rngs(args.seed), dtype=dtype, param_dtype=dtype)
@@ -211,7 +223,7 @@ def generate(args, out=None, err=None) -> dict:
     started = time.perf_counter()
     import jax
 
-    from .engine import Engine, EngineConfig, SamplingParams
+    from .engine import Engine, EngineConfig, SamplingParams, lower_ahead
 
     if args.compilation_cache:
         from .engine.step_cache import use_compilation_cache
@@ -219,6 +231,14 @@ def generate(args, out=None, err=None) -> dict:
         use_compilation_cache(args.compilation_cache)
     startup = {"import": time.perf_counter() - started}
     started = time.perf_counter()
+    engine_config = EngineConfig(
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+        kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed, tensor_parallel=args.tensor_parallel,
+        compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
+    )  # fmt: skip
+    lowering = lower_ahead(model_config(args), engine_config, dtype=model_dtype(args))  # while the weights load
     config, model, tokenizer = load(args)
     jax.block_until_ready(nnx_leaves(model))
     startup["load"] = time.perf_counter() - started
@@ -233,17 +253,7 @@ def generate(args, out=None, err=None) -> dict:
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=None, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    engine = Engine(
-        model, config,
-        EngineConfig(
-            block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-            kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
-            seed=args.seed, tensor_parallel=args.tensor_parallel,
-            compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
-        ),
-        eos_token_ids=tokenizer.eos_token_ids,
-    )  # fmt: skip
+    engine = Engine(model, config, engine_config, eos_token_ids=tokenizer.eos_token_ids, lowering=lowering)
     del model  # the engine keeps its own layout of the weights
     startup["engine"] = time.perf_counter() - started - startup["load"]
     names = engine.runner.executable_keys()

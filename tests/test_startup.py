@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from jax import monitoring
 
-from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
+from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams, lower_ahead
 from jax_hybrid_attn.engine import step_cache
 from jax_hybrid_attn.engine.step_shapes import StepShape, select_step_shape, step_shapes
 from jax_hybrid_attn.models import Decoder, DenseAttention, ModelConfig
@@ -109,25 +109,30 @@ def test_nothing_compiles_after_warm_up_over_a_long_mixed_workload():
     assert events == [], events[0][1]
 
 
-def test_step_functions_are_kept_across_engines_and_lowered_by_workers(tmp_path, monkeypatch):
+def test_step_functions_are_lowered_by_workers_before_the_model_exists_and_kept_across_engines(tmp_path, monkeypatch):
     config = gemma3_config(3)
-    model = Decoder(config, rngs=nnx.Rngs(2))
     sizes = dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32)
+    cached = EngineConfig(**sizes, compilation_cache=str(tmp_path / "a"), compile_workers=1)
+    lowering = lower_ahead(config, cached, dtype=jnp.float32)  # a worker process starts lowering now
+    model = Decoder(config, rngs=nnx.Rngs(2))
     prompts = [[5, 6, 7, 8, 9], list(range(10, 30))]
     sampling = SamplingParams(max_tokens=4, temperature=0.0)
     want = [o.output_token_ids for o in Engine(model, config, EngineConfig(**sizes)).generate(prompts, sampling)]
 
-    first = Engine(model, config, EngineConfig(**sizes, compilation_cache=str(tmp_path / "a"), compile_workers=1))
+    def no_lowering(*args, **kwargs):
+        raise AssertionError("a step function was lowered in this process")
+
+    monkeypatch.setattr("jax_hybrid_attn.engine.step_cache.export_step", no_lowering)
+    first = Engine(model, config, cached, lowering=lowering)
+    assert first._lowering is lowering
     assert [o.output_token_ids for o in first.generate(prompts, sampling)] == want
     assert len(list((tmp_path / "a").glob("*.step"))) == len(first.runner.executable_keys())
 
-    def no_lowering(*args, **kwargs):
-        raise AssertionError("a step function was lowered although the cache holds it")
-
-    monkeypatch.setattr("jax_hybrid_attn.engine.model_runner.export_step", no_lowering)
-    monkeypatch.setattr("jax_hybrid_attn.engine.model_runner.export_in_workers", no_lowering)
+    monkeypatch.setattr("jax_hybrid_attn.engine.step_cache.export_in_workers", no_lowering)
     second = Engine(model, config, EngineConfig(**sizes, compilation_cache=str(tmp_path / "a")))
     assert [o.output_token_ids for o in second.generate(prompts, sampling)] == want
+    other = lower_ahead(config, EngineConfig(**sizes, compilation_cache=str(tmp_path / "a")), dtype=jnp.bfloat16)
+    assert Engine(model, config, cached, lowering=other)._lowering is None  # another model's steps: not used
 
 
 def test_a_model_the_workers_cannot_rebuild_is_lowered_here():

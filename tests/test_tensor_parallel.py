@@ -43,21 +43,21 @@ CHECK = textwrap.dedent(
     want = logits(*nnx.split(model))
     prompts = [[(5 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((13, 30, 7))]
     runs = {{}}
-    for tp in (1, 2, 4, 8):
-        if tp > 1:
-            mesh = Mesh(np.array(jax.devices()[:tp]), (TENSOR_AXIS,))
-            graphdef, state, _ = shard_model(model, mesh, TENSOR_AXIS)
-            np.testing.assert_allclose(np.asarray(logits(graphdef, state)), np.asarray(want),
-                                       **TOLERANCES[jnp.dtype(jnp.float32)])
+    for tp in (2, 4, 8):
+        mesh = Mesh(np.array(jax.devices()[:tp]), (TENSOR_AXIS,))
+        graphdef, state, _ = shard_model(model, mesh, TENSOR_AXIS)
+        np.testing.assert_allclose(np.asarray(logits(graphdef, state)), np.asarray(want),
+                                   **TOLERANCES[jnp.dtype(jnp.float32)])
+    for tp in (1, 2, 8):  # the engine: fewer devices than KV heads (each holds one), and more (replicated)
         engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                                                     max_model_len=64, tensor_parallel=tp))
         outputs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))
         runs[tp] = ([o.output_token_ids for o in outputs], engine.layout.total_bytes // tp)
         assert len(engine.runner.kv_cache.sharding.device_set) == tp
     assert all(runs[tp][0] == runs[1][0] for tp in runs), runs
-    per_device = [runs[tp][1] for tp in (1, 2, 4, 8)]
+    per_device = [runs[tp][1] for tp in (1, 2, 8)]
     assert per_device[1] * 2 == per_device[0], per_device  # 2 KV heads over 2 devices: half each
-    print("per-device KV bytes at TP 1, 2, 4, 8:", per_device)
+    print("per-device KV bytes at TP 1, 2, 8:", per_device)
     print("ok")
     """
 )

@@ -2,7 +2,7 @@
 
 Data flow of one step: `Engine.step` plans (host) → `ModelRunner.run_step`, the one owner of the device state
 and of the executables it compiled before serving (`step_shapes`; `step_cache` lowers them in worker processes
-and keeps them across processes) → `device_step.allocate` (the allocator's `allocate_slots`) →
+and keeps them across processes; `lower_ahead` starts that before the weights load) → `device_step.allocate` (the allocator's `allocate_slots`) →
 `device_step.forward`: the model's layers scanned over their pattern (`models.layer_scan`), each attending
 through `PagedCache` (its group's metadata) → `layer_attention` → the kernels → `device_step.sample`, and the
 sampled tokens back into the allocator. The host reads a step back while the next one runs.
@@ -11,7 +11,7 @@ With ``EngineConfig(tensor_parallel=N)`` the model's heads and MLP are split ove
 """
 
 from .config import EngineConfig, EngineStats
-from .engine import Engine
+from .engine import Engine, lower_ahead
 from .kv_layout import KVCacheLayout
 from .model_runner import ModelRunner
 from .paged_cache import PagedCache
@@ -29,5 +29,6 @@ __all__ = [
     "PagedCache",
     "RequestOutput",
     "SamplingParams",
+    "lower_ahead",
     "sample_tokens",
 ]

@@ -48,14 +48,52 @@ from .device_step import NO_SLOT, StepPlan, StepResult
 from .model_runner import CompileReport, ModelRunner
 from .requests import FinishReason, InFlightWork, Request, RequestOutput
 from .sampling import SamplingParams
-from .step_cache import RunnerSpec, StepCache
+from .step_cache import RunnerSpec, StepCache, StepLowering
 from .step_shapes import StepShape, select_step_shape
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "lower_ahead", "resolve"]
 
 STEPS_IN_FLIGHT = 2
 """Steps sent and not yet read back when `Engine.step` returns: the device has the next step queued while the
 host reads one back and plans another."""
+
+
+def resolve(model_config: ModelConfig, config: EngineConfig | None = None) -> tuple[EngineConfig, int]:
+    """(`config` resolved for this platform and model (`EngineConfig.resolved`), its ``max_model_len``)."""
+    config = EngineConfig() if config is None else config
+    if not isinstance(config, EngineConfig):
+        raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+    chunks = (model_config.attention_chunk_size,) if "chunked_attention" in model_config.layer_types else ()
+    config = config.resolved(platform=jax.default_backend(), chunk_sizes=chunks)
+    max_model_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{model_config.max_position_embeddings}"
+        )
+    return config, max_model_len
+
+
+def _exports(config: EngineConfig) -> bool:
+    """Whether the engine's step functions go through `jax.export` (kept in a cache or lowered by workers)."""
+    return (config.compilation_cache is not None or config.compile_workers > 0) and not config.interpret
+
+
+def _start_lowering(spec: RunnerSpec, config: EngineConfig) -> StepLowering:
+    cache = None if config.compilation_cache is None else StepCache(config.compilation_cache)
+    return StepLowering(spec, cache=cache, workers=config.compile_workers)
+
+
+def lower_ahead(model_config: ModelConfig, config: EngineConfig | None = None, *, dtype) -> StepLowering | None:
+    """Start lowering the step functions of an engine of `model_config` and `config` whose `Decoder` will hold
+    weights and activations in `dtype` (as `load_model` gives it), before that model exists: on a GPU, worker
+    processes lower them while the caller loads the weights. Pass the result as ``Engine(..., lowering=...)``; None
+    when the engine would lower them itself (no cache and no workers)."""
+    config, max_model_len = resolve(model_config, config)
+    if not _exports(config) or config.tensor_parallel != 1:
+        return None
+    spec = RunnerSpec.of_config(model_config, config, max_model_len, dtype=dtype, param_dtype=dtype)
+    return _start_lowering(spec, config)
 
 
 class Engine:
@@ -66,6 +104,7 @@ class Engine:
       model_config: its `ModelConfig`.
       config: the `EngineConfig`.
       eos_token_ids: the tokens that end a request (unless its `SamplingParams.ignore_eos`).
+      lowering: the step functions lowering already (`lower_ahead`), used when its spec is this engine's.
     """
 
     def __init__(
@@ -75,28 +114,19 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         eos_token_ids: Sequence[int] = (),
+        lowering: StepLowering | None = None,
     ):
-        config = EngineConfig() if config is None else config
-        if not isinstance(config, EngineConfig):
-            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
-        chunks = (model_config.attention_chunk_size,) if "chunked_attention" in model_config.layer_types else ()
-        config = config.resolved(platform=jax.default_backend(), chunk_sizes=chunks)
+        config, max_model_len = resolve(model_config, config)
         self.config, self.model_config = config, model_config
         self.eos_token_ids = frozenset(check_int("eos_token_ids", t, minimum=0) for t in eos_token_ids)
-        max_model_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        if max_model_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                f"{model_config.max_position_embeddings}"
-            )
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model, model_config, config, max_model_len=max_model_len)
         # how a worker process rebuilds the runner to lower its step functions (None: only this process can, or
         # the step functions are neither kept nor lowered by workers)
-        exported = config.compilation_cache is not None or config.compile_workers > 0
         self._spec = None
-        if exported and not config.interpret:
+        if _exports(config):
             self._spec = RunnerSpec.of(model, model_config, config, max_model_len)
+        self._lowering = lowering if lowering is not None and self._spec == lowering.spec else None
         self.layout, self.allocator_config = self.runner.layout, self.runner.allocator_config
         self.stats = EngineStats()
         self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jha-device")
@@ -117,8 +147,10 @@ class Engine:
     def compile(self, *, progress: Callable[[str], None] | None = None) -> CompileReport:
         """Compile every step shape (`ModelRunner.compile`; `progress(name)` as each is ready). The first `step`
         calls it when nobody has; after it, serving compiles nothing. Returns what it did (also in `stats`)."""
-        cache = None if self.config.compilation_cache is None else StepCache(self.config.compilation_cache)
-        report = self.runner.compile(progress=progress, cache=cache, spec=self._spec, workers=self.config.compile_workers)
+        lowering, self._lowering = self._lowering, None
+        if lowering is None and self._spec is not None:
+            lowering = _start_lowering(self._spec, self.config)
+        report = self.runner.compile(progress=progress, lowering=lowering)
         self.stats.compile_time += report.wall_s
         self.stats.compiled_executables += report.executables
         return report

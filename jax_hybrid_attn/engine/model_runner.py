@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,13 +32,20 @@ from ..sharding import TENSOR_AXIS, kv_cache_spec, tensor_parallel_mesh
 from .config import EngineConfig
 from .device_step import StepPlan, StepResult, allocate, forward, sample
 from .kv_layout import KVCacheLayout
-from .step_cache import RunnerSpec, StepCache, export_in_workers, export_step, flat_positions, load_step
+from .step_cache import StepLowering, flat_positions, load_step
 from .step_shapes import StepShape, step_shapes
 
-__all__ = ["CompileReport", "ModelRunner"]
+__all__ = ["CompileReport", "ModelRunner", "executable_keys"]
 
 MAX_COMPILE_THREADS = 16
 """Executables XLA compiles at once in `ModelRunner.compile` (at most the host's cores)."""
+
+
+def executable_keys(shapes: tuple[StepShape, ...]) -> list[tuple]:
+    """Every executable of a step with these forward shapes, in compile order: ("allocate", defer_rest),
+    ("forward", shape) per shape, ("sample", greedy_only)."""
+    return [("allocate", False), ("allocate", True), *(("forward", s) for s in shapes),
+            ("sample", True), ("sample", False)]  # fmt: skip
 
 
 def _stack_abstract(states):
@@ -135,10 +141,8 @@ class ModelRunner:
         return bool(self._executables)
 
     def executable_keys(self) -> list[tuple]:
-        """Every executable of a step, in compile order: ("allocate", defer_rest), ("forward", shape) per shape,
-        ("sample", greedy_only)."""
-        return [("allocate", False), ("allocate", True), *(("forward", s) for s in self.shapes),
-                ("sample", True), ("sample", False)]  # fmt: skip
+        """`executable_keys` of this runner's shapes."""
+        return executable_keys(self.shapes)
 
     def call(self, key: tuple) -> tuple[Callable, tuple, tuple[int, ...]]:
         """Executable `key` (`executable_keys`) as (its function of the dynamic arguments, those arguments as
@@ -177,20 +181,14 @@ class ModelRunner:
         return self._inputs
 
     def compile(
-        self,
-        *,
-        progress: Callable[[str], None] | None = None,
-        cache: StepCache | None = None,
-        spec: RunnerSpec | None = None,
-        workers: int = 0,
+        self, *, progress: Callable[[str], None] | None = None, lowering: StepLowering | None = None
     ) -> CompileReport:
         """Compile every executable of a step ahead of time (`executable_keys`) and the allocator's request
         operations; `progress(name)` is called as each executable is ready.
 
-        Lowering holds Python's lock: without a `spec`, it runs on this thread while XLA compiles what was lowered
-        before in a pool of threads. With the `spec` of this runner (`RunnerSpec.of`), the step functions come as
-        `jax.export` modules: from `cache` where it has them, else lowered by `workers` new processes (0: on this
-        thread), and put in `cache`."""
+        Lowering holds Python's lock: without `lowering`, it runs on this thread while XLA compiles what was
+        lowered before in a pool of threads. With the `StepLowering` of this runner's spec, the step functions
+        come as `jax.export` modules (from its cache or its worker processes), each compiled as it arrives."""
         report = CompileReport()
         started = time.perf_counter()
         keys = self.executable_keys()
@@ -211,11 +209,11 @@ class ModelRunner:
                 ready = time.perf_counter() - started
                 futures[key] = (lowering_s, ready, out_tree, pool.submit(self._compile_one, lowered))
 
-            if spec is None:
+            if lowering is None:
                 for key in keys:
                     submit(key)
             else:
-                for key, blob in self._serialized_steps(keys, spec, cache, workers):
+                for key, blob in lowering.results(self):
                     submit(key, blob)
             self.manager.compile()
             for key in keys:
@@ -229,35 +227,6 @@ class ModelRunner:
                     progress(_name(key))
         report.wall_s = time.perf_counter() - started
         return report
-
-    def _serialized_steps(self, keys: list[tuple], spec: RunnerSpec, cache: StepCache | None, workers: int):
-        """(key, serialized step function) of each of `keys`, as each is ready: from `cache`, else lowered (by
-        `workers` processes: each forward shape in one of its own, the rest together) and put in `cache`."""
-        platform = export.default_export_platform()  # "cuda", not "gpu"
-        device_kind = jax.devices()[0].device_kind
-        missing = []
-        for key in keys:
-            fingerprint = spec.fingerprint(key, platform=platform, device_kind=device_kind)
-            blob = None if cache is None else cache.get(fingerprint)
-            if blob is None:
-                missing.append((key, fingerprint))
-            else:
-                yield key, blob
-        fingerprints = dict(missing)
-        if not missing:
-            return
-        if workers > 0:
-            forwards = [key for key, _ in missing if key[0] == "forward"]
-            rest = [key for key, _ in missing if key[0] != "forward"]
-            shares = [[key] for key in forwards] + ([rest] if rest else [])
-            merged = [sum(shares[i::workers], []) for i in range(min(workers, len(shares)))]
-            ready = export_in_workers(spec, merged, platform=platform)
-        else:
-            ready = ((key, export_step(self, key, platform=platform)) for key in fingerprints)
-        for key, blob in ready:
-            if cache is not None:
-                cache.put(fingerprints[key], blob)
-            yield key, blob
 
     @staticmethod
     def _compile_one(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float, float]:

@@ -9,14 +9,19 @@ The same modules are kept in a directory (``EngineConfig(compilation_cache=DIR)`
 them: this package's source, JAX's version, the device kind, the spec and the executable. A later process loads
 them instead of lowering, and with JAX's persistent cache in the same directory (`use_compilation_cache`) XLA's
 compiles become cache loads too.
+
+`StepLowering` gathers both: it starts the workers when it is made, which can be before the weights exist
+(`engine.lower_ahead`), so that they lower while the weights load.
 """
 
 import dataclasses
 import hashlib
 import os
 import pickle
+import queue
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
@@ -30,7 +35,7 @@ from ..models.config import ModelConfig
 from ..models.decoder import Decoder
 from .config import EngineConfig
 
-__all__ = ["RunnerSpec", "StepCache", "export_step", "export_in_workers", "use_compilation_cache"]
+__all__ = ["RunnerSpec", "StepCache", "StepLowering", "export_step", "export_in_workers", "use_compilation_cache"]
 
 FORMAT_VERSION = 1
 """Bumped when what a cache entry holds changes."""
@@ -66,13 +71,19 @@ class RunnerSpec:
         ``Decoder(model_config, dtype=..., param_dtype=...)`` with its dtypes, or a runner over several devices."""
         if config.tensor_parallel != 1 or not isinstance(model, Decoder) or model.config != model_config:
             return None
-        param_dtype = jnp.dtype(model.model.embed_tokens.weight.dtype).name
-        # where and how it is compiled, not what: equal steps share entries
-        config = dataclasses.replace(config, compilation_cache=None, compile_workers=0, max_model_len=max_model_len)
-        spec = cls(model_config, config, max_model_len, jnp.dtype(model.dtype).name, param_dtype)
+        param_dtype = model.model.embed_tokens.weight.dtype
+        spec = cls.of_config(model_config, config, max_model_len, dtype=model.dtype, param_dtype=param_dtype)
         rebuilt = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(spec.abstract_model()))
         actual = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(model))
         return spec if rebuilt == actual else None
+
+    @classmethod
+    def of_config(cls, model_config: ModelConfig, config: EngineConfig, max_model_len: int, *, dtype, param_dtype):
+        """The spec of a runner of ``Decoder(model_config, dtype=dtype, param_dtype=param_dtype)`` (`config`
+        resolved, one device)."""
+        # where and how it is compiled, not what: equal steps share entries
+        config = dataclasses.replace(config, compilation_cache=None, compile_workers=0, max_model_len=max_model_len)
+        return cls(model_config, config, max_model_len, jnp.dtype(dtype).name, jnp.dtype(param_dtype).name)
 
     def abstract_model(self) -> Decoder:
         return nnx.eval_shape(lambda: Decoder(self.model_config, rngs=nnx.Rngs(0), dtype=self.dtype,
@@ -83,6 +94,15 @@ class RunnerSpec:
 
         return ModelRunner(self.abstract_model(), self.model_config, self.engine_config,
                            max_model_len=self.max_model_len)  # fmt: skip
+
+    def executable_keys(self) -> list[tuple]:
+        """`ModelRunner.executable_keys` of the runner of this spec."""
+        from .model_runner import executable_keys
+        from .step_shapes import step_shapes
+
+        config = self.engine_config
+        return executable_keys(step_shapes(max_num_seqs=config.max_num_seqs,
+                                           max_num_batched_tokens=config.max_num_batched_tokens))  # fmt: skip
 
     def fingerprint(self, key: tuple, *, platform: str, device_kind: str) -> str:
         """The cache key of executable `key` of this spec on a device of `device_kind`."""
@@ -136,6 +156,64 @@ def _worker_main() -> None:
     spec, keys, platform = pickle.loads(sys.stdin.buffer.read())
     runner = spec.abstract_runner()
     sys.stdout.buffer.write(pickle.dumps([export_step(runner, key, platform=platform) for key in keys]))
+
+
+class StepLowering:
+    """The serialized step functions (`export_step`) of every executable of `spec`'s runner, as each is ready: from
+    `cache` where it has them, else lowered by `workers` new processes (each forward shape in one of its own, the
+    rest together; started here, so they run while the caller goes on) or, with no workers, by the runner that
+    asks (`results`), and put in `cache`."""
+
+    def __init__(self, spec: RunnerSpec, *, cache: "StepCache | None" = None, workers: int = 0):
+        self.spec, self.cache = spec, cache
+        platform = export.default_export_platform()  # "cuda", not "gpu"
+        device_kind = jax.devices()[0].device_kind
+        self._ready: queue.Queue = queue.Queue()  # (key, blob) or (None, exception)
+        self._fingerprints, cached, missing = {}, 0, []
+        for key in spec.executable_keys():
+            fingerprint = spec.fingerprint(key, platform=platform, device_kind=device_kind)
+            blob = None if cache is None else cache.get(fingerprint)
+            if blob is None:
+                missing.append(key)
+                self._fingerprints[key] = fingerprint
+            else:
+                self._ready.put((key, blob))
+                cached += 1
+        self._expected = cached + (len(missing) if workers > 0 else 0)
+        self._here = [] if workers > 0 else missing  # lowered by `results`' runner
+        if workers > 0 and missing:
+            forwards = [key for key in missing if key[0] == "forward"]
+            rest = [key for key in missing if key[0] != "forward"]
+            shares = [[key] for key in forwards] + ([rest] if rest else [])
+            merged = [sum(shares[i::workers], []) for i in range(min(workers, len(shares)))]
+            threading.Thread(target=self._from_workers, args=(merged, platform), daemon=True,
+                             name="jha-lowering").start()  # fmt: skip
+        self._platform = platform
+
+    def _from_workers(self, shares, platform):
+        try:
+            for key, blob in export_in_workers(self.spec, shares, platform=platform):
+                self._keep(key, blob)
+                self._ready.put((key, blob))
+        except Exception as error:  # raised again by `results`, on the caller's thread
+            self._ready.put((None, error))
+
+    def _keep(self, key, blob):
+        if self.cache is not None:
+            self.cache.put(self._fingerprints[key], blob)
+
+    def results(self, runner):
+        """(key, serialized step function) of every executable, as each is ready; those no worker lowers are
+        lowered by `runner` (a runner of this spec) on this thread, after the ready ones."""
+        for _ in range(self._expected):
+            key, blob = self._ready.get()
+            if key is None:
+                raise blob
+            yield key, blob
+        for key in self._here:
+            blob = export_step(runner, key, platform=self._platform)
+            self._keep(key, blob)
+            yield key, blob
 
 
 class StepCache:
