@@ -4,8 +4,9 @@ It holds the weights (laid out for scans over the layers, `ScannedDecoder`), the
 `KVCacheLayout` in one array), the allocator (`KVCacheManager`, whose state is the allocator's) and each request
 slot's count of computed tokens; and the executables of a step's three calls (`device_step`): `allocate` and
 `sample` (two variants each) and `forward` for every shape of `step_shapes`. `compile` builds all of them ahead of
-time: the calls are lowered one after another (lowering holds Python's lock) while XLA compiles the ones lowered
-before in a thread pool. After it, serving compiles nothing.
+time: the calls are lowered one after another (lowering holds Python's lock), or come lowered from a
+`step_cache.StepLowering` (worker processes, the cache), while XLA compiles the ones that are ready in a thread
+pool. After it, serving compiles nothing.
 
 The engine calls it from one thread (its device worker), in order: `run_step` and the request operations.
 """
