@@ -1,11 +1,19 @@
-"""Test session setup: enough CPU client threads for Mosaic GPU interpret mode; the vLLM tests only with vLLM.
+"""Test session setup: enough CPU client threads for Mosaic GPU interpret mode; the vLLM tests only with vLLM;
+a worker's memory mappings kept below the kernel's limit.
 
 The variable is read when the CPU backend starts, so it is set here, before any test runs a computation
 (`jax_hybrid_attn._compat.check_interpret_threads` explains why).
+
+Every XLA CPU executable that JAX's caches keep holds a few memory mappings (about 3). A test worker that
+compiles through most of the suite reaches the kernel's `vm.max_map_count` (65,530 by default), and the next
+compile then fails inside LLVM ("Cannot allocate memory") and the worker dies with a segmentation fault. So the
+worker clears JAX's caches when a test module leaves more than half of the limit in use (or any test more than
+`_MAPPINGS_HIGH_WATER` of it), which gives the mappings back.
 """
 
 import importlib.util
 import os
+from pathlib import Path
 
 from jax_hybrid_attn._compat import INTERPRET_CPU_THREADS
 
@@ -15,3 +23,28 @@ os.environ.setdefault("PJRT_NPROC", str(INTERPRET_CPU_THREADS))
 # (scripts/test-vllm) and are not collected where vLLM is not installed.
 if importlib.util.find_spec("vllm") is None:
     collect_ignore = ["vllm"]
+
+_MAX_MAP_COUNT_FILE = Path("/proc/sys/vm/max_map_count")
+_OWN_MAPPINGS_FILE = Path("/proc/self/maps")
+_MAPPINGS_AFTER_A_MODULE = 0.5  # share of the limit in use after a module that clears JAX's caches
+_MAPPINGS_HIGH_WATER = 0.75  # share of the limit in use after any test that clears them
+
+
+def _mappings_share() -> float:
+    """The share of `vm.max_map_count` this process uses (0.0 where /proc does not tell)."""
+    try:
+        limit = int(_MAX_MAP_COUNT_FILE.read_text())
+        with _OWN_MAPPINGS_FILE.open("rb") as maps:
+            in_use = sum(1 for _ in maps)
+    except (OSError, ValueError):
+        return 0.0
+    return in_use / limit
+
+
+def pytest_runtest_teardown(item, nextitem):
+    last_of_its_module = nextitem is None or nextitem.path != item.path
+    threshold = _MAPPINGS_AFTER_A_MODULE if last_of_its_module else _MAPPINGS_HIGH_WATER
+    if _mappings_share() > threshold:
+        import jax
+
+        jax.clear_caches()
