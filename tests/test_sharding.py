@@ -3,12 +3,13 @@
 XLA's forced host device count must be set before JAX starts, so the check runs in a subprocess.
 """
 
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from .forced_devices import forced_cpu_devices_env
 
 CHECK = textwrap.dedent(
     """
@@ -51,7 +52,7 @@ CHECK = textwrap.dedent(
     ids=["tp2", "tp4-hnd", "tp8", "tp4-kv-replicated", "tp8-kv-replicated-hnd"],
 )
 def test_heads_split_over_devices_equal_one_device(case):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = forced_cpu_devices_env(8)
     result = subprocess.run([sys.executable, "-c", CHECK.format(case=case)], env=env, capture_output=True, text=True,
                             timeout=600)  # fmt: skip
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
