@@ -217,3 +217,30 @@ def test_the_pool_can_be_sized_in_bytes():
     assert engine.runner.kv_cache.nbytes == engine.layout.total_bytes
     with pytest.raises(ValueError, match="max_model_len"):
         Engine(model, config, EngineConfig(block_size=4, max_model_len=64, kv_memory=4_000))
+
+
+def test_an_aborted_request_frees_its_blocks_at_once_and_the_others_run_unchanged():
+    """Abort a waiting request and a running one with steps in flight: the others' tokens are those of a run
+    without aborts, the running one's tokens are a prefix of its own run, and every block is back in the pool."""
+    config, model = tiny_model("gemma3_text")
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    options = dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    engine = Engine(model, config, EngineConfig(**options))
+    want = [o.output_token_ids for o in engine.generate(PROMPTS[:4], sampling)]
+    ids = [engine.add_request(prompt, sampling) for prompt in PROMPTS[:4]]  # two run, two wait
+    outputs = {}
+    for _ in range(4):  # the first two are running, with steps in flight
+        outputs.update((o.request_id, o) for o in engine.step())
+    waiting = engine.abort_request(ids[3])
+    running = engine.abort_request(ids[1])
+    assert waiting.finish_reason == running.finish_reason == "abort" and waiting.output_token_ids == []
+    assert running.output_token_ids == want[1][: len(running.output_token_ids)]
+    assert len(running.output_token_ids) < MAX_TOKENS  # it was stopped, not finished
+    assert engine.abort_request(ids[1]) is None and engine.abort_request("unknown") is None
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step())
+    engine.synchronize()
+    assert [outputs[ids[i]].output_token_ids for i in (0, 2)] == [want[0], want[2]]
+    assert ids[1] not in outputs and ids[3] not in outputs
+    assert engine.manager.num_free_blocks == engine.layout.num_blocks - 1
+    assert [o.output_token_ids for o in engine.generate(PROMPTS[:4], sampling)] == want  # it serves on

@@ -186,6 +186,22 @@ class Engine:
         self._next_index += 1
         return request_id
 
+    def abort_request(self, request_id: Hashable) -> RequestOutput | None:
+        """Stop a request now: a waiting one leaves the queue, a running one frees its blocks in every KV-cache
+        group (on the device worker, after the steps already sent: the tokens those compute for it are dropped).
+        Returns its output so far (finish reason "abort"), or None when the engine holds no such request."""
+        for request in self._waiting:
+            if request.request_id == request_id:
+                self._waiting.remove(request)
+                self._ids.discard(request_id)
+                request.finish_reason = FinishReason.ABORT
+                return RequestOutput.of(request)
+        for request in self._admitted:
+            if request.request_id == request_id:
+                request.finish_reason = FinishReason.ABORT
+                return self._release(request)
+        return None
+
     def reset(self) -> None:
         """Forget the prefix cache and the counters (compiled step shapes stay); refused while requests run."""
         if self.has_unfinished_requests():

@@ -14,6 +14,7 @@ __all__ = ["FinishReason", "InFlightWork", "Request", "RequestOutput"]
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # an end-of-sequence or stop token
     LENGTH = "length"  # max_tokens, or the model's max_model_len
+    ABORT = "abort"  # `Engine.abort_request`
 
 
 @dataclasses.dataclass
