@@ -1,7 +1,8 @@
 """Decoder models in Flax NNX whose layers take their attention type from the checkpoint's config."""
 
 from .attention_cache import AttentionCache, DenseAttention, dense_attention
-from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .checkpoint_plan import CheckpointPlan, ParamSource, plan_checkpoint
+from .config import LANGUAGE_MODEL_TYPES, MULTIMODAL_WRAPPERS, SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import Decoder
 from .embedded import EMBEDDED_HF_CONFIG, embedded_config
 from .loading import checkpoint_tensor_names, load_model, random_model
@@ -13,12 +14,17 @@ __all__ = [
     "DenseAttention",
     "dense_attention",
     "SUPPORTED_ARCHITECTURES",
+    "LANGUAGE_MODEL_TYPES",
+    "MULTIMODAL_WRAPPERS",
     "ModelConfig",
     "RopeParameters",
     "Decoder",
     "load_model",
     "random_model",
     "checkpoint_tensor_names",
+    "plan_checkpoint",
+    "CheckpointPlan",
+    "ParamSource",
     "EMBEDDED_HF_CONFIG",
     "embedded_config",
     "Tokenizer",

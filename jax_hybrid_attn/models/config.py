@@ -9,10 +9,17 @@ import os
 from ..integers import check_int
 from ..params import LayerAttentionParams
 from ..spec import AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
-from .hf_config import LAYER_TYPES, SUPPORTED_ARCHITECTURES, read_config_dir, read_hf_config
+from .hf_config import (
+    LANGUAGE_MODEL_TYPES,
+    LAYER_TYPES,
+    MULTIMODAL_WRAPPERS,
+    SUPPORTED_ARCHITECTURES,
+    read_config_dir,
+    read_hf_config,
+)
 from .rope import RopeParameters
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LAYER_TYPES", "ModelConfig"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "LANGUAGE_MODEL_TYPES", "MULTIMODAL_WRAPPERS", "LAYER_TYPES", "ModelConfig"]
 
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -22,7 +29,11 @@ class ModelConfig:
     """What a `Decoder` builds and computes, per layer where layers differ (static, hashable).
 
     Attributes:
-      architecture: the transformers ``model_type`` (one of `SUPPORTED_ARCHITECTURES`).
+      architecture: the ``model_type`` of the language model (one of `LANGUAGE_MODEL_TYPES`).
+      wrapper: the multimodal wrapper's ``model_type`` (``"gemma3"``, ``"llama4"``) when the checkpoint is one and
+        is served as its language model, else None (`model_type` is the checkpoint's type either way).
+      image_token_id: the wrapper's image placeholder token: a prompt holding it is refused (images are not
+        supported). None without a wrapper.
       vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim: the sizes.
       max_position_embeddings: the longest sequence the checkpoint supports.
       rms_norm_eps: every RMSNorm's epsilon.
@@ -41,6 +52,9 @@ class ModelConfig:
       attention_sinks: each attention layer has a learned sink per query head (gpt-oss).
       num_experts, num_experts_per_tok: MoE sizes (0 without MoE).
       moe_layers: the layers whose MLP is the MoE (the others are dense).
+      moe_intermediate_size: each expert's width where it differs from `intermediate_size` (Qwen 3 MoE; the
+        dense layers then keep `intermediate_size`).
+      norm_topk_prob: Qwen 3 MoE's router renormalizes the top k probabilities to sum to 1.
       intermediate_size_mlp: the dense MLP's width on Llama 4's non-MoE layers.
       use_qk_norm: Llama 4's L2 norm of q and k on its RoPE layers.
       attn_temperature_tuning, floor_scale, attn_scale: Llama 4's query scaling on its NoPE layers.
@@ -50,6 +64,8 @@ class ModelConfig:
     """
 
     architecture: str
+    wrapper: str | None = None
+    image_token_id: int | None = None
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -74,6 +90,8 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_layers: tuple[int, ...] = ()
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
     intermediate_size_mlp: int | None = None
     use_qk_norm: bool = False
     attn_temperature_tuning: bool = False
@@ -85,10 +103,19 @@ class ModelConfig:
     quantization: str | None = None
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in LANGUAGE_MODEL_TYPES:
             raise NotImplementedError(
-                f"architecture={self.architecture!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+                f"architecture={self.architecture!r} is not supported (supported: {LANGUAGE_MODEL_TYPES})"
             )
+        if self.wrapper is not None and MULTIMODAL_WRAPPERS.get(self.wrapper) != self.architecture:
+            raise NotImplementedError(
+                f"wrapper={self.wrapper!r} around architecture={self.architecture!r} is not supported "
+                f"(supported: {MULTIMODAL_WRAPPERS})"
+            )
+        if self.image_token_id is not None:
+            check_int("image_token_id", self.image_token_id, minimum=0)
+        if self.moe_intermediate_size is not None:
+            check_int("moe_intermediate_size", self.moe_intermediate_size)
         for name in (
             "vocab_size",
             "hidden_size",
@@ -142,6 +169,16 @@ class ModelConfig:
     def from_hf(cls, config: dict) -> "ModelConfig":
         """Read a transformers config dict (``config.json`` or ``PretrainedConfig.to_dict()``)."""
         return cls(**read_hf_config(config))
+
+    @property
+    def model_type(self) -> str:
+        """The checkpoint's ``model_type``: the wrapper's, else the language model's."""
+        return self.wrapper or self.architecture
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """Each expert's MLP width."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     # --- per layer ------------------------------------------------------------------------------------
 

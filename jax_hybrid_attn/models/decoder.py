@@ -10,7 +10,7 @@ uses ``cache.positions``. `Decoder.__call__` runs the layers as a Python loop; t
 scans over the layers' repeating pattern (`layer_scan`), each kind of layer traced once.
 
 Shape letters: T tokens · R rows kept for the LM head · N query heads · K kv heads · H head size ·
-D hidden size · I MLP width · E experts · k experts per token · V vocabulary.
+D hidden size · I MLP width (an expert's in an MoE) · E experts · k experts per token · V vocabulary.
 """
 
 import functools
@@ -110,6 +110,13 @@ class Embedding(nnx.Module):
         self.weight = _normal(rngs, (vocab_size, hidden_size), param_dtype)
 
 
+_QK_NORM_STYLES = {"gemma3_text": "gemma", "qwen3": "llama", "qwen3_moe": "llama"}
+"""The families with an RMSNorm of q and k over each head before RoPE, and its style (`RMSNorm`)."""
+
+_NORM_STYLES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}
+"""Each family's style of its layer and final norms (`RMSNorm`), "llama" where not listed."""
+
+
 class Attention(nnx.Module):
     """One layer's q/k/v projections, q/k norms, RoPE, the cache's attention and the output projection."""
 
@@ -121,9 +128,10 @@ class Attention(nnx.Module):
         self.k_proj = Linear(d, kv * h, bias=bias, **common)
         self.v_proj = Linear(d, kv * h, bias=bias, **common)
         self.o_proj = Linear(n * h, d, bias=bias, **common)
-        if config.architecture == "gemma3_text":
-            self.q_norm = RMSNorm(h, eps=config.rms_norm_eps, style="gemma", param_dtype=param_dtype)
-            self.k_norm = RMSNorm(h, eps=config.rms_norm_eps, style="gemma", param_dtype=param_dtype)
+        qk_norm_style = _QK_NORM_STYLES.get(config.architecture)
+        if qk_norm_style is not None:  # per head, before RoPE
+            self.q_norm = RMSNorm(h, eps=config.rms_norm_eps, style=qk_norm_style, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(h, eps=config.rms_norm_eps, style=qk_norm_style, param_dtype=param_dtype)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -281,15 +289,59 @@ class Llama4MoE(nnx.Module):
         return self.shared_expert(x) + routed
 
 
+class Qwen3MoeRouter(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
+        self.weight = _normal(rngs, (config.num_experts, config.hidden_size), param_dtype)
+
+
+class Qwen3MoeExperts(nnx.Module):
+    """Experts in transformers 5.17's fused layout: ``gate_up_proj [E, 2I, D]`` (gate the first half, each expert's
+    ``[out, in]``) and ``down_proj [E, D, I]``, no biases (`load_model` stacks checkpoints' per-expert Linears)."""
+
+    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
+        e, d, i = config.num_experts, config.hidden_size, config.expert_intermediate_size
+        self.gate_up_proj = _normal(rngs, (e, 2 * i, d), param_dtype)
+        self.down_proj = _normal(rngs, (e, d, i), param_dtype)
+
+
+class Qwen3MoeMLP(nnx.Module):
+    """Qwen 3's MoE: float32 softmax over every expert's router logit, the top k (renormalized to sum to 1 when
+    `ModelConfig.norm_topk_prob`), then the weighted sum of those experts' gated MLPs."""
+
+    def __init__(self, config: ModelConfig, *, rngs, dtype, param_dtype):
+        self.gate = Qwen3MoeRouter(config, rngs=rngs, param_dtype=param_dtype)
+        self.experts = Qwen3MoeExperts(config, rngs=rngs, param_dtype=param_dtype)
+        self.top_k = config.num_experts_per_tok
+        self.num_experts = config.num_experts
+        self.norm_topk_prob = config.norm_topk_prob
+        self.act = config.hidden_act
+        self.dtype = dtype
+
+    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
+        dt = self.dtype
+        logits = _matmul(x, self.gate.weight[...].astype(dt).T)  # [T, E]
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        top_values, top_ids = jax.lax.top_k(probs, self.top_k)  # [T, k]
+        if self.norm_topk_prob:
+            top_values = top_values / jnp.sum(top_values, axis=-1, keepdims=True)
+        scores = top_values.astype(dt)
+        order, _, group_sizes = _grouped(top_ids, self.num_experts)
+        rows = order // self.top_k
+        e = self.experts
+        gate_up = _ragged(x[rows], jnp.swapaxes(e.gate_up_proj[...].astype(dt), 1, 2), group_sizes)  # [T*k, 2I]
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        out = _ragged(_activation(self.act)(gate) * up, jnp.swapaxes(e.down_proj[...].astype(dt), 1, 2), group_sizes)
+        out = out * scores.reshape(-1)[order][:, None]
+        return jnp.zeros_like(x).at[rows].add(out.astype(x.dtype))
+
+
 class DecoderLayer(nnx.Module):
     """Pre-norm attention and MLP with residuals; Gemma adds a norm after each (four norms per layer)."""
 
     def __init__(self, config: ModelConfig, layer: int, *, rngs, dtype, param_dtype):
         common = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         gemma = config.architecture in ("gemma2", "gemma3_text")
-        style = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}.get(
-            config.architecture, "llama"
-        )
+        style = _NORM_STYLES.get(config.architecture, "llama")
         norm = lambda: RMSNorm(
             config.hidden_size, eps=config.rms_norm_eps, style=style, param_dtype=param_dtype
         )
@@ -304,6 +356,8 @@ class DecoderLayer(nnx.Module):
             mlp = Llama4MoE(config, **common)
         elif config.architecture == "llama4_text":
             mlp = GatedMLP(config, config.intermediate_size_mlp, **common)
+        elif config.architecture == "qwen3_moe" and config.layer_is_moe(layer):
+            mlp = Qwen3MoeMLP(config, **common)
         else:
             mlp = GatedMLP(config, config.intermediate_size, **common)
         # transformers' name: Llama 4's `feed_forward`, the others' `mlp`
@@ -337,9 +391,7 @@ class TextModel(nnx.Module):
                 for i in range(config.num_layers)
             ]
         )
-        style = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}.get(
-            config.architecture, "llama"
-        )
+        style = _NORM_STYLES.get(config.architecture, "llama")
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, style=style, param_dtype=param_dtype)
 
 

@@ -1,15 +1,28 @@
 """Reading a transformers ``config.json`` into the fields of a `ModelConfig`, one reader per family.
 
-Supported ``model_type`` values (transformers' causal LM classes):
+Supported ``model_type`` values (`SUPPORTED_ARCHITECTURES`):
   * ``mistral``      MistralForCausalLM: a sliding window on every layer (``sliding_window``; null: full);
   * ``gemma2``       Gemma2ForCausalLM: sliding/full per ``layer_types``, attention and final logit soft caps;
   * ``gemma3_text``  Gemma3ForCausalLM: sliding/full per ``layer_types``, a RoPE per layer type, q/k norms;
+  * ``gemma3``       Gemma3ForConditionalGeneration, served as text: its ``text_config`` is a ``gemma3_text``
+                     (no final logit soft cap: the wrapper never applies it);
   * ``gpt_oss``      GptOssForCausalLM: sliding/full, learned sinks, YaRN RoPE, a top-k MoE MLP;
   * ``llama4_text``  Llama4ForCausalLM: chunked-local RoPE layers and global NoPE layers, MoE with a shared
-                     expert or dense MLPs per layer.
-The multimodal wrappers (``gemma3``, ``llama4``: a config with a ``text_config``) are refused with
-`NotImplementedError`: their weights live under other names (``language_model...``); load a text-only
-checkpoint. A quantized checkpoint (``quantization_config``) is refused likewise, except gpt-oss's MXFP4
+                     expert or dense MLPs per layer;
+  * ``llama4``       Llama4ForConditionalGeneration, served as text: its ``text_config`` is a ``llama4_text``;
+  * ``qwen3``        Qwen3ForCausalLM: q/k RMSNorms per head, full layers or sliding ones from ``max_window_layers``
+                     on (``use_sliding_window``) or per ``layer_types``;
+  * ``qwen3_moe``    Qwen3MoeForCausalLM: Qwen 3's attention (a window on every layer when
+                     ``use_sliding_window``), a softmax top-k MoE on the layers ``decoder_sparse_step`` and
+                     ``mlp_only_layers`` leave, dense MLPs on the others.
+
+A multimodal wrapper (``gemma3``, ``llama4``) is read as its language model: ``text_config`` with the text config
+class's defaults for what it leaves out (transformers saves a sub-config as its difference from them: Gemma 3
+27B's leaves out ``vocab_size``), the wrapper's special token ids where it sets them (transformers' generation
+config takes them from the wrapper first), the LM head tied as transformers ties it (Gemma 3: the wrapper's
+``tie_word_embeddings``; Llama 4: its language model's own), and ``quantization_config`` from either. The
+wrapper's ``image_token_index`` is kept so that prompts holding it are refused; its vision tower is never read.
+A quantized checkpoint (``quantization_config``) is refused with `NotImplementedError`, except gpt-oss's MXFP4
 experts, which `load_model` dequantizes.
 
 Where a key is absent the default of the transformers 5.17 config class applies (as `from_pretrained` would
@@ -21,12 +34,36 @@ import json
 import os
 from pathlib import Path
 
+from ..integers import check_int
 from .rope import RopeParameters
 
-__all__ = ["LAYER_TYPES", "SUPPORTED_ARCHITECTURES", "read_config_dir", "read_hf_config"]
+__all__ = [
+    "LANGUAGE_MODEL_TYPES",
+    "LAYER_TYPES",
+    "MULTIMODAL_WRAPPERS",
+    "SUPPORTED_ARCHITECTURES",
+    "read_config_dir",
+    "read_hf_config",
+]
 
-SUPPORTED_ARCHITECTURES = ("mistral", "gemma2", "gemma3_text", "gpt_oss", "llama4_text")
-"""The transformers ``model_type`` values `read_hf_config` reads."""
+LANGUAGE_MODEL_TYPES = ("mistral", "gemma2", "gemma3_text", "gpt_oss", "llama4_text", "qwen3", "qwen3_moe")
+"""The ``model_type`` values of the decoders a `Decoder` computes (`ModelConfig.architecture`)."""
+
+MULTIMODAL_WRAPPERS = {"gemma3": "gemma3_text", "llama4": "llama4_text"}
+"""Each multimodal wrapper's ``model_type`` and the ``model_type`` of its language model (its ``text_config``)."""
+
+SUPPORTED_ARCHITECTURES = (
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+    "gpt_oss",
+    "llama4_text",
+    "llama4",
+    "qwen3",
+    "qwen3_moe",
+)
+"""The transformers ``model_type`` values `read_hf_config` reads: `LANGUAGE_MODEL_TYPES` and `MULTIMODAL_WRAPPERS`."""
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """transformers' names of the attention types a layer may have (``layer_types``)."""
@@ -43,6 +80,20 @@ _GEMMA_DEFAULTS = dict(  # what Gemma 2 and Gemma 3 text share
     pad_token_id=0,
     head_dim=256,
     num_key_value_heads=4,
+)
+
+_QWEN3_DEFAULTS = dict(  # what Qwen 3 and Qwen 3 MoE share
+    hidden_act="silu",
+    max_position_embeddings=32_768,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    rope_theta=10_000.0,
+    attention_bias=False,
+    use_sliding_window=False,
+    sliding_window=4096,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
 )
 
 # The transformers 5.17 config classes' defaults for the keys a config.json may leave out.
@@ -107,7 +158,41 @@ _DEFAULTS = {
         eos_token_id=2,
         pad_token_id=None,
         intermediate_size_mlp=16384,
+        head_dim=128,
+        num_key_value_heads=8,
     ),
+    "qwen3": dict(
+        **_QWEN3_DEFAULTS,
+        head_dim=128,
+        num_key_value_heads=32,
+        max_window_layers=28,
+    ),
+    "qwen3_moe": dict(
+        **_QWEN3_DEFAULTS,
+        num_key_value_heads=4,
+        decoder_sparse_step=1,
+        moe_intermediate_size=768,
+        num_experts_per_tok=8,
+        num_experts=128,
+        norm_topk_prob=False,
+    ),
+}
+
+# What a wrapper's text_config may leave out (sizes that the readers of a config.json of its own require):
+# the text config classes' defaults.
+_TEXT_CONFIG_SIZES = {
+    "gemma3_text": dict(
+        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8
+    ),
+    "llama4_text": dict(
+        vocab_size=202_048, hidden_size=5120, intermediate_size=8192, num_hidden_layers=48, num_attention_heads=40
+    ),
+}
+
+# The wrapper config classes' defaults (transformers 5.17 Gemma3Config, Llama4Config) for what is read of them.
+_WRAPPER_DEFAULTS = {
+    "gemma3": dict(image_token_index=262_144, tie_word_embeddings=True),
+    "llama4": dict(image_token_index=200_092, tie_word_embeddings=False),
 }
 
 
@@ -149,24 +234,68 @@ def read_hf_config(config: dict) -> dict:
     if "model_type" not in config:
         raise ValueError("config.json has no 'model_type'")
     architecture = config["model_type"]
-    if "text_config" in config or architecture in ("gemma3", "llama4"):
+    if architecture in MULTIMODAL_WRAPPERS:
+        return _read_wrapper(config, architecture)
+    if "text_config" in config:
         raise NotImplementedError(
-            f"model_type={architecture!r} is a multimodal wrapper (a text_config and weights under "
-            f"language_model.*): not supported; supported: {SUPPORTED_ARCHITECTURES}"
+            f"model_type={architecture!r} is a multimodal wrapper (it has a text_config) that is not supported; "
+            f"supported wrappers: {tuple(MULTIMODAL_WRAPPERS)}"
         )
-    if architecture not in SUPPORTED_ARCHITECTURES:
+    if architecture not in LANGUAGE_MODEL_TYPES:
         raise NotImplementedError(
             f"model_type={architecture!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
         )
-    quantization = None
-    if config.get("quantization_config"):
-        quantization = config["quantization_config"].get("quant_method")
-        if (architecture, quantization) != ("gpt_oss", "mxfp4"):
-            raise NotImplementedError(
-                f"quantization_config (quant_method={quantization!r}) is not supported for "
-                f"model_type={architecture!r} (only gpt_oss's mxfp4 experts, dequantized on load)"
-            )
+    quantization = _quantization(config.get("quantization_config"), architecture)
     return {**_READERS[architecture](config), "quantization": quantization}
+
+
+def _quantization(quantization_config, architecture: str) -> str | None:
+    """The ``quant_method`` of a ``quantization_config`` that `load_model` can read (gpt-oss's MXFP4 experts)."""
+    if not quantization_config:
+        return None
+    if not isinstance(quantization_config, dict):
+        raise ValueError(f"quantization_config={quantization_config!r} must be a dict")
+    quantization = quantization_config.get("quant_method")
+    if (architecture, quantization) != ("gpt_oss", "mxfp4"):
+        raise NotImplementedError(
+            f"quantization_config (quant_method={quantization!r}) is not supported for "
+            f"model_type={architecture!r} (only gpt_oss's mxfp4 experts, dequantized on load)"
+        )
+    return quantization
+
+
+_SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _read_wrapper(config: dict, wrapper: str) -> dict:
+    """A multimodal wrapper's fields: its language model's (``text_config``) and the wrapper's image token."""
+    language = MULTIMODAL_WRAPPERS[wrapper]
+    text = config.get("text_config")
+    text = {} if text is None else text  # transformers: every default of the text config class
+    if not isinstance(text, dict):
+        raise ValueError(f"text_config={text!r} of model_type={wrapper!r} must be a dict")
+    text_type = text.get("model_type", language)
+    if text_type != language:
+        raise NotImplementedError(
+            f"text_config.model_type={text_type!r} in model_type={wrapper!r} is not supported (only {language!r})"
+        )
+    text = {**_TEXT_CONFIG_SIZES[language], **text, "model_type": language}
+    for key in _SPECIAL_TOKEN_KEYS:  # GenerationConfig.from_model_config: the wrapper's first, then the text's
+        if config.get(key) is not None:
+            text[key] = config[key]
+    defaults = _WRAPPER_DEFAULTS[wrapper]
+    if wrapper == "gemma3":  # Gemma3ForConditionalGeneration ties its LM head by the wrapper's config alone
+        text["tie_word_embeddings"] = config.get("tie_word_embeddings", defaults["tie_word_embeddings"])
+    # (Llama4ForConditionalGeneration's LM head is its Llama4ForCausalLM's: tied by text_config's own key)
+    quantization = _quantization(text.get("quantization_config") or config.get("quantization_config"), language)
+    fields = _READERS[language](text)
+    if wrapper == "gemma3":  # Gemma3ForConditionalGeneration never applies final_logit_softcapping (5.17)
+        fields["final_logit_softcapping"] = None
+    image_token_id = next(
+        (config[k] for k in ("image_token_index", "image_token_id") if config.get(k) is not None),
+        defaults["image_token_index"],
+    )
+    return {**fields, "wrapper": wrapper, "image_token_id": int(image_token_id), "quantization": quantization}
 
 
 def _common(config: dict, architecture: str) -> dict:
@@ -372,10 +501,75 @@ def _read_llama4(config: dict) -> dict:
     )
 
 
+def _qwen3_window(config: dict, architecture: str) -> int | None:
+    """Qwen3Config / Qwen3MoeConfig: ``sliding_window`` only when ``use_sliding_window``."""
+    use = _get(config, "use_sliding_window", architecture)
+    return _get(config, "sliding_window", architecture) if use else None
+
+
+def _read_qwen3(config: dict, architecture: str) -> dict:
+    common = _common(config, architecture)
+    num_layers = common["num_layers"]
+    get = lambda key: _get(config, key, architecture)
+    window = _qwen3_window(config, architecture)
+    if architecture == "qwen3":  # Qwen3Config.__post_init__: sliding from max_window_layers on, when windowed
+        first_sliding = check_int("max_window_layers", get("max_window_layers"), minimum=0, maximum=None)
+        default_types = tuple(
+            "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+            for i in range(num_layers)
+        )
+        layer_types = _layer_types(config, num_layers, default_types)
+    else:  # Qwen3MoeModel gives every layer the window (Qwen3MoeConfig has no layer_types)
+        layer_types = ("full_attention" if window is None else "sliding_attention",) * num_layers
+        given = config.get("layer_types")
+        if given is not None and tuple(given) != layer_types:
+            raise NotImplementedError(
+                f"layer_types={given!r}: model_type='qwen3_moe' puts sliding_window={window!r} on every layer "
+                "(transformers ignores layer_types there)"
+            )
+    if "chunked_attention" in layer_types:
+        raise ValueError(f"layer_types={layer_types!r}: model_type={architecture!r} has no chunked layers")
+    sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    if sliding and window is None:
+        raise ValueError(
+            f"layer_types has sliding layers {sliding} but no window: sliding_window="
+            f"{config.get('sliding_window')!r} with use_sliding_window={get('use_sliding_window')!r}"
+        )
+    fields = dict(
+        **common,
+        hidden_act=_activation(config, architecture),
+        layer_types=layer_types,
+        sliding_window=window if sliding else None,
+        rope=(_global_rope(config, architecture),) * num_layers,
+        attention_bias=bool(get("attention_bias")),
+    )
+    if architecture == "qwen3_moe":
+        num_experts = next(
+            (config[k] for k in ("num_experts", "num_local_experts") if config.get(k) is not None),
+            get("num_experts"),
+        )
+        step = check_int("decoder_sparse_step", get("decoder_sparse_step"))
+        mlp_only = config.get("mlp_only_layers") or ()
+        for layer in mlp_only:
+            check_int("mlp_only_layers", layer, minimum=0, maximum=num_layers - 1)
+        fields.update(
+            num_experts=num_experts,
+            num_experts_per_tok=get("num_experts_per_tok"),
+            moe_layers=tuple(
+                i for i in range(num_layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+            ),
+            moe_intermediate_size=get("moe_intermediate_size"),
+            norm_topk_prob=bool(get("norm_topk_prob")),
+        )
+    return fields
+
+
 _READERS = {
     "mistral": _read_mistral,
     "gemma2": lambda config: _read_gemma(config, "gemma2"),
     "gemma3_text": lambda config: _read_gemma(config, "gemma3_text"),
     "gpt_oss": _read_gpt_oss,
     "llama4_text": _read_llama4,
+    "qwen3": lambda config: _read_qwen3(config, "qwen3"),
+    "qwen3_moe": lambda config: _read_qwen3(config, "qwen3_moe"),
 }

@@ -1,144 +1,96 @@
 """Loading a transformers checkpoint directory into a `Decoder`, and random weights.
 
-A checkpoint directory holds ``config.json`` and safetensors weights with transformers' parameter names: one
-``model.safetensors``, or shards listed by ``model.safetensors.index.json``. The `Decoder`'s parameters carry
-the same names and shapes, so loading is a name-for-name copy: every parameter must be in the files with its
-shape, and every tensor in the files must be a parameter (tensors transformers ignores too are skipped: the
-LM head of a tied model, RoPE buffers). gpt-oss's MXFP4 experts (``*_blocks``, ``*_scales``) are
-dequantized as transformers does. Tensors are read with ``safetensors``' flax reader (bf16 included) and
-cast to `dtype`.
+`load_model` follows the checkpoint's `CheckpointPlan` (`plan_checkpoint`: which stored tensors make which
+parameter, which are skipped): it checks every tensor's shape in the files' headers, then reads exactly the
+tensors the plan uses, with ``safetensors``' flax reader (bf16 included), one ``get_tensor`` each, cast to
+`dtype`. A multimodal wrapper's vision tower and projector are never read. gpt-oss's MXFP4 experts (``*_blocks``,
+``*_scales``) are dequantized as transformers does; Qwen 3 MoE's per-expert Linears are stacked into the fused
+expert tensors.
 """
 
-import json
 import os
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from ..integers import check_int
+from .checkpoint_plan import CheckpointPlan, ParamSource, checkpoint_tensor_names, plan_checkpoint
 from .config import ModelConfig
 from .decoder import Decoder
 
 __all__ = ["load_model", "random_model", "checkpoint_tensor_names", "dequantize_mxfp4"]
-
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
-
-
-def _weight_files(path: Path) -> dict[str, Path]:
-    """Each tensor name in the checkpoint and the file holding it."""
-    from safetensors import safe_open
-
-    index = path / _INDEX
-    if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{str(index)!r} has no weight_map")
-        files = {name: path / file for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.is_file():
-                raise ValueError(
-                    f"{str(index)!r} names the shard {file.name!r}, which is not in {str(path)!r}"
-                )
-        return files
-    single = path / _SINGLE
-    if not single.is_file():
-        others = sorted(p.name for p in path.glob("*.safetensors"))
-        if len(others) != 1:
-            raise ValueError(
-                f"path={str(path)!r} has no {_SINGLE} nor {_INDEX} (safetensors files: {others})"
-            )
-        single = path / others[0]
-    with safe_open(single, framework="flax") as f:
-        return {name: single for name in f.keys()}
-
-
-def checkpoint_tensor_names(path: str | os.PathLike) -> list[str]:
-    """The tensor names of the checkpoint directory `path`, sorted."""
-    return sorted(_weight_files(_check_dir(path)))
-
-
-def _check_dir(path) -> Path:
-    checked = Path(path)
-    if not checked.is_dir():
-        raise ValueError(f"path={str(path)!r} is not a directory")
-    return checked
-
-
-def _ignored(name: str, config: ModelConfig) -> bool:
-    """Tensors transformers skips on load: a tied LM head, saved RoPE buffers."""
-    return (config.tie_word_embeddings and name == "lm_head.weight") or name.endswith("rotary_emb.inv_freq")
 
 
 def _abstract(config: ModelConfig, dtype) -> Decoder:
     return nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
 
 
-def load_model(path: str | os.PathLike, *, dtype=jnp.float32) -> tuple[ModelConfig, Decoder]:
+def _stored_shapes(source: ParamSource, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape each stored tensor of `source` must have for a parameter of `shape` (None: known only once
+    combined, as MXFP4 blocks)."""
+    if source.how == "copy":
+        return shape
+    if source.how == "experts":  # [E, parts * O, ...]: each part [O, ...]
+        return (shape[1] // source.parts_per_expert, *shape[2:])
+    return None
+
+
+def _combine(source: ParamSource, raw: dict[str, np.ndarray]) -> np.ndarray:
+    """The parameter `source` makes of the tensors read (`raw`, by stored name; the ones used leave it)."""
+    tensors = [raw.pop(name) for name in source.names]
+    if source.how == "copy":
+        return tensors[0]
+    if source.how == "mxfp4":
+        return dequantize_mxfp4(np.asarray(tensors[0]), np.asarray(tensors[1]))
+    per = source.parts_per_expert
+    experts = [np.concatenate([np.asarray(t) for t in tensors[e : e + per]], axis=0) for e in range(0, len(tensors), per)]
+    return np.stack(experts)
+
+
+def load_model(
+    path: str | os.PathLike, *, dtype=jnp.float32, plan: CheckpointPlan | None = None
+) -> tuple[ModelConfig, Decoder]:
     """The config and the `Decoder` of the checkpoint directory `path`, weights and activations in `dtype`.
 
-    `ValueError` names what is wrong: a path that is not a directory, no ``config.json``, no weights, a
-    parameter missing from the files, a tensor of the files that is no parameter, a shape that differs."""
+    `plan`: the checkpoint's `plan_checkpoint(path)` when the caller has it already. `ValueError` names what is
+    wrong: a path that is not a directory, no ``config.json``, no weights, a parameter missing from the files, a
+    tensor of the files that is no parameter, a shape that differs."""
     from safetensors import safe_open
 
-    path = _check_dir(path)
-    config = ModelConfig.from_dir(path)
-    files = _weight_files(path)
-    graphdef, abstract_state = nnx.split(_abstract(config, dtype))
-    flat = list(nnx.to_flat_state(abstract_state))
-    wanted = {".".join(str(part) for part in p): (p, v) for p, v in flat}
-    packed = {}  # parameter name -> its (blocks, scales) tensor names, for MXFP4 checkpoints
-    if config.quantization == "mxfp4":
-        for name in wanted:
-            blocks, scales = f"{name}_blocks", f"{name}_scales"
-            if name not in files and blocks in files and scales in files:
-                packed[name] = (blocks, scales)
-    stored = (set(files) - {n for pair in packed.values() for n in pair}) | set(packed)
-    missing = sorted(set(wanted) - stored)
-    if missing:
-        raise ValueError(
-            f"the checkpoint in {str(path)!r} lacks the tensors {missing[:8]}"
-            f"{' ...' if len(missing) > 8 else ''} ({len(missing)} missing)"
-        )
-    unexpected = sorted(name for name in stored if name not in wanted and not _ignored(name, config))
-    if unexpected:
-        raise ValueError(
-            f"the checkpoint in {str(path)!r} has tensors the model does not: {unexpected[:8]}"
-            f"{' ...' if len(unexpected) > 8 else ''} ({len(unexpected)} unexpected)"
-        )
-    by_file: dict[Path, list[str]] = {}
-    for name in wanted:
-        for stored_name in packed.get(name, (name,)):
-            by_file.setdefault(files[stored_name], []).append(stored_name)
+    if plan is None:
+        plan = plan_checkpoint(path)
+    elif not isinstance(plan, CheckpointPlan):
+        raise ValueError(f"plan must be a CheckpointPlan, got {type(plan).__name__}")
+    graphdef, abstract_state = nnx.split(_abstract(plan.config, dtype))
+    wanted = {".".join(str(part) for part in p): (p, v) for p, v in nnx.to_flat_state(abstract_state)}
+    expected = {}  # stored name -> its shape, where the plan fixes it
+    for name, source in plan.sources.items():
+        shape = _stored_shapes(source, plan.shapes[name])
+        expected.update({stored: shape for stored in source.names if shape is not None})
+    by_file = plan.reads_by_file()
+    for file, names in by_file.items():  # every shape from the headers, before any tensor is read
+        with safe_open(file, framework="flax") as f:
+            for name in names:
+                shape = tuple(f.get_slice(name).get_shape())
+                if name in expected and shape != expected[name]:
+                    raise ValueError(f"tensor {name!r} has shape {shape}, the model expects {expected[name]}")
     raw = {}
     for file, names in by_file.items():
         with safe_open(file, framework="flax") as f:
             for name in names:
-                if name in wanted:
-                    shape = tuple(f.get_slice(name).get_shape())
-                    expected = tuple(wanted[name][1].shape)
-                    if shape != expected:
-                        raise ValueError(f"tensor {name!r} has shape {shape}, the model expects {expected}")
                 raw[name] = f.get_tensor(name)
     values = {}
     for name, (_, variable) in wanted.items():
-        if name in packed:
-            value = dequantize_mxfp4(
-                np.asarray(raw.pop(packed[name][0])), np.asarray(raw.pop(packed[name][1]))
+        value = _combine(plan.sources[name], raw)
+        if tuple(value.shape) != tuple(variable.shape):
+            raise ValueError(
+                f"tensor {name!r} is made of {list(plan.sources[name].names)[:4]} with shape {tuple(value.shape)}, "
+                f"the model expects {tuple(variable.shape)}"
             )
-            if value.shape != tuple(variable.shape):
-                raise ValueError(
-                    f"tensor {name!r} dequantizes to shape {value.shape}, the model expects "
-                    f"{tuple(variable.shape)}"
-                )
-        else:
-            value = raw.pop(name)
         values[name] = jnp.asarray(value, dtype=variable.dtype)
     state = nnx.from_flat_state([(p, v.replace(values[name])) for name, (p, v) in wanted.items()])
-    return config, nnx.merge(graphdef, state)
+    return plan.config, nnx.merge(graphdef, state)
 
 
 FP4_VALUES = np.array(
