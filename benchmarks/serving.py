@@ -255,7 +255,8 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     sampling = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for n in rng.integers(128, 1025, num_requests):
         engine.add_request(rng.integers(1, config.vocab_size, int(n)).tolist(), sampling)
-    while engine._waiting or not all(request.output_token_ids for request in engine._admitted):
+    scheduler = engine.scheduler
+    while scheduler.waiting or not all(request.output_token_ids for request in scheduler.running):
         engine.step()  # every prompt prefilled
     engine.synchronize()
     line = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)

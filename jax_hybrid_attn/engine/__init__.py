@@ -1,6 +1,6 @@
 """Serving: a continuous-batching engine over the hybrid allocator and the paged kernels.
 
-Data flow of one step: `Engine.step` plans (host) → `ModelRunner.run_step`, the one owner of the device state
+Data flow of one step: `Engine.step` plans (host, its `Scheduler`) → `ModelRunner.run_step`, the one owner of the device state
 and of the executables it compiled before serving (`step_shapes`; `step_cache` lowers them in worker processes
 and keeps them across processes; `lower_ahead` starts that before the weights load) → `device_step.allocate` (the allocator's `allocate_slots`) →
 `device_step.forward`: the model's layers scanned over their pattern (`models.layer_scan`), each attending

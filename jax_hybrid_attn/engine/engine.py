@@ -1,17 +1,18 @@
 """The continuous-batching engine: requests in, tokens out, on the hybrid allocator and the paged kernels.
 
 One `Engine.step`:
-  1. plan (host): the admitted requests in arrival order, then new ones while request slots are free, each
-     with as many tokens as it still needs (its prompt in chunks, or one decode token) within the token budget;
+  1. plan (host, `Scheduler.schedule`): the admitted requests in arrival order, then new ones while request
+     slots are free, each with as many tokens as it still needs (its prompt in chunks, or one decode token)
+     within the token budget;
   2. send the plan to the device (`device_step`, two jitted calls, nothing read back): the allocator finds
      prefix hits and hands out blocks in every KV-cache group; then `metadata_from_step` per group, the model's
      forward through `PagedCache` (each layer writes its K/V by slot and attends, `layer_attention`), the logits
      of each row's last token, sampling, and the sampled tokens back into the allocator (for prefix hashing);
-  3. read the previous step's results back (the one read of a step) while this one runs: each request that
-     finished its prompt or decoded gets its token, stops at an end or stop token, `max_tokens` or
-     `max_model_len`, and frees its blocks; a running request that got no blocks preempts the newest running
-     request (its blocks are freed; it is recomputed later, from its prompt and outputs, with prefix hits on
-     what is still cached).
+  3. read the previous step's results back (the one read of a step) while this one runs
+     (`Scheduler.postprocess`): each request that finished its prompt or decoded gets its token, stops at an end
+     or stop token, `max_tokens` or `max_model_len`, and frees its blocks; a running request that got no blocks
+     preempts the newest running request (`Scheduler.preempt`: its blocks are freed; it is recomputed later,
+     from its prompt and outputs, with prefix hits on what is still cached).
 
 The host plans step n+2 before it has read step n (`STEPS_IN_FLIGHT`), assuming the steps in flight go as planned;
 the device computes each step from what the steps before it really did (`device_step`), so a request that got no
@@ -46,8 +47,10 @@ from ..models.config import ModelConfig
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineStats
 from .device_step import NO_SLOT, StepPlan, StepResult
 from .model_runner import CompileReport, ModelRunner
-from .requests import FinishReason, InFlightWork, Request, RequestOutput
+from .prompts import check_prompt
+from .requests import InFlightWork, Request, RequestOutput
 from .sampling import SamplingParams
+from .scheduler import Scheduler
 from .step_cache import RunnerSpec, StepCache, StepLowering
 from .step_shapes import StepShape, select_step_shape
 
@@ -134,10 +137,8 @@ class Engine:
         self._in_flight: collections.deque[_SentStep] = collections.deque()  # sent, not yet read back, oldest first
         self._deferred_rows = False  # the last step read back deferred rows: the next one serves every row
         self._last_read = time.perf_counter()
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._admitted: list[Request] = []  # hold a request slot, in arrival order
-        self._ids: set[Hashable] = set()
-        self._next_index = 0
+        self.scheduler = Scheduler(config, max_model_len=max_model_len, manager=self.manager,
+                                   on_device=self._on_device, eos_token_ids=self.eos_token_ids)  # fmt: skip
 
     @property
     def manager(self) -> KVCacheManager:
@@ -162,45 +163,19 @@ class Engine:
     ) -> Hashable:
         """Queue a request; returns its id. Raises `ValueError` (naming the argument) for an empty prompt, ids
         outside the vocabulary, a prompt that leaves no room for a token within `max_model_len`, or a duplicate
-        id; the engine and the other requests are unchanged."""
+        id, and `NotImplementedError` for a prompt holding a multimodal checkpoint's image token
+        (`prompts.check_prompt`); the engine and the other requests are unchanged."""
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        tokens = np.asarray(prompt_token_ids)
-        if tokens.ndim != 1 or tokens.size == 0 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"prompt_token_ids must be a non-empty flat sequence of ints, got {prompt_token_ids!r}")
-        vocab = self.model_config.vocab_size
-        if tokens.min() < 0 or tokens.max() >= vocab:
-            raise ValueError(f"prompt_token_ids hold ids in [{tokens.min()}, {tokens.max()}], outside [0, {vocab=})")
-        if tokens.size >= self.max_model_len:
-            raise ValueError(
-                f"the prompt's {tokens.size} tokens leave no room for output within max_model_len={self.max_model_len}"
-            )
-        index = self._next_index
-        request_id = index if request_id is None else request_id
-        if request_id in self._ids:
-            raise ValueError(f"{request_id=} is already in the engine")
-        seed = sampling.seed if sampling.seed is not None else (self.config.seed + index) % 2**32
-        self._waiting.append(Request(request_id, index, tokens.tolist(), sampling, seed))
-        self._ids.add(request_id)
-        self._next_index += 1
-        return request_id
+        tokens = check_prompt(prompt_token_ids, model_config=self.model_config, max_model_len=self.max_model_len)
+        return self.scheduler.add(tokens.tolist(), sampling, request_id=request_id)
 
     def abort_request(self, request_id: Hashable) -> RequestOutput | None:
         """Stop a request now: a waiting one leaves the queue, a running one frees its blocks in every KV-cache
         group (on the device worker, after the steps already sent: the tokens those compute for it are dropped).
         Returns its output so far (finish reason "abort"), or None when the engine holds no such request."""
-        for request in self._waiting:
-            if request.request_id == request_id:
-                self._waiting.remove(request)
-                self._ids.discard(request_id)
-                request.finish_reason = FinishReason.ABORT
-                return RequestOutput.of(request)
-        for request in self._admitted:
-            if request.request_id == request_id:
-                request.finish_reason = FinishReason.ABORT
-                return self._release(request)
-        return None
+        return self.scheduler.abort(request_id)
 
     def reset(self) -> None:
         """Forget the prefix cache and the counters (compiled step shapes stay); refused while requests run."""
@@ -217,11 +192,11 @@ class Engine:
         self._raise_device_errors()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self._admitted)
+        return self.scheduler.has_unfinished_requests()
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._waiting) + len(self._admitted)
+        return self.scheduler.num_unfinished_requests
 
     # ----------------------------------------------------------------------------------------------- step
 
@@ -231,7 +206,7 @@ class Engine:
         tokens. The device calls it makes may still be queued when it returns (`synchronize`)."""
         if not self.runner.compiled:
             self.compile()
-        rows = self._schedule()
+        rows = self.scheduler.schedule()
         if rows:
             self._in_flight.append(self._send(rows))
         elif not self._in_flight:
@@ -264,7 +239,7 @@ class Engine:
         for prompt, params in zip(prompts, sampling, strict=True):
             try:
                 order.append(self.add_request(prompt, params))
-            except ValueError as error:
+            except (ValueError, NotImplementedError) as error:
                 key = ("refused", len(order))
                 order.append(key)
                 outputs[key] = RequestOutput(key, list(prompt), [], None, error=str(error))
@@ -279,31 +254,6 @@ class Engine:
         return [outputs[key] for key in order]
 
     # -------------------------------------------------------------------------------------------- helpers
-
-    def _schedule(self) -> list[tuple[Request, InFlightWork]]:
-        """The next step's rows: (request, its work: tokens to compute and whether it then samples), admitted
-        requests first, in arrival order. The steps in flight are assumed to go as planned; a request whose last
-        token is in flight is left out."""
-        budget = self.config.max_num_batched_tokens
-        while self._waiting and len(self._admitted) < self.config.max_num_seqs:
-            request = self._waiting.popleft()
-            self._on_device(self.manager.add_request, request.request_id, request.all_token_ids)
-            request.admitted = True
-            self._admitted.append(request)
-        rows = []
-        for request in self._admitted:
-            outputs = request.expected_num_outputs
-            known = len(request.prompt_token_ids) + outputs
-            if outputs > len(request.output_token_ids) and (
-                outputs >= request.sampling.max_tokens or known >= self.max_model_len
-            ):
-                continue
-            computed = request.expected_num_computed_tokens
-            need = min(known - computed, budget)
-            if need > 0:
-                rows.append((request, InFlightWork(need, samples=computed + need == known)))
-                budget -= need
-        return rows
 
     def _on_device(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the device worker, after every device call made before it."""
@@ -358,53 +308,22 @@ class Engine:
         now = time.perf_counter()
         seconds = now - max(self._last_read, sent.sent_at)
         self._last_read = now
-        finished, failed = [], []
-        decode_tokens = 0
-        for i, (request, preemptions) in enumerate(sent.rows):
-            request.in_flight.popleft()
-            if request.finished:  # it stopped in an earlier step: this one computed past its stop token
-                continue
-            current = preemptions == request.num_preemptions  # else its blocks were freed after it was sent
-            if current and result.success[i]:
-                if request.num_computed_tokens == 0:
-                    self.stats.prompt_tokens += len(request.prompt_token_ids)
-                request.num_cached_tokens += int(result.num_hits[i])
-                self.stats.cached_prompt_tokens += int(result.num_hits[i])
-                request.num_computed_tokens = int(result.seq_lens[i])
-            elif current and result.deferred[i]:
-                self._deferred_rows = True
-                self.stats.deferred_rows += 1
-            elif current and request.num_computed_tokens:
-                failed.append(request)
-            if result.sampled[i]:
-                decode_tokens += int(result.num_scheduled[i] == 1 and bool(request.output_token_ids))
-                token = int(result.tokens[i])
-                request.output_token_ids.append(token)
-                request.token_times.append(now)
-                if on_token is not None:
-                    on_token(request.request_id, token)
-                reason = self._finish_reason(request, token)
-                if reason is not None:
-                    request.finish_reason = reason
-                    finished.append(self._release(request))
+        outcome = self.scheduler.postprocess(sent.rows, result, now=now, on_token=on_token)
+        if outcome.deferred_rows:
+            self._deferred_rows = True
+        self.stats.deferred_rows += outcome.deferred_rows
+        self.stats.prompt_tokens += outcome.prompt_tokens
+        self.stats.cached_prompt_tokens += outcome.cached_prompt_tokens
         full_attention_blocks = self.allocator_config.num_groups * sum(
-            cdiv(r.num_computed_tokens, self.config.block_size) for r in self._admitted
+            cdiv(r.num_computed_tokens, self.config.block_size) for r in self.scheduler.running
         )
         self.stats.record_step(
-            int(result.num_scheduled.sum()), decode_tokens, seconds,
+            int(result.num_scheduled.sum()), outcome.decode_tokens, seconds,
             blocks_in_use=self.layout.num_blocks - 1 - int(result.num_free_blocks),
             full_attention_blocks=full_attention_blocks,
         )  # fmt: skip
-        self._preempt_for(failed)
-        return finished
-
-    def _finish_reason(self, request: Request, token: int) -> FinishReason | None:
-        s = request.sampling
-        if token in s.stop_token_ids or (not s.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.STOP
-        if len(request.output_token_ids) >= s.max_tokens or request.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        self.stats.preemptions += self.scheduler.preempt(outcome.failed)
+        return outcome.finished
 
     def _raise_device_errors(self) -> None:
         """Raise the error of a device call that has run and failed; forget the calls that succeeded."""
@@ -415,27 +334,6 @@ class Engine:
             elif call.exception() is not None:
                 raise call.exception()
         self._device_calls = pending
-
-    def _release(self, request: Request) -> RequestOutput:
-        self._on_device(self.manager.free, request.request_id)
-        self._admitted.remove(request)
-        self._ids.discard(request.request_id)
-        return RequestOutput.of(request)
-
-    def _preempt_for(self, failed: list[Request]) -> None:
-        """Each running request that got no blocks preempts the newest running request (possibly itself). The
-        victim's steps in flight still sample (their blocks are freed after them), but compute nothing it keeps."""
-        for request in failed:
-            running = [r for r in self._admitted if r.num_computed_tokens > 0]
-            if request not in running:  # preempted already, as an earlier row's victim
-                continue
-            victim = max(running, key=lambda r: r.index)
-            self._on_device(self.manager.preempt, victim.request_id)
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
-            for work in victim.in_flight:
-                work.num_tokens = 0
-            self.stats.preemptions += 1
 
 
 @dataclasses.dataclass
