@@ -150,6 +150,8 @@ def report(engine, outputs, wall_seconds: float, startup: dict) -> dict:
 
 
 def print_report(metrics: dict, outputs, tokenizer, file) -> None:
+    from .models import model_line
+
     for i, output in enumerate(outputs):
         if output.error is not None:
             print(f"[{i}] refused: {output.error}", file=file)
@@ -161,6 +163,7 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
     saved = kv["peak_blocks_full_attention"] - kv["peak_blocks_in_use"]
     lines = [
         "",
+        model_line(metrics["model"]) if "model" in metrics else "",
         f"requests {metrics['requests']} ({metrics['refused']} refused) in {metrics['wall_s']:.2f} s",
         f"tokens/s: prefill {rate(metrics['prefill_tokens_per_s'])}, decode {rate(metrics['decode_tokens_per_s'])}, "
         f"output {rate(metrics['output_tokens_per_s'])}",
@@ -199,21 +202,41 @@ def model_config(args):
     return embedded_config() if args.model is None else ModelConfig.from_dir(args.model)
 
 
-def load(args):
-    """(model config, model, tokenizer) from ``--model`` or the embedded default."""
+def load(args, *, plan=None):
+    """(model config, model) from ``--model`` (`plan`: its `CheckpointPlan`) or the embedded default."""
     from flax import nnx
 
-    from .models import ByteTokenizer, Decoder, embedded_config, load_model, load_tokenizer
+    from .models import Decoder, embedded_config, load_model
 
     dtype = model_dtype(args)
     if args.model is None:
         config = embedded_config()
-        model = Decoder(config, rngs=nnx.Rngs(args.seed), dtype=dtype, param_dtype=dtype)
-        tokenizer = ByteTokenizer()
-    else:
-        config, model = load_model(args.model, dtype=dtype)
-        tokenizer = load_tokenizer(args.model)
-    return config, model, tokenizer
+        return config, Decoder(config, rngs=nnx.Rngs(args.seed), dtype=dtype, param_dtype=dtype)
+    return load_model(args.model, dtype=dtype, plan=plan)
+
+
+def prompt_token_lists(args, tokenizer) -> list[list[int]]:
+    """The prompts of ``--prompt``, ``--prompt-file`` and ``--prompt-token-ids`` (none: `DEFAULT_PROMPTS`)."""
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    token_lists = [tokenizer.encode(p) for p in prompts] + list(args.prompt_token_ids or [])
+    return token_lists or [tokenizer.encode(p) for p in DEFAULT_PROMPTS]
+
+
+def refuse_if_nothing_runs(token_lists, config, max_model_len: int) -> None:
+    """Raise the first prompt's refusal (`engine.prompts.check_prompt`) when the engine would refuse every one."""
+    from .engine.prompts import check_prompt
+
+    errors = []
+    for tokens in token_lists:
+        try:
+            check_prompt(tokens, model_config=config, max_model_len=max_model_len)
+        except (ValueError, NotImplementedError) as error:
+            errors.append(error)
+    if token_lists and len(errors) == len(token_lists):
+        raise type(errors[0])(f"every prompt would be refused ({len(errors)}); the first: {errors[0]}")
 
 
 def generate(args, out=None, err=None) -> dict:
@@ -224,6 +247,8 @@ def generate(args, out=None, err=None) -> dict:
     import jax
 
     from .engine import Engine, EngineConfig, SamplingParams, lower_ahead
+    from .engine.engine import resolve
+    from .models import describe_model, load_tokenizer, model_line, plan_checkpoint
 
     if args.compilation_cache:
         from .engine.step_cache import use_compilation_cache
@@ -238,17 +263,17 @@ def generate(args, out=None, err=None) -> dict:
         seed=args.seed, tensor_parallel=args.tensor_parallel,
         compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
     )  # fmt: skip
-    lowering = lower_ahead(model_config(args), engine_config, dtype=model_dtype(args))  # while the weights load
-    config, model, tokenizer = load(args)
+    plan = None if args.model is None else plan_checkpoint(args.model)  # no tensor read yet
+    config = model_config(args) if plan is None else plan.config
+    tokenizer = load_tokenizer(args.model)
+    token_lists = prompt_token_lists(args, tokenizer)
+    refuse_if_nothing_runs(token_lists, config, resolve(config, engine_config)[1])  # before loading or compiling
+    description = describe_model(config, plan=plan)
+    print(model_line(description), file=err)
+    lowering = lower_ahead(config, engine_config, dtype=model_dtype(args))  # while the weights load
+    config, model = load(args, plan=plan)
     jax.block_until_ready(nnx_leaves(model))
     startup["load"] = time.perf_counter() - started
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
-    token_lists = [tokenizer.encode(p) for p in prompts] + list(args.prompt_token_ids or [])
-    if not token_lists:
-        token_lists = [tokenizer.encode(p) for p in DEFAULT_PROMPTS]
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         seed=None, ignore_eos=args.ignore_eos,
@@ -277,6 +302,7 @@ def generate(args, out=None, err=None) -> dict:
     startup["first_token_since_start"] = first_token[0] - PROCESS_START if first_token else None
     bar.close()
     metrics = report(engine, outputs, wall, startup)
+    metrics["model"] = description
     metrics["compile_timeline"] = compile_timeline
     if args.json:
         payload = {

@@ -7,6 +7,7 @@ from .decoder import Decoder
 from .embedded import EMBEDDED_HF_CONFIG, embedded_config
 from .loading import checkpoint_tensor_names, load_model, random_model
 from .rope import RopeParameters
+from .summary import describe_model, model_line
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "plan_checkpoint",
     "CheckpointPlan",
     "ParamSource",
+    "describe_model",
+    "model_line",
     "EMBEDDED_HF_CONFIG",
     "embedded_config",
     "Tokenizer",

@@ -59,6 +59,14 @@ def _read_json(path: Path) -> dict:
         return json.load(f)
 
 
+def _config_value(config: dict, key: str):
+    """`config[key]`, else (a multimodal wrapper's ``config.json``) its ``text_config``'s, else None."""
+    if config.get(key) is not None:
+        return config[key]
+    text_config = config.get("text_config")
+    return text_config.get(key) if isinstance(text_config, dict) else None
+
+
 def _ids(value) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -81,9 +89,9 @@ class HFTokenizer:
         tokenizer_config = _read_json(path / "tokenizer_config.json")
 
         def special(key: str) -> tuple[int, ...]:
-            for source in (generation, config):
-                if source.get(key) is not None:
-                    return _ids(source[key])
+            for value in (generation.get(key), _config_value(config, key)):
+                if value is not None:
+                    return _ids(value)
             token = tokenizer_config.get(key.replace("_id", ""))
             if isinstance(token, dict):
                 token = token.get("content")
@@ -109,7 +117,7 @@ class HFTokenizer:
 def load_tokenizer(path: str | os.PathLike | None = None) -> "HFTokenizer | ByteTokenizer":
     """The tokenizer of the checkpoint directory `path`: its ``tokenizer.json`` when present, else (and for
     ``path=None``, the embedded model) a `ByteTokenizer`, which for a checkpoint stops on the checkpoint's own EOS
-    ids (``generation_config.json``, else ``config.json``; none: never). A directory that does not exist is a
+    ids (``generation_config.json``, else ``config.json``, a wrapper's ``text_config`` last; none: never). A directory that does not exist is a
     `ValueError`."""
     if path is None:
         return ByteTokenizer()
@@ -119,7 +127,7 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> "HFTokenizer | Byte
     if (directory / "tokenizer.json").is_file():
         return HFTokenizer(directory)
     for name in ("generation_config.json", "config.json"):
-        value = _read_json(directory / name).get("eos_token_id")
+        value = _config_value(_read_json(directory / name), "eos_token_id")
         if value is not None:
             return ByteTokenizer(eos_token_ids=_ids(value))
     return ByteTokenizer(eos_token_ids=())
