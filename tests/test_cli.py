@@ -1,4 +1,5 @@
-"""`jha generate`: the embedded default, a saved transformers checkpoint, --json, and clear errors."""
+"""`jha generate`: the embedded default, saved transformers checkpoints (greedy tokens equal to transformers'),
+--json, what is served, and clear errors."""
 
 import json
 
@@ -33,6 +34,7 @@ def test_the_report_and_no_hybrid(capsys, tmp_path):
                        "--max-model-len", "64")  # fmt: skip
     assert code == 0
     assert "requests 2 (0 refused)" in out and "every layer as full attention" in out and "TTFT" in out
+    assert "model gemma3_text, 6 layers: full 1: 5; sliding (window 32) 5: 0-4; random weights" in out
 
 
 def test_a_saved_transformers_checkpoint_runs(capsys, tmp_path):
@@ -78,3 +80,60 @@ def test_memory_sizes_parse_with_units():
     assert [memory_size(t) for t in ("2GiB", "512MB", "1e9", "4096")] == [2 * 2**30, 512 * 10**6, 10**9, 4096]
     with pytest.raises(Exception, match="kv-memory"):
         memory_size("lots")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(family)``: (the tiny transformers model of `family`, its save_pretrained directory), made once."""
+    from tests.hf_families import hf_model
+
+    made = {}
+
+    def get(family):
+        if family not in made:
+            model = hf_model(family)
+            path = tmp_path_factory.mktemp(family)
+            model.save_pretrained(path)
+            made[family] = model, path
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama4", "qwen3", "qwen3_moe"])
+def test_a_checkpoint_serves_transformers_greedy_tokens_and_says_what_it_serves(capsys, saved, family):
+    """A 20-token prompt prefilled in chunks of 8 across the windows and chunks: transformers' greedy tokens. A
+    wrapper's image prompt alone is refused. The model line and metrics.model name what was served."""
+    from jax_hybrid_attn.models import describe_model, model_line, plan_checkpoint
+    from tests.hf_families import IMAGE_TOKEN, hf_greedy, prompt
+
+    hf, path = saved(family)
+    text = prompt(3, length=20).tolist()
+    wrapper = family in ("gemma3", "llama4")
+    prompts = [text, text[:5] + [IMAGE_TOKEN] + text[5:9]] if wrapper else [text]
+    code, out, err = run(capsys, "--model", str(path), "--json", "--max-tokens", "6", "--ignore-eos",
+                         "--prompt-token-ids", json.dumps(prompts), "--max-model-len", "32", "--max-num-seqs", "2",
+                         "--max-num-batched-tokens", "8", "--block-size", "4")  # fmt: skip
+    assert code == 0, err
+    payload = json.loads(out)
+    assert payload["outputs"][0]["output_token_ids"] == hf_greedy(hf, text, 6)
+    if wrapper:
+        assert f"image token {IMAGE_TOKEN}" in payload["outputs"][1]["error"]
+    plan = plan_checkpoint(path)
+    served = payload["metrics"]["model"]
+    assert served == describe_model(plan.config, plan=plan) and model_line(served) in err
+    assert served["model_type"] == family and served["language_model_type"] == ({"gemma3": "gemma3_text",
+                                                                                "llama4": "llama4_text"}.get(family))  # fmt: skip
+    assert served["tensors"] == {"read": len(plan.reads), "skipped": len(plan.skipped)}
+    assert (served["tensors"]["skipped"] > 0) == wrapper  # the vision tower and projector
+
+
+def test_a_batch_of_image_prompts_is_refused_before_the_weights_load(capsys, saved, monkeypatch):
+    import jax_hybrid_attn.cli as cli
+    from tests.hf_families import IMAGE_TOKEN
+
+    _, path = saved("gemma3")
+    monkeypatch.setattr(cli, "load", lambda *args, **kwargs: pytest.fail("the weights were loaded"))
+    code, out, err = run(capsys, "--model", str(path), "--prompt-token-ids", json.dumps([[5, IMAGE_TOKEN, 6], [IMAGE_TOKEN]]))
+    assert code == 2 and out == ""
+    assert "every prompt would be refused (2)" in err and "images are not supported" in err

@@ -9,6 +9,8 @@ rows after the last real token cannot reach it: every layer is causal) so that e
 import dataclasses
 import json
 import math
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,147 +22,24 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jax_hybrid_attn.models import (
+    SUPPORTED_ARCHITECTURES,
     DenseAttention,
     ModelConfig,
     load_model,
+    plan_checkpoint,
 )
 from jax_hybrid_attn.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
-PROMPT_LEN = 40
+from tests.hf_families import FAMILIES, IMAGE_TOKEN, PROMPT_LEN, VOCAB, hf_greedy, hf_model
+from tests.hf_families import _gemma3, _llama4, _mistral, _qwen3, _qwen3_moe
+from tests.hf_families import prompt as _prompt
+
 NEW_TOKENS = 8
-VOCAB = 160
-
-
-def _common(**overrides):
-    kw = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    kw.update(overrides)
-    return kw
-
-
-def _mistral():
-    return transformers.MistralConfig(**_common(num_hidden_layers=2, sliding_window=8, rope_theta=1000.0))
-
-
-def _gemma3():
-    rope = {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
-    }
-    return transformers.Gemma3TextConfig(
-        **_common(
-            num_hidden_layers=6,
-            sliding_window=8,
-            rope_parameters=rope,
-            query_pre_attn_scalar=24,
-            final_logit_softcapping=5.0,
-        )
-    )
-
-
-def _gemma2():
-    return transformers.Gemma2Config(
-        **_common(
-            num_hidden_layers=4,
-            sliding_window=8,
-            query_pre_attn_scalar=32,
-            attn_logit_softcapping=5.0,
-            final_logit_softcapping=3.0,
-            rope_theta=1000.0,
-        )
-    )
-
-
-def _gpt_oss():
-    rope = {
-        "rope_type": "yarn",
-        "factor": 4.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 64,
-        "rope_theta": 10_000.0,
-    }
-    return transformers.GptOssConfig(
-        **_common(
-            num_hidden_layers=2,
-            intermediate_size=32,
-            sliding_window=8,
-            rope_parameters=rope,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        )
-    )
-
-
-def _llama4():
-    rope = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32,
-        "rope_theta": 500_000.0,
-    }
-    return transformers.Llama4TextConfig(
-        **_common(
-            num_hidden_layers=4,
-            intermediate_size=32,
-            intermediate_size_mlp=48,
-            no_rope_layer_interval=2,
-            attention_chunk_size=16,
-            rope_parameters=rope,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            interleave_moe_layer_step=2,
-            floor_scale=8,
-            attn_scale=0.5,
-        )
-    )
-
-
-FAMILIES = {
-    "mistral": (_mistral, "MistralForCausalLM"),
-    "gemma3_text": (_gemma3, "Gemma3ForCausalLM"),
-    "gemma2": (_gemma2, "Gemma2ForCausalLM"),
-    "gpt_oss": (_gpt_oss, "GptOssForCausalLM"),
-    "llama4_text": (_llama4, "Llama4ForCausalLM"),
-}
-
-
-def _hf_model(family: str, seed: int = 0):
-    """A transformers model of `family` with random weights, the ones init leaves constant perturbed."""
-    make_config, class_name = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = getattr(transformers, class_name)._from_config(make_config(), attn_implementation="eager")
-    model = model.float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.numel() == 1 or float(p.std()) == 0.0:  # norms, biases, sinks
-                p.add_(torch.randn_like(p) * 0.3)
-            if family == "gpt_oss" and name.endswith("gate_up_proj"):
-                p.mul_(4.0)  # some gate/up values beyond the clamp limit (7)
-    return model
 
 
 def _save(model, path, **kwargs):
     model.save_pretrained(path, **kwargs)
     return path
-
-
-def _prompt(seed: int = 0) -> np.ndarray:
-    return np.random.RandomState(seed).randint(3, VOCAB, size=PROMPT_LEN)
 
 
 def _jitted(model):
@@ -188,19 +67,13 @@ class _WithoutLocalLayers(DenseAttention):
 
 
 def _check_family(family, tmp_path):
-    hf = _hf_model(family)
+    hf = hf_model(family)
     config, model = load_model(_save(hf, tmp_path / family))
-    assert config.architecture == family
+    assert config.model_type == family
     prompt = _prompt()
     with torch.no_grad():
         ref = hf(torch.tensor(prompt)[None]).logits[0].float().numpy()
-        generated = hf.generate(
-            torch.tensor(prompt)[None],
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, PROMPT_LEN:].tolist()
+    generated = hf_greedy(hf, prompt, NEW_TOKENS)
     forward = _jitted(model)
     total = PROMPT_LEN + NEW_TOKENS
     padded = np.zeros(total, np.int64)
@@ -252,6 +125,31 @@ def test_layer_params_and_specs():
         mistral.layer_params(2)
 
 
+def test_qwen3_windows_and_kv_cache_groups():
+    """Qwen 3's windows from max_window_layers (as Qwen3Config derives layer_types): the allocator gets a
+    sliding-window group for the sliding layers only; Qwen 3 MoE's window is on every layer, its experts where
+    decoder_sparse_step and mlp_only_layers leave them."""
+    from jax_hybrid_attn.engine import KVCacheLayout
+
+    config = ModelConfig.from_hf(_qwen3().to_dict())
+    assert config.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2 and config.sliding_window == 8
+    assert [config.layer_params(i).sliding_window for i in range(4)] == [None, None, 8, 8]
+    layout = KVCacheLayout.for_model(config, block_size=4, max_model_len=64, max_num_batched_tokens=16, dtype=np.float32)
+    layers = {}
+    for group in layout.kv_config.kv_cache_groups:
+        layers.setdefault(type(group.kv_cache_spec), []).extend(group.layer_names)
+    assert layers == {FullAttentionSpec: ["layers.0", "layers.1"], SlidingWindowSpec: ["layers.2", "layers.3"]}
+    explicit = ModelConfig.from_hf({**_qwen3().to_dict(), "layer_types": ["sliding_attention", "full_attention"] * 2})
+    assert explicit.layer_types == ("sliding_attention", "full_attention") * 2
+    off = ModelConfig.from_hf({**_qwen3().to_dict(), "use_sliding_window": False, "layer_types": None})
+    assert off.layer_types == ("full_attention",) * 4 and off.sliding_window is None
+    moe = ModelConfig.from_hf(_qwen3_moe().to_dict())
+    assert moe.layer_types == ("sliding_attention",) * 4 and moe.moe_layers == (0, 2, 3)
+    assert moe.expert_intermediate_size == 32 and moe.intermediate_size == 48 and moe.norm_topk_prob
+    sparse = ModelConfig.from_hf({**_qwen3_moe().to_dict(), "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert sparse.moe_layers == (1,)
+
+
 def test_legacy_rope_keys():
     """Hub files older than transformers 5: rope_theta / rope_scaling / rope_local_base_freq, no layer_types."""
     legacy = {k: v for k, v in _gemma3().to_dict().items() if k not in ("rope_parameters", "layer_types")}
@@ -270,7 +168,7 @@ def test_legacy_rope_keys():
 
 
 def test_sharded_checkpoint_loads(tmp_path):
-    hf = _hf_model("mistral")
+    hf = hf_model("mistral")
     path = _save(hf, tmp_path / "sharded", max_shard_size="100KB")
     assert (path / "model.safetensors.index.json").is_file()
     _, model = load_model(path)
@@ -282,7 +180,7 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 
 def test_bf16_checkpoint_loads(tmp_path):
-    hf = _hf_model("gemma2").to(torch.bfloat16)
+    hf = hf_model("gemma2").to(torch.bfloat16)
     config, model = load_model(_save(hf, tmp_path / "bf16"), dtype=jnp.bfloat16)
     assert model.model.embed_tokens.weight[...].dtype == jnp.bfloat16
     logits, _ = model(jnp.asarray(_prompt()), DenseAttention(PROMPT_LEN), logits_indices=jnp.array([0, 39]))
@@ -318,6 +216,31 @@ def test_missing_config_key():
         ModelConfig.from_hf(config)
 
 
+@pytest.mark.parametrize(
+    "edit, error, message",
+    [
+        # Qwen 3: sliding layers need a window (use_sliding_window=False drops it, as Qwen3Config does)
+        (lambda c: {**c("qwen3"), "use_sliding_window": False}, ValueError, r"sliding layers \[2, 3\].*sliding_window"),
+        (lambda c: {**c("qwen3"), "max_window_layers": -1, "layer_types": None}, ValueError, "max_window_layers=-1"),
+        (lambda c: {**c("qwen3_moe"), "layer_types": ["full_attention"] * 4}, NotImplementedError, "layer_types"),
+        (lambda c: {**c("qwen3_moe"), "decoder_sparse_step": 0}, ValueError, "decoder_sparse_step=0"),
+        (lambda c: {**c("qwen3_moe"), "mlp_only_layers": [7]}, ValueError, "mlp_only_layers=7"),
+        (lambda c: {**c("qwen3"), "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, NotImplementedError,
+         "rope_type='dynamic'"),
+        # the wrappers: another language model, another wrapper, quantized weights, a text_config not a dict
+        (lambda c: {**c("gemma3"), "text_config": {**c("gemma3")["text_config"], "model_type": "gemma2"}},
+         NotImplementedError, "text_config.model_type='gemma2'"),
+        (lambda c: {**c("gemma3"), "model_type": "llava"}, NotImplementedError, "model_type='llava'"),
+        (lambda c: {**c("llama4"), "quantization_config": {"quant_method": "fbgemm_fp8"}}, NotImplementedError,
+         "quant_method='fbgemm_fp8'"),
+        (lambda c: {**c("llama4"), "text_config": "llama4_text"}, ValueError, "text_config='llama4_text'"),
+    ],
+)  # fmt: skip
+def test_bad_configs_are_refused_by_name(edit, error, message):
+    with pytest.raises(error, match=message):
+        ModelConfig.from_hf(edit(lambda family: FAMILIES[family][0]().to_dict()))
+
+
 def test_no_weights(tmp_path):
     _mistral().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no model.safetensors"):
@@ -333,24 +256,144 @@ def _rewrite(path, edit):
 
 
 def test_missing_tensor(tmp_path):
-    path = _save(_hf_model("mistral"), tmp_path / "m")
+    path = _save(hf_model("mistral"), tmp_path / "m")
     _rewrite(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(ValueError, match=r"lacks the tensors \['model.layers.1.mlp.up_proj.weight'\]"):
         load_model(path)
 
 
 def test_unexpected_tensor(tmp_path):
-    path = _save(_hf_model("mistral"), tmp_path / "m")
+    path = _save(hf_model("mistral"), tmp_path / "m")
     _rewrite(path, lambda t: t.update({"model.layers.0.extra.weight": torch.zeros(3)}))
     with pytest.raises(ValueError, match="model.layers.0.extra.weight"):
         load_model(path)
 
 
 def test_misshaped_tensor(tmp_path):
-    path = _save(_hf_model("mistral"), tmp_path / "m")
+    path = _save(hf_model("mistral"), tmp_path / "m")
     _rewrite(path, lambda t: t.update({"model.norm.weight": torch.zeros(63)}))
     with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(63,\).*\(64,\)"):
         load_model(path)
+
+
+# --- what is read: the plan, the wrappers' layouts, Qwen 3 MoE's per-expert and fused experts ------------
+
+_MULTIMODAL_PREFIXES = ("vision_tower.", "vision_model.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")  # fmt: skip
+
+
+def _counting_reads(monkeypatch) -> list[str]:
+    """Every safetensors ``get_tensor`` call from now on, by tensor name."""
+    import safetensors
+
+    real, read = safetensors.safe_open, []
+
+    class CountingOpen:
+        def __init__(self, *args, **kwargs):
+            self._handle = real(*args, **kwargs)
+
+        def __enter__(self):
+            self._handle.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._handle.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self._handle.get_tensor(name)
+
+        def __getattr__(self, name):
+            return getattr(self._handle, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", CountingOpen)
+    return read
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+@pytest.mark.parametrize("family, max_shard_size", [("gemma3", "40KB"), ("llama4", None)])
+def test_a_wrapper_reads_its_language_model_only(family, max_shard_size, tmp_path, monkeypatch):
+    """Only the plan's tensors are read (one get_tensor each), none of the vision tower or projector; every stored
+    tensor is read or skipped with a reason; the weights are transformers' language model's."""
+    hf = hf_model(family)
+    path = _save(hf, tmp_path / family, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    assert (path / "model.safetensors.index.json").is_file() == bool(max_shard_size)
+    plan = plan_checkpoint(path)
+    multimodal = {name for name in plan.files if name.startswith(_MULTIMODAL_PREFIXES)}
+    assert multimodal and multimodal <= set(plan.skipped)
+    assert set(plan.reads) | set(plan.skipped) == set(plan.files) and not set(plan.reads) & set(plan.skipped)
+    read = _counting_reads(monkeypatch)
+    config, model = load_model(path, plan=plan)
+    assert sorted(read) == list(plan.reads) and not multimodal & set(read)
+    assert config.wrapper == family and config.model_type == family and config.image_token_id == IMAGE_TOKEN
+    ours = _params(model)
+    for name, value in hf.state_dict().items():
+        ours_name = name.replace("model.language_model.", "model.").replace("language_model.", "")
+        if not name.startswith(_MULTIMODAL_PREFIXES) and not (config.tie_word_embeddings and ours_name == "lm_head.weight"):
+            np.testing.assert_array_equal(ours.pop(ours_name), value.numpy(), err_msg=name)
+    assert not ours  # every parameter is transformers' language model's
+
+
+def _rename(path, rename):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    save_file({rename(k): v for k, v in tensors.items()}, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _transformers5_layout(name: str) -> str:
+    """A wrapper's tensor name as transformers 5 holds Gemma 3 in memory (``model.language_model.*``)."""
+    for old, new in (("language_model.model.", "model.language_model."), ("language_model.lm_head.", "lm_head."),
+                     ("vision_tower.", "model.vision_tower."), ("vision_model.", "model.vision_model."),
+                     ("multi_modal_projector.", "model.multi_modal_projector.")):  # fmt: skip
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama4"])
+def test_a_wrapper_in_the_transformers_5_layout_loads_the_same_weights(family, tmp_path):
+    hf = hf_model(family)
+    legacy = _save(hf, tmp_path / "legacy")
+    renamed = _save(hf, tmp_path / "renamed")
+    _rename(renamed, _transformers5_layout)
+    assert any(name.startswith("model.language_model.") for name in plan_checkpoint(renamed).reads)
+    _, want = load_model(legacy)
+    _, got = load_model(renamed)
+    for name, value in _params(want).items():
+        np.testing.assert_array_equal(_params(got)[name], value, err_msg=name)
+
+
+def test_qwen3_moe_per_expert_and_fused_experts_load_alike(tmp_path):
+    """transformers 5.17 saves Qwen 3 MoE's experts as one Linear per expert (as published checkpoints hold
+    them): they are stacked into the fused tensors; a checkpoint of fused tensors loads the same weights."""
+    from safetensors.torch import save_file
+
+    hf = hf_model("qwen3_moe")
+    per_expert = _save(hf, tmp_path / "per_expert")
+    plan = plan_checkpoint(per_expert)
+    source = plan.sources["model.layers.0.mlp.experts.gate_up_proj"]
+    assert source.how == "experts" and source.names[:2] == (
+        "model.layers.0.mlp.experts.0.gate_proj.weight", "model.layers.0.mlp.experts.0.up_proj.weight")  # fmt: skip
+    assert plan.sources["model.layers.1.mlp.up_proj.weight"].how == "copy"  # the dense layer (mlp_only_layers)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((per_expert / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, fused / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    assert plan_checkpoint(fused).sources["model.layers.0.mlp.experts.gate_up_proj"].how == "copy"
+    _, a = load_model(per_expert)
+    _, b = load_model(fused)
+    want = {k: v.numpy() for k, v in hf.state_dict().items()}
+    for name, value in _params(a).items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+        np.testing.assert_array_equal(_params(b)[name], want[name], err_msg=name)
+    _rename(per_expert, lambda n: n.replace("experts.3.down_proj", "experts.3.down"))
+    with pytest.raises(ValueError, match=r"lacks the tensors \['model.layers.0.mlp.experts.3.down_proj.weight'"):
+        plan_checkpoint(per_expert)
 
 
 # --- a second call that continues a cached prefix (positions from the cache, not from 0) ---------------
@@ -405,7 +448,7 @@ class _PrefixCache:
 def test_continuation_uses_cache_positions(family, tmp_path):
     """The prompt's first 40 tokens in one call, the next 8 in a second call at positions 40..47: the same
     logits as transformers' 48-token forward (RoPE, Llama 4's temperature tuning and chunks from positions)."""
-    hf = _hf_model(family)
+    hf = hf_model(family)
     _, model = load_model(_save(hf, tmp_path / family))
     tokens = np.random.RandomState(2).randint(3, VOCAB, size=PROMPT_LEN + NEW_TOKENS)
     with torch.no_grad():
@@ -425,7 +468,7 @@ def test_mxfp4_experts_dequantized_as_transformers_does(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    hf = _hf_model("gpt_oss")
+    hf = hf_model("gpt_oss")
     path = _save(hf, tmp_path / "mxfp4")
     tensors = load_file(path / "model.safetensors")
     gen = torch.Generator().manual_seed(0)
@@ -664,7 +707,204 @@ HUB_CONFIGS = {  # config.json files as published (pre-transformers-5 keys), abr
             "vocab_size": 202048,
         },
     ),
+    "gemma-3-27b-it (the wrapper; its text_config leaves out vocab_size and more)": (
+        "Gemma3Config",
+        {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "boi_token_index": 255999,
+            "eoi_token_index": 256000,
+            "eos_token_id": [1, 106],
+            "image_token_index": 262144,
+            "initializer_range": 0.02,
+            "mm_tokens_per_image": 256,
+            "model_type": "gemma3",
+            "text_config": {
+                "head_dim": 128,
+                "hidden_size": 5376,
+                "intermediate_size": 21504,
+                "model_type": "gemma3_text",
+                "num_attention_heads": 32,
+                "num_hidden_layers": 62,
+                "num_key_value_heads": 16,
+                "query_pre_attn_scalar": 168,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 1024,
+            },
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.50.0.dev0",
+            "vision_config": {
+                "hidden_size": 1152,
+                "image_size": 896,
+                "intermediate_size": 4304,
+                "model_type": "siglip_vision_model",
+                "num_attention_heads": 16,
+                "num_hidden_layers": 27,
+                "patch_size": 14,
+                "vision_use_head": False,
+            },
+        },
+    ),
+    "Llama-4-Scout-17B-16E-Instruct (the wrapper)": (
+        "Llama4Config",
+        {
+            "architectures": ["Llama4ForConditionalGeneration"],
+            "boi_token_index": 200080,
+            "eoi_token_index": 200081,
+            "image_token_index": 200092,
+            "model_type": "llama4",
+            "text_config": {
+                "attention_bias": False,
+                "attention_chunk_size": 8192,
+                "attention_dropout": 0.0,
+                "attn_scale": 0.1,
+                "attn_temperature_tuning": 4,
+                "bos_token_id": 200000,
+                "cache_implementation": "hybrid",
+                "eos_token_id": [200001, 200007, 200008],
+                "floor_scale": 8192,
+                "for_llm_compressor": False,
+                "head_dim": 128,
+                "hidden_act": "silu",
+                "hidden_size": 5120,
+                "initializer_range": 0.02,
+                "interleave_moe_layer_step": 1,
+                "intermediate_size": 8192,
+                "intermediate_size_mlp": 16384,
+                "max_position_embeddings": 10485760,
+                "model_type": "llama4_text",
+                "moe_layers": list(range(48)),
+                "no_rope_layers": [1, 1, 1, 0] * 12,
+                "num_attention_heads": 40,
+                "num_experts_per_tok": 1,
+                "num_hidden_layers": 48,
+                "num_key_value_heads": 8,
+                "num_local_experts": 16,
+                "output_router_logits": False,
+                "pad_token_id": 200018,
+                "rms_norm_eps": 1e-05,
+                "rope_scaling": {
+                    "factor": 16.0,
+                    "high_freq_factor": 1.0,
+                    "low_freq_factor": 1.0,
+                    "original_max_position_embeddings": 8192,
+                    "rope_type": "llama3",
+                },
+                "rope_theta": 500000.0,
+                "router_aux_loss_coef": 0.001,
+                "router_jitter_noise": 0.0,
+                "torch_dtype": "bfloat16",
+                "use_cache": True,
+                "use_qk_norm": True,
+                "vocab_size": 202048,
+            },
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.51.0.dev0",
+            "vision_config": {
+                "attention_dropout": 0.0,
+                "hidden_act": "gelu",
+                "hidden_size": 1408,
+                "image_size": 336,
+                "initializer_range": 0.02,
+                "intermediate_size": 5632,
+                "model_type": "llama4_vision_model",
+                "multi_modal_projector_bias": False,
+                "norm_eps": 1e-05,
+                "num_attention_heads": 16,
+                "num_channels": 3,
+                "num_hidden_layers": 34,
+                "patch_size": 14,
+                "pixel_shuffle_ratio": 0.5,
+                "projector_dropout": 0.0,
+                "projector_input_dim": 4096,
+                "projector_output_dim": 4096,
+                "rope_theta": 10000,
+                "vision_feature_layer": -1,
+                "vision_feature_select_strategy": "default",
+                "vision_output_dim": 4096,
+            },
+        },
+    ),
+    "Qwen3-8B": (
+        "Qwen3Config",
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151645,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 12288,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 36,
+            "model_type": "qwen3",
+            "num_attention_heads": 32,
+            "num_hidden_layers": 36,
+            "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.51.0",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": 151936,
+        },
+    ),
+    "Qwen3-30B-A3B": (
+        "Qwen3MoeConfig",
+        {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "decoder_sparse_step": 1,
+            "eos_token_id": 151645,
+            "head_dim": 128,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 6144,
+            "max_position_embeddings": 40960,
+            "max_window_layers": 48,
+            "mlp_only_layers": [],
+            "model_type": "qwen3_moe",
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "num_attention_heads": 32,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 4,
+            "output_router_logits": False,
+            "rms_norm_eps": 1e-06,
+            "rope_scaling": None,
+            "rope_theta": 1000000.0,
+            "router_aux_loss_coef": 0.001,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "transformers_version": "4.51.0",
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": 151936,
+        },
+    ),
 }
+
+
+def _as_transformers_takes_it(config_json: dict) -> dict:
+    """`config_json` for transformers 5.17's config classes, whose strict type checks refuse Llama 4's published
+    ``attn_temperature_tuning: 4`` (an int, as transformers 4.51 wrote it): passed as the bool it means."""
+    text = config_json.get("text_config")
+    if isinstance(text, dict) and type(text.get("attn_temperature_tuning")) is int:
+        return {**config_json, "text_config": {**text, "attn_temperature_tuning": bool(text["attn_temperature_tuning"])}}
+    return config_json
 
 
 @pytest.mark.parametrize("name", list(HUB_CONFIGS))
@@ -672,9 +912,38 @@ def test_hub_config_read_as_transformers_reads_it(name):
     """A published config.json gives the same `ModelConfig` as transformers' normalized `to_dict()` of it."""
     class_name, config_json = HUB_CONFIGS[name]
     ours = ModelConfig.from_hf(config_json)
-    via_transformers = ModelConfig.from_hf(getattr(transformers, class_name)(**config_json).to_dict())
-    assert ours == via_transformers
+    config_class = getattr(transformers, class_name)
+    assert ours == ModelConfig.from_hf(config_class(**_as_transformers_takes_it(config_json)).to_dict())
     assert ours.kv_cache_spec(0, block_size=16, dtype=np.float16).num_kv_heads == ours.num_kv_heads
     if name == "Llama-4-Scout (text_config)":
         assert ours.layer_types[:4] == ("chunked_attention",) * 3 + ("full_attention",)
         assert ours.rope[3] is None and len(ours.moe_layers) == 48
+    if name.startswith("gemma-3-27b-it"):  # the text config class's sizes, the wrapper's EOS and tying
+        assert (ours.model_type, ours.architecture, ours.vocab_size) == ("gemma3", "gemma3_text", 262_208)
+        assert ours.layer_types.count("full_attention") == 10 and ours.layer_types[5] == "full_attention"
+        assert ours.num_layers == 62 and ours.sliding_window == 1024 and ours.max_position_embeddings == 131_072
+        assert ours.rope[5].rope_type == "linear" and ours.rope[5].factor == 8.0 and ours.rope[0].rope_theta == 1e4
+        assert ours.eos_token_ids == (1, 106) and ours.tie_word_embeddings and ours.image_token_id == 262_144
+        assert ours.final_logit_softcapping is None and math.isclose(ours.sm_scale, 168**-0.5)
+    if name.startswith("Llama-4-Scout-17B-16E-Instruct"):
+        assert (ours.model_type, ours.architecture, ours.attention_chunk_size) == ("llama4", "llama4_text", 8192)
+        assert ours.layer_types[:4] == ("chunked_attention",) * 3 + ("full_attention",) and ours.rope[3] is None
+        assert ours.eos_token_ids == (200001, 200007, 200008) and ours.image_token_id == 200_092
+        assert ours.attn_temperature_tuning and not ours.tie_word_embeddings and len(ours.moe_layers) == 48
+    if name == "Qwen3-8B":
+        assert ours.layer_types == ("full_attention",) * 36 and ours.sliding_window is None
+        assert ours.head_dim == 128 and ours.rope[0].rope_theta == 1_000_000.0
+        windows_on = {**config_json, "use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 18}
+        windowed = ModelConfig.from_hf(windows_on)
+        assert windowed == ModelConfig.from_hf(transformers.Qwen3Config(**windows_on).to_dict())
+        assert windowed.layer_types == ("full_attention",) * 18 + ("sliding_attention",) * 18
+    if name == "Qwen3-30B-A3B":
+        assert ours.moe_layers == tuple(range(48)) and (ours.num_experts, ours.num_experts_per_tok) == (128, 8)
+        assert ours.expert_intermediate_size == 768 and ours.norm_topk_prob and ours.head_dim == 128
+
+
+def test_the_readme_table_lists_every_supported_model_type_and_the_family_tests_cover_each():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Supported models", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE) == list(SUPPORTED_ARCHITECTURES)
+    assert sorted(FAMILIES) == sorted(SUPPORTED_ARCHITECTURES)
