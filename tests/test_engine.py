@@ -244,3 +244,17 @@ def test_an_aborted_request_frees_its_blocks_at_once_and_the_others_run_unchange
     assert ids[1] not in outputs and ids[3] not in outputs
     assert engine.manager.num_free_blocks == engine.layout.num_blocks - 1
     assert [o.output_token_ids for o in engine.generate(PROMPTS[:4], sampling)] == want  # it serves on
+
+
+def test_an_image_prompt_is_refused_by_name_and_nothing_compiles():
+    """A multimodal checkpoint is served as text: a prompt holding its image token is refused with
+    NotImplementedError (by `add_request`; `generate` reports it as that prompt's error)."""
+    wrapper = {"model_type": "gemma3", "text_config": FAMILIES["gemma3_text"]().to_dict(), "image_token_index": 90}
+    config = ModelConfig.from_hf(wrapper)
+    engine = Engine(Decoder(config, rngs=nnx.Rngs(0)), config,
+                    EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=32))  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"image token 90 .*model_type='gemma3'.* at positions \[1\]"):
+        engine.add_request([3, 90, 4])
+    outputs = engine.generate([[5, 6, 90]], SamplingParams(max_tokens=2, temperature=0.0))
+    assert "images are not supported" in outputs[0].error and outputs[0].output_token_ids == []
+    assert not engine.runner.compiled and not engine.has_unfinished_requests()
