@@ -46,7 +46,7 @@ GEMMA3_1B = dict(
 )  # fmt: skip
 TINY = dict(GEMMA3_1B, hidden_size=64, intermediate_size=128, num_hidden_layers=6, head_dim=64, vocab_size=512,
             layer_types=GEMMA3_1B["layer_types"][:6])  # --tiny: a dry run of the GPU sections on a CPU
-SHAPES = {  # published text configs (layer pattern, window or chunk, heads, head size)
+SHAPES = {  # published configs (layer pattern, window or chunk, heads, head size)
     "gemma3 1B (5 sliding 512 : 1 full)": GEMMA3_1B,
     "gemma2 2B (1 sliding 4096 : 1 full)": dict(
         model_type="gemma2", vocab_size=256_000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
@@ -72,6 +72,33 @@ SHAPES = {  # published text configs (layer pattern, window or chunk, heads, hea
         no_rope_layers=[1, 1, 1, 0] * 12, rope_theta=500_000.0,
         rope_scaling={"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                       "original_max_position_embeddings": 8192}),  # fmt: skip
+    # the published multimodal wrappers (served as text; their vision_config left out here, never read)
+    "gemma3 27B wrapper (5 sliding 1024 : 1 full)": dict(
+        model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"], boi_token_index=255_999,
+        eoi_token_index=256_000, eos_token_id=[1, 106], image_token_index=262_144, mm_tokens_per_image=256,
+        text_config=dict(
+            head_dim=128, hidden_size=5376, intermediate_size=21_504, model_type="gemma3_text", num_attention_heads=32,
+            num_hidden_layers=62, num_key_value_heads=16, query_pre_attn_scalar=168,
+            rope_scaling={"factor": 8.0, "rope_type": "linear"}, sliding_window=1024)),  # fmt: skip
+    "llama4 Scout 17B-16E-Instruct wrapper (3 chunked 8192 : 1 full)": dict(
+        model_type="llama4", architectures=["Llama4ForConditionalGeneration"], boi_token_index=200_080,
+        eoi_token_index=200_081, image_token_index=200_092, tie_word_embeddings=False,
+        text_config=dict(
+            attention_bias=False, attention_chunk_size=8192, attn_scale=0.1, attn_temperature_tuning=4,
+            bos_token_id=200_000, eos_token_id=[200_001, 200_007, 200_008], floor_scale=8192, head_dim=128,
+            hidden_act="silu", hidden_size=5120, interleave_moe_layer_step=1, intermediate_size=8192,
+            intermediate_size_mlp=16_384, max_position_embeddings=10_485_760, model_type="llama4_text",
+            moe_layers=list(range(48)), no_rope_layers=[1, 1, 1, 0] * 12, num_attention_heads=40,
+            num_experts_per_tok=1, num_hidden_layers=48, num_key_value_heads=8, num_local_experts=16,
+            pad_token_id=200_018, rms_norm_eps=1e-5, rope_theta=500_000.0, use_qk_norm=True, vocab_size=202_048,
+            rope_scaling={"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                          "original_max_position_embeddings": 8192, "rope_type": "llama3"})),  # fmt: skip
+    # Qwen3-8B as published (no window) with windows turned on: sliding 4096 from layer 18 on (Qwen3Config's rule)
+    "qwen3 8B windows on (18 full, then 18 sliding 4096)": dict(
+        model_type="qwen3", vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, hidden_act="silu", tie_word_embeddings=False,
+        use_sliding_window=True, sliding_window=4096, max_window_layers=18),  # fmt: skip
 }
 
 
