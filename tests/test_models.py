@@ -134,7 +134,8 @@ def test_qwen3_windows_and_kv_cache_groups():
     config = ModelConfig.from_hf(_qwen3().to_dict())
     assert config.layer_types == ("full_attention",) * 2 + ("sliding_attention",) * 2 and config.sliding_window == 8
     assert [config.layer_params(i).sliding_window for i in range(4)] == [None, None, 8, 8]
-    layout = KVCacheLayout.for_model(config, block_size=4, max_model_len=64, max_num_batched_tokens=16, dtype=np.float32)
+    layout = KVCacheLayout.for_model(config, block_size=4, max_model_len=64, max_num_batched_tokens=16,
+                                     dtype=np.float32)  # fmt: skip
     layers = {}
     for group in layout.kv_config.kv_cache_groups:
         layers.setdefault(type(group.kv_cache_spec), []).extend(group.layer_names)
@@ -332,7 +333,8 @@ def test_a_wrapper_reads_its_language_model_only(family, max_shard_size, tmp_pat
     ours = _params(model)
     for name, value in hf.state_dict().items():
         ours_name = name.replace("model.language_model.", "model.").replace("language_model.", "")
-        if not name.startswith(_MULTIMODAL_PREFIXES) and not (config.tie_word_embeddings and ours_name == "lm_head.weight"):
+        tied = config.tie_word_embeddings and ours_name == "lm_head.weight"
+        if not name.startswith(_MULTIMODAL_PREFIXES) and not tied:
             np.testing.assert_array_equal(ours.pop(ours_name), value.numpy(), err_msg=name)
     assert not ours  # every parameter is transformers' language model's
 

@@ -330,7 +330,8 @@ class Qwen3MoeMLP(nnx.Module):
         e = self.experts
         gate_up = _ragged(x[rows], jnp.swapaxes(e.gate_up_proj[...].astype(dt), 1, 2), group_sizes)  # [T*k, 2I]
         gate, up = jnp.split(gate_up, 2, axis=-1)
-        out = _ragged(_activation(self.act)(gate) * up, jnp.swapaxes(e.down_proj[...].astype(dt), 1, 2), group_sizes)
+        down = jnp.swapaxes(e.down_proj[...].astype(dt), 1, 2)  # [E, I, D]
+        out = _ragged(_activation(self.act)(gate) * up, down, group_sizes)
         out = out * scores.reshape(-1)[order][:, None]
         return jnp.zeros_like(x).at[rows].add(out.astype(x.dtype))
 

@@ -63,7 +63,7 @@ SUPPORTED_ARCHITECTURES = (
     "qwen3",
     "qwen3_moe",
 )
-"""The transformers ``model_type`` values `read_hf_config` reads: `LANGUAGE_MODEL_TYPES` and `MULTIMODAL_WRAPPERS`."""
+"""The transformers ``model_type`` values `read_hf_config` reads (`LANGUAGE_MODEL_TYPES`, `MULTIMODAL_WRAPPERS`)."""
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """transformers' names of the attention types a layer may have (``layer_types``)."""

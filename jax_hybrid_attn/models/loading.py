@@ -44,8 +44,8 @@ def _combine(source: ParamSource, raw: dict[str, np.ndarray]) -> np.ndarray:
     if source.how == "mxfp4":
         return dequantize_mxfp4(np.asarray(tensors[0]), np.asarray(tensors[1]))
     per = source.parts_per_expert
-    experts = [np.concatenate([np.asarray(t) for t in tensors[e : e + per]], axis=0) for e in range(0, len(tensors), per)]
-    return np.stack(experts)
+    experts = range(0, len(tensors), per)
+    return np.stack([np.concatenate([np.asarray(t) for t in tensors[e : e + per]], axis=0) for e in experts])
 
 
 def load_model(

@@ -62,5 +62,7 @@ def model_line(description: dict) -> str:
             name += f" ({size} {entry[size]})"
         parts.append(f"{name} {len(entry['layers'])}: {_ranges(entry['layers'])}")
     tensors = description["tensors"]
-    weights = "random weights" if tensors is None else f"tensors read {tensors['read']}, skipped {tensors['skipped']}"
+    weights = "random weights"
+    if tensors is not None:
+        weights = f"tensors read {tensors['read']}, skipped {tensors['skipped']}"
     return f"{head}, {description['num_layers']} layers: {'; '.join(parts)}; {weights}"

@@ -117,8 +117,8 @@ class HFTokenizer:
 def load_tokenizer(path: str | os.PathLike | None = None) -> "HFTokenizer | ByteTokenizer":
     """The tokenizer of the checkpoint directory `path`: its ``tokenizer.json`` when present, else (and for
     ``path=None``, the embedded model) a `ByteTokenizer`, which for a checkpoint stops on the checkpoint's own EOS
-    ids (``generation_config.json``, else ``config.json``, a wrapper's ``text_config`` last; none: never). A directory that does not exist is a
-    `ValueError`."""
+    ids (``generation_config.json``, else ``config.json``, a wrapper's ``text_config`` last; none: never). A
+    directory that does not exist is a `ValueError`."""
     if path is None:
         return ByteTokenizer()
     directory = Path(path)
