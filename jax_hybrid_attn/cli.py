@@ -53,20 +53,12 @@ def token_id_lists(text: str) -> list[list[int]]:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jha", description="jax_hybrid_attn: paged attention serving in JAX")
-    commands = parser.add_subparsers(dest="command", required=True)
-    g = commands.add_parser("generate", help="generate text for prompts with the continuous-batching engine")
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and engine options that ``jha generate`` and ``jha serve`` share."""
+    g = parser
     g.add_argument("--model", help="a transformers checkpoint directory (default: the embedded random model)")
-    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    g.add_argument("--prompt-file", help="a file with one prompt per line")
-    g.add_argument("--prompt-token-ids", type=token_id_lists, help="prompts as token ids: '[[1, 2], [3, 4]]'")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--seed", type=int, default=0,
+                   help="the embedded model's random weights, and the seeds of requests that give none")  # fmt: skip
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="the token budget of a step (default: 8192 on a GPU, 512 elsewhere)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=int, default=None,
@@ -84,13 +76,46 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and cache (default: bfloat16 on a GPU, float32 elsewhere)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--warmup", action="store_true",
-                   help="run the batch once first, then time a second run with a cold prefix cache")  # fmt: skip
     g.add_argument("--compilation-cache", metavar="DIR",
                    help="keep compiled steps in DIR (JAX's persistent compilation cache, every entry and XLA's GPU "
                         "autotuning kept): later runs start faster")  # fmt: skip
+
+
+def make_engine_config(args):
+    """The `EngineConfig` of the options `add_engine_arguments` defines."""
+    from .engine import EngineConfig
+
+    return EngineConfig(
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+        kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
+        seed=args.seed, tensor_parallel=args.tensor_parallel,
+        compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
+    )  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .serve import add_serve_arguments
+
+    parser = argparse.ArgumentParser(prog="jha", description="jax_hybrid_attn: paged attention serving in JAX")
+    commands = parser.add_subparsers(dest="command", required=True)
+    g = commands.add_parser("generate", help="generate text for prompts with the continuous-batching engine")
+    add_engine_arguments(g)
+    g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    g.add_argument("--prompt-file", help="a file with one prompt per line")
+    g.add_argument("--prompt-token-ids", type=token_id_lists, help="prompts as token ids: '[[1, 2], [3, 4]]'")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1: off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--warmup", action="store_true",
+                   help="run the batch once first, then time a second run with a cold prefix cache")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object and nothing else on stdout")
     g.add_argument("--no-progress", action="store_true")
+    s = commands.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine (the serve extra)")
+    add_engine_arguments(s)
+    add_serve_arguments(s)
     return parser
 
 
@@ -246,7 +271,7 @@ def generate(args, out=None, err=None) -> dict:
     started = time.perf_counter()
     import jax
 
-    from .engine import Engine, EngineConfig, SamplingParams, lower_ahead
+    from .engine import Engine, SamplingParams, lower_ahead
     from .engine.engine import resolve
     from .models import describe_model, load_tokenizer, model_line, plan_checkpoint
 
@@ -256,13 +281,7 @@ def generate(args, out=None, err=None) -> dict:
         use_compilation_cache(args.compilation_cache)
     startup = {"import": time.perf_counter() - started}
     started = time.perf_counter()
-    engine_config = EngineConfig(
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-        kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed, tensor_parallel=args.tensor_parallel,
-        compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
-    )  # fmt: skip
+    engine_config = make_engine_config(args)
     plan = None if args.model is None else plan_checkpoint(args.model)  # no tensor read yet
     config = model_config(args) if plan is None else plan.config
     tokenizer = load_tokenizer(args.model)
@@ -337,6 +356,14 @@ def main(argv=None) -> int:
             generate(args)
         except (ValueError, NotImplementedError, FileNotFoundError) as error:
             print(f"jha generate: error: {error}", file=sys.stderr)
+            return 2
+    elif args.command == "serve":
+        from .serve import serve
+
+        try:
+            serve(args)
+        except (ValueError, NotImplementedError, FileNotFoundError) as error:
+            print(f"jha serve: error: {error}", file=sys.stderr)
             return 2
     return 0
 

@@ -1,0 +1,99 @@
+"""``jha serve``: the model, the engine, the engine loop and the app from the command line's options
+(`build_server`), and uvicorn serving them (`run`).
+
+The model loads as ``jha generate`` loads it (the same options, `jax_hybrid_attn.cli.add_engine_arguments`); the
+server listens at once and compiles the engine's step shapes on the engine thread (``/health`` says 503 until they
+are), then serves.
+"""
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from ..engine import Engine
+from .app import build_app
+from .chat_template import load_chat_template
+from .engine_loop import EngineLoop
+from .metrics import ServerMetrics
+from .openai_serving import OpenAIServing
+
+__all__ = ["EMBEDDED_MODEL_NAME", "Server", "build_engine", "build_server", "run"]
+
+EMBEDDED_MODEL_NAME = "jha-embedded-hybrid"
+"""The served name of the embedded random-weight model (no ``--model``)."""
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Server:
+    """What ``jha serve`` runs: the FastAPI `app`, its `engine_loop` (started by the app's lifespan), the
+    `serving` endpoints and the `metrics`."""
+
+    app: object
+    engine_loop: EngineLoop
+    serving: OpenAIServing
+    metrics: ServerMetrics
+
+
+def build_engine(args: argparse.Namespace, *, log=sys.stderr) -> tuple[Engine, object]:
+    """(the engine, its tokenizer) of the engine options (as ``jha generate`` builds them); not compiled yet."""
+    import jax
+
+    from ..cli import load, make_engine_config, model_config, model_dtype, nnx_leaves
+    from ..engine import lower_ahead
+    from ..models import describe_model, load_tokenizer, model_line, plan_checkpoint
+
+    if args.compilation_cache:
+        from ..engine.step_cache import use_compilation_cache
+
+        use_compilation_cache(args.compilation_cache)
+    engine_config = make_engine_config(args)
+    plan = None if args.model is None else plan_checkpoint(args.model)
+    config = model_config(args) if plan is None else plan.config
+    tokenizer = load_tokenizer(args.model)
+    print(model_line(describe_model(config, plan=plan)), file=log)
+    lowering = lower_ahead(config, engine_config, dtype=model_dtype(args))  # while the weights load
+    config, model = load(args, plan=plan)
+    jax.block_until_ready(nnx_leaves(model))
+    engine = Engine(model, config, engine_config, eos_token_ids=tokenizer.eos_token_ids, lowering=lowering)
+    return engine, tokenizer
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """``--served-model-name``, else the checkpoint directory's name, else `EMBEDDED_MODEL_NAME`."""
+    if args.served_model_name:
+        return args.served_model_name
+    return EMBEDDED_MODEL_NAME if args.model is None else Path(args.model).resolve().name
+
+
+def build_server(args: argparse.Namespace, *, log=sys.stderr) -> Server:
+    """The server of ``jha serve``'s options; its engine loop starts with the app (or by `EngineLoop.start`)."""
+    if args.max_n < 1:
+        raise ValueError(f"--max-n={args.max_n} must be at least 1")
+    chat_template = load_chat_template(args.model, override=args.chat_template)
+    engine, tokenizer = build_engine(args, log=log)
+    holder: dict = {}
+    metrics = ServerMetrics(snapshot=lambda: holder["loop"].snapshot)
+    engine_loop = holder["loop"] = EngineLoop(engine, observer=metrics)
+    name = served_model_name(args)
+    serving = OpenAIServing(engine_loop, tokenizer=tokenizer, model_name=name, chat_template=chat_template,
+                            max_n=args.max_n)  # fmt: skip
+    if chat_template is None:
+        print(f"{name}: no chat template (/v1/chat/completions answers 400)", file=log)
+    return Server(build_app(serving, metrics=metrics), engine_loop, serving, metrics)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Build the server and serve it with uvicorn on ``--host``:``--port`` until interrupted."""
+    import uvicorn
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port={args.port} must be in [0, 65535]")
+    server = build_server(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    print(f"serving {server.serving.model_name} on http://{args.host}:{args.port}/v1 (GET /health says 200 once "
+          "the engine has compiled)", file=sys.stderr)  # fmt: skip
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)

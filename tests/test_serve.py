@@ -1,0 +1,449 @@
+"""`jha serve`: the OpenAI-compatible server on the engine, driven by the official `openai` client over loopback.
+
+One server for the module (the embedded model, tiny engine sizes, a chat template given on the command line),
+run by uvicorn on a thread of the test process, so that the engine compiles once. Greedy outputs are checked
+against `Engine.generate` on the same engine (what `jha generate` runs), called on the engine thread while no
+request runs. After every test the engine holds no request and every KV block is back in the pool.
+"""
+
+import asyncio
+import io
+import json
+import logging
+import random
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from jax_hybrid_attn.cli import build_parser, main  # noqa: E402
+from jax_hybrid_attn.engine import SamplingParams  # noqa: E402
+from jax_hybrid_attn.models import ByteTokenizer  # noqa: E402
+
+MAX_NUM_SEQS, TOKEN_BUDGET, MAX_MODEL_LEN = 8, 64, 128
+MAX_N = 4
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)  # fmt: skip
+STARTUP_TIMEOUT_S = 240  # loading and compiling on a busy 2-core machine
+REQUEST_TIMEOUT_S = 60
+IDLE_TIMEOUT_S = 30
+FAULT_TEST_BUDGET_S = 20  # the fault test stops sending new requests after this
+WORDS = ["attention", "window", "block", "cache", "token", "layer", "model", "serve", "batch", "paged"]
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(count))
+
+
+class _ErrorRecords(logging.Handler):
+    """Keeps the ERROR records of the server's loggers (a request that failed inside the server)."""
+
+    def __init__(self):
+        super().__init__(level=logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture(scope="module")
+def served():
+    from uvicorn import Config, Server
+
+    from jax_hybrid_attn.serve.server import build_server
+
+    args = build_parser().parse_args(
+        ["serve", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", str(TOKEN_BUDGET),
+         "--max-model-len", str(MAX_MODEL_LEN), "--chat-template", TEMPLATE, "--max-n", str(MAX_N)]
+    )  # fmt: skip
+    server = build_server(args, log=io.StringIO())
+    errors = _ErrorRecords()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "jax_hybrid_attn.serve")]
+    for logger in loggers:
+        logger.addHandler(errors)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uvicorn_server = Server(Config(server.app, log_level="warning", log_config=None, lifespan="on"))
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    health = []
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    with httpx.Client(base_url=base, timeout=REQUEST_TIMEOUT_S) as http:
+        while time.monotonic() < deadline and (not health or health[-1] != 200):
+            try:
+                health.append(http.get("/health").status_code)
+            except httpx.TransportError:  # not listening yet
+                pass
+            time.sleep(0.2)
+    assert health and health[-1] == 200, f"the server did not become healthy: {health[-5:]}"
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+    yield type("Served", (), dict(server=server, base=base, port=port, client=client, health=health,
+                                  errors=errors, name=server.serving.model_name))  # fmt: skip
+    client.close()
+    uvicorn_server.should_exit = True
+    thread.join(timeout=IDLE_TIMEOUT_S)
+    for logger in loggers:
+        logger.removeHandler(errors)
+    assert not thread.is_alive()
+
+
+def idle_engine(served) -> dict:
+    """Once the engine is idle: whether it holds requests, its free and usable blocks, its counters."""
+
+    def look(engine):
+        return dict(unfinished=engine.has_unfinished_requests(), free=engine.manager.num_free_blocks,
+                    usable=engine.layout.num_blocks - 1, steps=engine.stats.steps,
+                    prompt_tokens=engine.stats.prompt_tokens)  # fmt: skip
+
+    return served.server.engine_loop.when_idle(look).result(timeout=IDLE_TIMEOUT_S)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left(request):
+    """After a test that used the server: no request in the engine, every block back in the pool."""
+    yield
+    if "served" not in request.fixturenames:
+        return
+    state = idle_engine(request.getfixturevalue("served"))
+    assert not state["unfinished"] and state["free"] == state["usable"], state
+
+
+def reference(served, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
+    """Greedy tokens of `Engine.generate` on the server's engine (on its thread, while no request runs)."""
+    lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+    sampling = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]
+    outputs = served.server.engine_loop.when_idle(lambda engine: engine.generate(prompts, sampling))
+    return [o.output_token_ids for o in outputs.result(timeout=REQUEST_TIMEOUT_S)]
+
+
+TOKENIZER = ByteTokenizer()
+
+
+def test_text_streams_hold_back_incomplete_characters_and_cut_stop_strings():
+    from jax_hybrid_attn.serve.text import TextStream
+
+    tokens = list("né 😀 ok".encode())  # multi-byte characters split over byte tokens
+    stream = TextStream(TOKENIZER, prompt_token_ids=TOKENIZER.encode("é"))
+    pieces = [stream.add([t]) for t in tokens]
+    assert pieces[:3] == ["n", "", "é"] and "".join(pieces) + stream.finish() == "né 😀 ok"
+    stream = TextStream(TOKENIZER, stop=["😀 o", "zz"])
+    released = stream.add(tokens[:5]) + stream.add(tokens[5:])  # the stop string spans the two calls
+    assert released + stream.finish() == "né " and stream.stopped and stream.num_tokens == len("né 😀 o".encode())
+    assert stream.add([ord("x")]) == "" and stream.text == "né "
+    held = TextStream(TOKENIZER, stop=["abc"])
+    assert held.add(list(b"xxab")) == "xx" and held.add(list(b"d")) == "a"  # the last 2 could start "abc"
+    assert held.finish() == "bd" and not held.stopped
+
+
+def test_health_models_and_metrics(served):
+    assert served.health[0] == 503 and served.health[-1] == 200  # 503 while compiling
+    assert [m.id for m in served.client.models.list().data] == [served.name] == ["jha-embedded-hybrid"]
+    served.client.completions.create(model=served.name, prompt="metrics", max_tokens=3, temperature=0)
+    text = httpx.get(f"{served.base}/metrics").text
+    for name in ("jha:num_requests_running", "jha:num_requests_waiting", "jha:kv_cache_blocks_in_use",
+                 "jha:prefix_cache_hit_rate", "jha:time_to_first_token_seconds_bucket",
+                 "jha:inter_token_latency_seconds_bucket", "jha:num_preemptions_total",
+                 'jha:request_finished_total{finished_reason="length"}'):  # fmt: skip
+        assert name in text, name
+    import prometheus_client
+
+    assert not any(m.name.startswith("jha:") for m in prometheus_client.REGISTRY.collect())  # its own registry
+
+
+def test_completions_equal_engine_generate_whole_and_streamed(served):
+    prompts = ["The capital of France is", "Sliding-window attention keeps only", "def fibonacci(n):"]
+    expected = reference(served, [TOKENIZER.encode(p) for p in prompts], 12)
+    whole = served.client.completions.create(model=served.name, prompt=prompts, max_tokens=12, temperature=0,
+                                             extra_body={"return_token_ids": True})  # fmt: skip
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    for choice, tokens in zip(whole.choices, expected, strict=True):
+        assert choice.token_ids == tokens and choice.text == TOKENIZER.decode(tokens)
+        assert choice.finish_reason == ("length" if len(tokens) == 12 else "stop")
+    prompt_tokens = sum(len(TOKENIZER.encode(p)) for p in prompts)
+    assert whole.usage.prompt_tokens == prompt_tokens and whole.usage.completion_tokens == sum(map(len, expected))
+    for prompt, tokens in zip(prompts, expected, strict=True):
+        chunks = list(served.client.completions.create(model=served.name, prompt=prompt, max_tokens=12,
+                                                       temperature=0, stream=True,
+                                                       stream_options={"include_usage": True}))  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == TOKENIZER.decode(tokens)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
+        assert all(c.usage is None for c in chunks[:-1])
+    # a prompt of token ids, as one list
+    ids = [257, 40, 41, 42]
+    by_ids = served.client.completions.create(model=served.name, prompt=ids, max_tokens=5, temperature=0,
+                                              extra_body={"return_token_ids": True})  # fmt: skip
+    assert by_ids.choices[0].token_ids == reference(served, [ids], 5)[0]
+
+
+def chat_prompt(messages) -> list[int]:
+    """The prompt TEMPLATE renders (no bos_token: the embedded model has no tokenizer_config.json)."""
+    text = ""
+    for m in messages:
+        text += f"<{m['role']}>{m['content']}\n"
+    return TOKENIZER.encode(text + "<assistant>", add_special_tokens=False)
+
+
+def test_chat_whole_and_streamed(served):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    [expected] = reference(served, [chat_prompt(messages)], 10)
+    whole = served.client.chat.completions.create(model=served.name, messages=messages, max_tokens=10,
+                                                  temperature=0)  # fmt: skip
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == TOKENIZER.decode(expected)
+    assert whole.usage.prompt_tokens == len(chat_prompt(messages)) and whole.usage.completion_tokens == len(expected)
+    stream = served.client.chat.completions.create(model=served.name, messages=messages, max_completion_tokens=10,
+                                                   temperature=0, stream=True,
+                                                   stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == TOKENIZER.decode(expected)
+    assert chunks[-1].usage.total_tokens == len(chat_prompt(messages)) + len(expected)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Name "}, {"type": "text", "text": "a prime."}]}]
+    joined = served.client.chat.completions.create(model=served.name, messages=parts, max_tokens=4, temperature=0)
+    assert joined.usage.prompt_tokens == len(chat_prompt([{"role": "user", "content": "Name a prime."}]))
+
+
+def test_chat_templates_from_a_checkpoint_and_none(served, tmp_path):
+    from jax_hybrid_attn.serve.chat_template import load_chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": TEMPLATE, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))  # fmt: skip
+    template = load_chat_template(tmp_path)
+    assert template.render([{"role": "user", "content": "hi"}]) == "<s><user>hi\n<assistant>"
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": "{{ eos_token }}"}],
+         "eos_token": "</s>"}))  # fmt: skip
+    assert load_chat_template(named).render([]) == "</s>"
+    jinja = tmp_path / "jinja"
+    jinja.mkdir()
+    (jinja / "chat_template.jinja").write_text("{{ messages | length }}")
+    assert load_chat_template(jinja).render([{}, {}]) == "2"
+    assert load_chat_template(tmp_path / "jinja" / "..", override="{{ 'over' }}").render([]) == "over"
+    assert load_chat_template(None) is None and load_chat_template(tmp_path / "missing") is None
+
+    # a server whose model has no chat template: chat is a clear 400, completions still serve
+    from jax_hybrid_attn.serve.app import build_app
+    from jax_hybrid_attn.serve.openai_serving import OpenAIServing
+
+    serving = OpenAIServing(served.server.engine_loop, tokenizer=TOKENIZER, model_name="plain", chat_template=None,
+                            max_n=1)  # fmt: skip
+    app = build_app(serving, metrics=served.server.metrics, manage_engine_loop=False)
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://plain") as http:
+            chat = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+            completion = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            return chat, completion
+
+    chat, completion = asyncio.run(ask())
+    assert chat.status_code == 400 and chat.json()["error"]["code"] == "no_chat_template"
+    assert "chat template" in chat.json()["error"]["message"] and chat.json()["error"]["param"] == "messages"
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 2
+
+
+def test_sampling_options(served):
+    client, name = served.client, served.name
+    prompt = "In a hybrid model, full-attention layers"
+    [greedy] = reference(served, [TOKENIZER.encode(prompt)], 16)
+    text = TOKENIZER.decode(greedy)
+    # seeded sampling repeats itself; n choices are indexed, each with its own seed
+    sampled = [client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=1.0, top_p=0.9,
+                                         seed=7, n=3, extra_body={"top_k": 50}) for _ in range(2)]  # fmt: skip
+    assert [c.text for c in sampled[0].choices] == [c.text for c in sampled[1].choices]
+    assert [c.index for c in sampled[0].choices] == [0, 1, 2] and sampled[0].usage.completion_tokens <= 24
+    # a stop string: cut from the text, finish reason stop (streamed and not)
+    start = max(1, len(text) // 2)
+    stop = text[start : start + 2]
+    cut = text[: text.find(stop)]
+    whole = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+    assert whole.choices[0].text == cut and whole.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0, stop=stop,
+                                         stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed) == cut
+    # a stop token: the output ends with it (counted, no text)
+    stop_token = greedy[5]
+    first = greedy.index(stop_token)
+    by_token = client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0,
+                                         extra_body={"stop_token_ids": [stop_token], "return_token_ids": True})  # fmt: skip
+    choice = by_token.choices[0]
+    assert choice.token_ids == greedy[: first + 1] and choice.finish_reason == "stop"
+    assert choice.text == TOKENIZER.decode(greedy[:first]) and by_token.usage.completion_tokens == first + 1
+
+
+def test_32_concurrent_streaming_clients(served):
+    rng = random.Random(32)
+    prompts = [words(rng, rng.randint(1, 4)) for _ in range(32)]
+    expected = reference(served, [TOKENIZER.encode(p) for p in prompts], 10)
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=served.name, prompt=prompt, max_tokens=10, temperature=0,
+                                                 stream=True)  # fmt: skip
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0,
+                                      timeout=REQUEST_TIMEOUT_S) as client:  # fmt: skip
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    texts = asyncio.run(all_at_once())
+    assert texts == [TOKENIZER.decode(t) for t in expected]
+
+
+def aborted(served) -> float:
+    for line in httpx.get(f"{served.base}/metrics").text.splitlines():
+        if line.startswith('jha:request_finished_total{finished_reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_clients_that_disconnect_are_aborted(served):
+    before = aborted(served)
+    long = dict(model=served.name, max_tokens=MAX_MODEL_LEN // 2, temperature=0, extra_body={"ignore_eos": True})
+    streams = [served.client.completions.create(prompt=f"stream {i}", stream=True, **long) for i in range(4)]
+    for stream in streams:  # a few chunks each, then gone
+        for _, _chunk in zip(range(3), stream, strict=False):
+            pass
+        stream.close()
+    chat = served.client.chat.completions.create(messages=[{"role": "user", "content": "bye"}], stream=True, **long)
+    next(iter(chat))
+    chat.close()
+    with pytest.raises(httpx.TimeoutException):  # a whole-response client that gives up
+        httpx.post(f"{served.base}/v1/completions", json={"prompt": "patience", **long}, timeout=0.2)
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while aborted(served) < before + 6 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert aborted(served) == before + 6
+
+
+# A stream the client leaves early: httpx's response generator is finalized by the garbage collector (client side)
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in. <async_generator object Response.aiter_raw:pytest.PytestUnraisableExceptionWarning"
+)
+def test_fault_injection_many_requests_some_disconnect(served):
+    """Requests for ~20 s of CPU, 16 at a time, about 20% closing their stream at a random chunk: every request
+    that completed equals its greedy reference, no server error, no block leaked (checked after each test)."""
+    rng = random.Random(2024)
+    plans = []
+    for i in range(400):
+        plans.append(dict(prompt=f"{i} {words(rng, rng.randint(1, 5))}", max_tokens=rng.randint(2, 16),
+                          stream=rng.random() < 0.8, drop_after=rng.randint(0, 8) if rng.random() < 0.2 else None))  # fmt: skip
+    done: dict[int, str] = {}
+    dropped = []
+    failures = []
+    errors_before = len(served.errors.records)
+
+    async def one(client, index, plan, limit, started):
+        async with limit:
+            if time.monotonic() - started > FAULT_TEST_BUDGET_S:
+                return
+            try:
+                options = dict(model=served.name, prompt=plan["prompt"], max_tokens=plan["max_tokens"], temperature=0)
+                if plan["drop_after"] is not None:
+                    async with await client.completions.create(stream=True, **options) as stream:
+                        count = 0
+                        async for _ in stream:
+                            count += 1
+                            if count > plan["drop_after"]:
+                                break
+                    dropped.append(index)
+                elif plan["stream"]:
+                    stream = await client.completions.create(stream=True, **options)
+                    done[index] = "".join([c.choices[0].text async for c in stream])
+                else:
+                    done[index] = (await client.completions.create(**options)).choices[0].text
+            except Exception as error:  # noqa: BLE001 - every failure is reported below
+                failures.append((index, repr(error)))
+
+    async def run_all():
+        limit = asyncio.Semaphore(16)
+        started = time.monotonic()
+        async with openai.AsyncOpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0,
+                                      timeout=REQUEST_TIMEOUT_S) as client:  # fmt: skip
+            await asyncio.gather(*(one(client, i, p, limit, started) for i, p in enumerate(plans)))
+
+    asyncio.run(run_all())
+    assert not failures, failures[:5]
+    assert len(done) >= 50 and len(dropped) >= 10, (len(done), len(dropped))
+    assert len(served.errors.records) == errors_before, [r.getMessage() for r in served.errors.records[-3:]]
+    indices = sorted(done)
+    expected = reference(served, [TOKENIZER.encode(plans[i]["prompt"]) for i in indices],
+                         [plans[i]["max_tokens"] for i in indices])  # fmt: skip
+    assert [done[i] for i in indices] == [TOKENIZER.decode(t) for t in expected]
+
+
+BAD_COMPLETIONS = [  # (body, status, the field the message names)
+    ('{"prompt": "x", "max_tokens": 2', 400, None),  # malformed JSON
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": {"text": "x"}}, 400, "prompt"),
+    ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"prompt": "x" * (MAX_MODEL_LEN + 5)}, 400, "prompt"),
+    ({"prompt": "x" * 100, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ({"prompt": [257, 40, ByteTokenizer.vocab_size]}, 400, "prompt"),
+    ({"prompt": [[257, 40], [-1]]}, 400, "prompt"),
+    ({"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    ({"prompt": "x", "n": MAX_N + 1}, 400, "n"),
+    ({"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "x", "stop_token_ids": [ByteTokenizer.vocab_size + 1]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ({"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+]
+BAD_CHATS = [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "other"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize(
+    "route, body, status, field",
+    [("/v1/completions", *case) for case in BAD_COMPLETIONS] + [("/v1/chat/completions", *case) for case in BAD_CHATS],
+)
+def test_bad_requests_are_openai_errors_that_change_nothing(served, route, body, status, field):
+    before = idle_engine(served)
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{served.base}{route}", content=content, headers={"Content-Type": "application/json"},
+                          timeout=REQUEST_TIMEOUT_S)  # fmt: skip
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    if field is None:
+        assert "JSON" in error["message"]
+    else:
+        assert error["message"].startswith(field) and error["param"].split(".")[0] == field, error
+    assert idle_engine(served) == before  # no step ran, no request was added
+
+
+def test_the_cli_refuses_bad_server_options(capsys):
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "--port=70000" in capsys.readouterr().err
+    assert main(["serve", "--chat-template", "no-such-template-file"]) == 2
+    assert "--chat-template='no-such-template-file'" in capsys.readouterr().err
+
+
+def test_the_core_and_the_cli_import_no_server_package():
+    import subprocess
+    import sys
+
+    code = ("import sys, jax_hybrid_attn, jax_hybrid_attn.cli; jax_hybrid_attn.cli.build_parser(); "
+            "print(sorted({'fastapi', 'uvicorn', 'jinja2', 'prometheus_client'} & set(sys.modules)))")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
