@@ -1,0 +1,247 @@
+"""`jha serve` under load, like `vllm bench serve`: clients stream completions from a server in another process,
+then `Engine.generate` runs the same prompts in this process for the tokens/s beside it.
+
+Run from the repository root:  PYTHONPATH=. python benchmarks/serve_load.py [--tiny] [--request-rate 16]
+
+  1. the checkpoint: `--model DIR`, or (as benchmarks/startup.py writes it) a Gemma-3-1B-shaped transformers
+     checkpoint with random bf16 weights (`--tiny`: the small shape of benchmarks/serving.py, for a CPU dry run);
+     the prompts are startup.py's text prompts (`--num-prompts` of 128-1,023 bytes; tiny: 16-63);
+  2. `jha serve` starts as a subprocess on 127.0.0.1 with the engine flags of startup.py's newcomer command
+     (tiny: small sizes), and the clock starts once ``/health`` says 200 (its startup is reported apart);
+  3. `--num-prompts` streaming requests (greedy, `--max-tokens` each, EOS ignored) are sent at `--request-rate`
+     per second with Poisson arrivals (seeded), or all at once (``inf``, the default), at most
+     `--max-concurrency` in flight; each records its time to first token, the gaps between its chunks (one
+     chunk per token) and its end-to-end latency;
+  4. the server's /metrics (preemptions, prefix-cache hit rate) is read and the server stopped;
+  5. `Engine.generate` on the same prompts, with the same engine flags, in this process (a warm run after one
+     that compiles); its greedy text is compared with the server's.
+
+Prints one line per measurement and a table last: request throughput, output tokens/s, total tokens/s, TTFT, ITL
+and end-to-end latency (p50, p90, p99, in ms), and the engine's own tokens/s on the same prompts.
+"""
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from startup import NEWCOMER_FLAGS, write_checkpoint, write_prompts
+
+from serving import GEMMA3_1B, TINY
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_TOKENS = 64
+PROMPT_BYTES = (128, 1024)
+TINY_PROMPT_BYTES = (16, 64)
+TINY_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "256"]
+HEALTH_TIMEOUT_S = 1800  # a cold compile on a busy machine
+HEALTH_POLL_S = 0.5
+REQUEST_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 60
+PERCENTILES = (50, 90, 99)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model_dir: str, flags: list[str], *, port: int, log_path: str) -> tuple[subprocess.Popen, float]:
+    """`jha serve` in a subprocess; returns it once /health says 200, with the seconds that took."""
+    import httpx
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "jax_hybrid_attn", "serve", "--model", model_dir, "--port", str(port),
+               "--log-level", "warning", *flags]  # fmt: skip
+    started = time.perf_counter()
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes it until it stops
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    while time.perf_counter() - started < HEALTH_TIMEOUT_S:
+        if process.poll() is not None:
+            raise RuntimeError(f"jha serve exited ({process.returncode}):\n{Path(log_path).read_text()[-4000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return process, time.perf_counter() - started
+        except httpx.TransportError:
+            pass
+        time.sleep(HEALTH_POLL_S)
+    stop_server(process)
+    raise RuntimeError(f"jha serve was not healthy after {HEALTH_TIMEOUT_S} s")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+async def one_request(client, prompt: str, *, model: str, max_tokens: int) -> dict:
+    """One streaming completion: its text, output tokens, TTFT, chunk gaps and end-to-end latency (seconds)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    started = time.perf_counter()
+    times, text, usage = [], [], None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            return {"error": f"{response.status_code}: {(await response.aread()).decode()[:200]}"}
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if chunk["choices"]:
+                times.append(time.perf_counter())
+                text.append(chunk["choices"][0]["text"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    end = time.perf_counter()
+    return {"text": "".join(text), "output_tokens": usage["completion_tokens"] if usage else len(times),
+            "ttft": times[0] - started if times else None, "itl": list(np.diff(times)), "e2e": end - started}  # fmt: skip
+
+
+async def run_load(base: str, prompts: list[str], *, model: str, max_tokens: int, rate: float,
+                   max_concurrency: int | None, seed: int) -> tuple[list[dict], float]:  # fmt: skip
+    """Send every prompt (Poisson arrivals at `rate` per second, or all at once for inf); (results, wall s)."""
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    gaps = np.zeros(len(prompts)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(prompts))
+    limit = asyncio.Semaphore(max_concurrency or len(prompts))
+    limits = httpx.Limits(max_connections=max_concurrency or len(prompts), max_keepalive_connections=None)
+
+    async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+
+        async def limited(prompt):
+            async with limit:
+                return await one_request(client, prompt, model=model, max_tokens=max_tokens)
+
+        started = time.perf_counter()
+        tasks = []
+        for prompt, gap in zip(prompts, gaps, strict=True):
+            if gap:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(prompt)))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - started
+
+
+def scrape(base: str) -> dict[str, float]:
+    import httpx
+
+    values = {}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def ms(values) -> str:
+    if not len(values):
+        return "-"
+    return " / ".join(f"{np.percentile(values, p) * 1e3:.1f}" for p in PERCENTILES)
+
+
+def engine_generate(model_dir: str, flags: list[str], prompts: list[str], *, max_tokens: int) -> dict:
+    """`Engine.generate` on the prompts with the server's engine flags, warm (a first run compiles)."""
+    from jax_hybrid_attn.cli import build_parser
+    from jax_hybrid_attn.engine import SamplingParams
+    from jax_hybrid_attn.serve.server import build_engine
+
+    args = build_parser().parse_args(["serve", "--model", model_dir, *flags])
+    engine, tokenizer = build_engine(args, log=sys.stderr)
+    token_lists = [tokenizer.encode(p) for p in prompts]
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(token_lists, sampling)  # compiles every step shape, warms nothing else up
+    engine.reset()
+    started = time.perf_counter()
+    outputs = engine.generate(token_lists, sampling)
+    seconds = time.perf_counter() - started
+    return {"seconds": seconds, "texts": [tokenizer.decode(o.output_token_ids) for o in outputs],
+            "output_tokens": sum(len(o.output_token_ids) for o in outputs),
+            "prompt_tokens": sum(map(len, token_lists))}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a dry run on a small model (CPU)")
+    parser.add_argument("--model", help="a checkpoint directory (default: write the Gemma-3-1B-shaped one)")
+    parser.add_argument("--num-prompts", type=int, default=None, help="default: 256 (tiny: 16)")
+    parser.add_argument("--max-tokens", type=int, default=None, help=f"default: {MAX_TOKENS} (tiny: 8)")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default: inf)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compilation-cache", metavar="DIR", help="passed to the server and to the engine")
+    parser.add_argument("--engine-flags", default=None,
+                        help="the engine flags of both runs (default: startup.py's newcomer flags; tiny: small sizes)")  # fmt: skip
+    args = parser.parse_args()
+    if args.request_rate <= 0:
+        raise SystemExit(f"--request-rate={args.request_rate} must be > 0 (inf: all at once)")
+    num_prompts = args.num_prompts or (16 if args.tiny else 256)
+    max_tokens = args.max_tokens or (8 if args.tiny else MAX_TOKENS)
+    flags = (args.engine_flags.split() if args.engine_flags is not None
+             else list(TINY_FLAGS if args.tiny else NEWCOMER_FLAGS))  # fmt: skip
+    if args.compilation_cache:
+        flags += ["--compilation-cache", args.compilation_cache]
+    rows = []
+
+    def record(line: str) -> None:
+        print(line, flush=True)
+        rows.append(line)
+
+    with tempfile.TemporaryDirectory() as work:
+        model_dir = args.model or os.path.join(work, "model")
+        if args.model is None:
+            write_checkpoint(model_dir, TINY if args.tiny else GEMMA3_1B)
+        prompt_file = os.path.join(work, "prompts.txt")
+        write_prompts(prompt_file, num_prompts=num_prompts, lengths=TINY_PROMPT_BYTES if args.tiny else PROMPT_BYTES)
+        prompts = Path(prompt_file).read_text().splitlines()
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        process, startup = start_server(model_dir, flags, port=port, log_path=os.path.join(work, "server.log"))
+        try:
+            record(f"jha serve {' '.join(flags)} | healthy after {startup:.1f} s")
+            results, wall = asyncio.run(run_load(base, prompts, model=Path(model_dir).resolve().name,
+                                                 max_tokens=max_tokens, rate=args.request_rate,
+                                                 max_concurrency=args.max_concurrency, seed=args.seed))  # fmt: skip
+            metrics = scrape(base)
+        finally:
+            stop_server(process)  # the device is free for the engine alone
+        direct = engine_generate(model_dir, flags, prompts, max_tokens=max_tokens)
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    output_tokens = sum(r["output_tokens"] for r in ok)
+    prompt_tokens = direct["prompt_tokens"]
+    record(f"load | {len(prompts)} requests at rate {args.request_rate}/s (max concurrency "
+           f"{args.max_concurrency or 'none'}), {max_tokens} greedy tokens each | {len(ok)} ok, {len(errors)} failed"
+           + (f": {errors[0]}" if errors else ""))  # fmt: skip
+    record(f"server | {wall:.2f} s | {len(ok) / wall:.2f} req/s | output {output_tokens / wall:,.0f} tok/s | total "
+           f"{(prompt_tokens + output_tokens) / wall:,.0f} tok/s | preemptions "
+           f"{metrics.get('jha:num_preemptions_total', 0):.0f} | prefix-cache hit rate "
+           f"{metrics.get('jha:prefix_cache_hit_rate', 0):.1%}")  # fmt: skip
+    record(f"server latency ms p50/p90/p99 | TTFT {ms([r['ttft'] for r in ok if r['ttft'] is not None])} | "
+           f"ITL {ms([g for r in ok for g in r['itl']])} | E2E {ms([r['e2e'] for r in ok])}")  # fmt: skip
+    same = sum(r.get("text") == t for r, t in zip(results, direct["texts"], strict=True))
+    record(f"Engine.generate, same prompts, warm | {direct['seconds']:.2f} s | output "
+           f"{direct['output_tokens'] / direct['seconds']:,.0f} tok/s | total "
+           f"{(prompt_tokens + direct['output_tokens']) / direct['seconds']:,.0f} tok/s | the server's output tok/s "
+           f"{output_tokens / wall / (direct['output_tokens'] / direct['seconds']):.0%} of it | greedy text equal "
+           f"{same}/{len(results)}")  # fmt: skip
+    print("\n| measurement |\n|---|")
+    for line in rows:
+        print(f"| {line} |")
+
+
+if __name__ == "__main__":
+    main()
