@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from startup import NEWCOMER_FLAGS, write_checkpoint, write_prompts
-
 from serving import GEMMA3_1B, TINY
+from startup import NEWCOMER_FLAGS, write_checkpoint, write_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 64

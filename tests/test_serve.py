@@ -22,9 +22,9 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from jax_hybrid_attn.cli import build_parser, main  # noqa: E402
-from jax_hybrid_attn.engine import SamplingParams  # noqa: E402
-from jax_hybrid_attn.models import ByteTokenizer  # noqa: E402
+from jax_hybrid_attn.cli import build_parser, main
+from jax_hybrid_attn.engine import SamplingParams
+from jax_hybrid_attn.models import ByteTokenizer
 
 MAX_NUM_SEQS, TOKEN_BUDGET, MAX_MODEL_LEN = 8, 64, 128
 MAX_N = 4
@@ -447,3 +447,58 @@ def test_the_core_and_the_cli_import_no_server_package():
             "print(sorted({'fastapi', 'uvicorn', 'jinja2', 'prometheus_client'} & set(sys.modules)))")  # fmt: skip
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+class _FailingEngine:
+    """Just enough of an `Engine` for the engine loop: compiled, takes requests, fails at its first step."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from jax_hybrid_attn.engine import EngineStats
+        from jax_hybrid_attn.models import embedded_config
+
+        self.stats, self.model_config, self.max_model_len = EngineStats(), embedded_config(), 16
+        self.layout, self.runner = SimpleNamespace(num_blocks=4), SimpleNamespace(compiled=True)
+        self.scheduler, self.manager = SimpleNamespace(running=[], waiting=[]), SimpleNamespace(num_free_blocks=3)
+        self.request_ids = []
+
+    def has_unfinished_requests(self):
+        return bool(self.request_ids)
+
+    def add_request(self, prompt_token_ids, sampling, *, request_id):
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must be a non-empty flat sequence of ints")
+        self.request_ids.append(request_id)
+
+    def step(self, on_token=None):
+        raise RuntimeError("the device is gone")
+
+
+def test_an_engine_that_fails_fails_its_requests_and_its_health_check():
+    from jax_hybrid_attn.serve.app import build_app
+    from jax_hybrid_attn.serve.engine_loop import EngineLoop, EngineRequest
+    from jax_hybrid_attn.serve.metrics import ServerMetrics
+    from jax_hybrid_attn.serve.openai_serving import OpenAIServing
+
+    engine_loop = EngineLoop(_FailingEngine())
+    metrics = ServerMetrics(snapshot=lambda: engine_loop.snapshot)
+    serving = OpenAIServing(engine_loop, tokenizer=TOKENIZER, model_name="failing", chat_template=None, max_n=1)
+    app = build_app(serving, metrics=metrics, manage_engine_loop=False)
+    engine_loop.start()
+    assert engine_loop.ready.wait(IDLE_TIMEOUT_S)
+
+    async def run():
+        events = asyncio.Queue()
+        engine_loop.submit([EngineRequest("empty", [], SamplingParams()), EngineRequest("ok", [1], SamplingParams())],
+                           events)  # fmt: skip
+        received = [await asyncio.wait_for(events.get(), IDLE_TIMEOUT_S) for _ in range(2)]
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://failing") as http:
+            return received, await http.get("/health"), await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+
+    (refused, failed), health, completion = asyncio.run(run())
+    assert refused.status == 400 and "non-empty" in refused.error  # the engine refused it: the client's error
+    assert failed.status == 500 and "the device is gone" in failed.error
+    assert isinstance(engine_loop.error, RuntimeError) and not engine_loop.healthy
+    assert health.status_code == 503 and "the device is gone" in health.json()["error"]["message"]
+    assert completion.status_code == 503 and "not running" in completion.json()["error"]["message"]

@@ -14,6 +14,7 @@ aborted in the engine.
 import asyncio
 import contextlib
 import http
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -23,9 +24,17 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine_loop import EngineLoop
-from .errors import INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, UNAVAILABLE, APIError, error_body, validation_error
+from .errors import (
+    INVALID_REQUEST,
+    NOT_FOUND,
+    SERVER_ERROR,
+    UNAVAILABLE,
+    APIError,
+    error_body,
+    validation_error,
+)
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .openai_serving import OpenAIServing
+from .openai_serving import DONE, OpenAIServing
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 __all__ = ["build_app"]
@@ -38,9 +47,13 @@ CLIENT_CLOSED_REQUEST = 499
 
 class EventStream(StreamingResponse):
     """Server-sent events whose generator is closed however the response ends (a client that disconnects
-    included), so that the engine requests behind it are aborted at once."""
+    included), so that the engine requests behind it are aborted at once. An `APIError` after the stream began
+    (the engine failed) is sent as one last event, ``data: {"error": ...}``, before ``data: [DONE]``."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, events):
+        super().__init__(_with_error_event(events))
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -120,6 +133,16 @@ def build_app(serving: OpenAIServing, *, metrics: ServerMetrics, manage_engine_l
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+async def _with_error_event(events):
+    async with contextlib.aclosing(events):
+        try:
+            async for event in events:
+                yield event
+        except APIError as error:
+            yield f"data: {json.dumps(error.body())}\n\n"
+            yield DONE
 
 
 async def _parse[M: BaseModel](request: Request, model: type[M]) -> M:

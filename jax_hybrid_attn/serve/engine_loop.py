@@ -291,7 +291,7 @@ class EngineLoop:
             return
         try:
             waiter.future.set_result(waiter.fn(self.engine))
-        except BaseException as error:  # the caller's function: its error is the caller's
+        except Exception as error:  # noqa: BLE001 - the caller's function: its error is the caller's
             waiter.future.set_exception(error)
 
     def _observe_tokens(self, tracked: _Tracked, count: int, now: float) -> None:

@@ -78,15 +78,15 @@ class _EngineCollector(Collector):
     def collect(self):
         s = self._snapshot()
         stats = s.stats
+        usage = s.blocks_in_use / s.usable_blocks if s.usable_blocks else 0.0
+        hit_rate = stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0
         gauges = {
             "num_requests_running": ("Requests admitted by the engine (holding a request slot).", s.running),
             "num_requests_waiting": ("Requests queued for a request slot.", s.waiting),
             "kv_cache_blocks_in_use": ("KV-cache blocks in use.", s.blocks_in_use),
             "kv_cache_blocks_total": ("KV-cache blocks in the pool (the null block left out).", s.usable_blocks),
-            "kv_cache_usage_perc": ("KV-cache usage: blocks in use over the pool, 0 to 1.",
-                                    s.blocks_in_use / s.usable_blocks if s.usable_blocks else 0.0),  # fmt: skip
-            "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache over prompt tokens.",
-                                      stats.cached_prompt_tokens / stats.prompt_tokens if stats.prompt_tokens else 0.0),  # fmt: skip
+            "kv_cache_usage_perc": ("KV-cache usage: blocks in use over the pool, 0 to 1.", usage),
+            "prefix_cache_hit_rate": ("Prompt tokens served from the prefix cache over prompt tokens.", hit_rate),
         }
         for name, (documentation, value) in gauges.items():
             yield GaugeMetricFamily(f"{PREFIX}{name}", documentation, value=value)

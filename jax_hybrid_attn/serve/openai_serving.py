@@ -42,13 +42,14 @@ from .protocol import (
 )
 from .text import TextStream
 
-__all__ = ["MAX_PROMPTS", "OpenAIServing", "sse"]
+__all__ = ["DONE", "MAX_PROMPTS", "OpenAIServing", "sse"]
 
 MAX_PROMPTS = 256
 """The most prompts one completion request may hold."""
 DEFAULT_TEMPERATURE = 1.0
 """OpenAI's default temperature (``jha generate``'s is 0: greedy)."""
 DONE = "data: [DONE]\n\n"
+"""The last server-sent event of a stream."""
 
 
 def sse(payload: BaseModel) -> str:
