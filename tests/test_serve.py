@@ -145,6 +145,28 @@ def test_text_streams_hold_back_incomplete_characters_and_cut_stop_strings():
     assert held.finish() == "bd" and not held.stopped
 
 
+def test_text_streams_of_a_tokenizer_json_match_its_decode(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jax_hybrid_attn.models import HFTokenizer
+    from jax_hybrid_attn.serve.text import TextStream
+
+    vocab = {"<eos>": 0, "<unk>": 1, "hello": 2, "world": 3, "again": 4}
+    words_only = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words_only.pre_tokenizer = pre_tokenizers.Whitespace()
+    words_only.add_special_tokens(["<eos>"])
+    words_only.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path)
+    output = [2, 3, 4, 2, 3, 0]
+    prompt = [4, 4]
+    stream = TextStream(tokenizer, prompt_token_ids=prompt)
+    pieces = [stream.add([t]) for t in output]
+    # the text that follows the prompt's (its first word's space included, as vLLM gives it)
+    assert pieces[:2] == [" hello", " world"] and pieces[-1] == ""  # the end-of-sequence token adds no text
+    continuation = tokenizer.decode(prompt + output)[len(tokenizer.decode(prompt)) :]
+    assert "".join(pieces) + stream.finish() == continuation == " hello world again hello world"
+
+
 def test_health_models_and_metrics(served):
     assert served.health[0] == 503 and served.health[-1] == 200  # 503 while compiling
     assert [m.id for m in served.client.models.list().data] == [served.name] == ["jha-embedded-hybrid"]

@@ -2,7 +2,8 @@
 
 Each new token's text is the difference between decoding a short window of tokens with and without it (the
 window starts a few tokens back, in the prompt at first, so that tokenizers whose first token loses its leading
-space decode the output's first token as they would mid-text). Decoding more bytes can change only a trailing
+space decode the output's first token as they would mid-text: the text is what follows the prompt's, as vLLM
+gives it). Decoding more bytes can change only a trailing
 U+FFFD (an incomplete UTF-8 sequence that the next tokens may complete): that one character is held back until
 a token follows it, so the text released is always a prefix of the whole output's decoded text.
 
