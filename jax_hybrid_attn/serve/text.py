@@ -1,11 +1,11 @@
 """Tokens to text as they arrive (`TextStream`): incremental detokenization and stop strings.
 
-Each new token's text is the difference between decoding a short window of tokens with and without it (the
+Each new token's text is the difference between decoding a short window of tokens with and without it. The
 window starts a few tokens back, in the prompt at first, so that tokenizers whose first token loses its leading
 space decode the output's first token as they would mid-text: the text is what follows the prompt's, as vLLM
-gives it). Decoding more bytes can change only a trailing
-U+FFFD (an incomplete UTF-8 sequence that the next tokens may complete): that one character is held back until
-a token follows it, so the text released is always a prefix of the whole output's decoded text.
+gives it. Decoding more bytes can change only a trailing U+FFFD (an incomplete UTF-8 sequence that the next
+tokens may complete): that one character is held back until a token follows it, so what is released never
+changes later.
 
 Stop strings: text is released only once no stop string can start in it; when one appears, the text is cut
 before it (the stop string is not part of the output) and the stream stops.
