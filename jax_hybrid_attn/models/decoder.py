@@ -3,7 +3,8 @@
 One `Decoder` class reads its `ModelConfig` for what differs between families (norm placement and dtype
 casts, q/k norms, RoPE layout and per-layer bases, sinks, biases, dense or MoE MLPs, soft caps). Its
 parameters carry transformers' names and layouts (``model.layers.3.self_attn.q_proj.weight``, a Linear's
-weight ``[out, in]``), so that loading a checkpoint is one name-for-name copy (`loading.py`).
+weight ``[out, in]``), so that loading a checkpoint is one name-for-name copy (`loading.py`). The shared blocks
+(Linear, RMSNorm, the gated MLP) are in `layers`, the mixture-of-experts MLPs in `moe`.
 
 Each layer calls ``cache.attend(layer, q, k, v, params=config.layer_params(layer), sinks=...)`` once; RoPE
 uses ``cache.positions``. `Decoder.__call__` runs the layers as a Python loop; the serving engine runs them as
@@ -24,73 +25,16 @@ from jaxtyping import Array, Float, Int
 
 from .attention_cache import AttentionCache
 from .config import ModelConfig
+from .layers import GatedMLP, Linear, RMSNorm, matmul, normal_param
+from .moe import GptOssMLP, Llama4MoE, Qwen3MoeMLP
 from .rope import RopeParameters, apply_rope
 
 __all__ = ["Decoder", "DecoderEnds"]
-
-_PRECISION = jax.lax.Precision.HIGHEST
-"""float32 products at full precision on every backend (a GPU would use TF32 otherwise); bf16 is unaffected."""
-
-_INIT_STD = 0.02
-"""transformers' `initializer_range` default: the random weights' standard deviation."""
-
-
-def _normal(rngs: nnx.Rngs, shape, param_dtype) -> nnx.Param:
-    return nnx.Param(
-        jax.random.normal(rngs.params(), shape, param_dtype) * jnp.asarray(_INIT_STD, param_dtype)
-    )
-
-
-def _matmul(x, w_t):
-    """``x @ w_t`` at full float32 precision."""
-    return jnp.matmul(x, w_t, precision=_PRECISION)
 
 
 @functools.cache
 def _inv_freq(rope: RopeParameters, head_dim: int) -> tuple[np.ndarray, float]:
     return rope.inv_freq(head_dim)
-
-
-class Linear(nnx.Module):
-    """``x @ weight.T + bias`` with transformers' ``[out, in]`` weight."""
-
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, rngs, dtype, param_dtype):
-        self.weight = _normal(rngs, (out_features, in_features), param_dtype)
-        self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
-        self.dtype = dtype
-
-    def __call__(self, x):
-        y = _matmul(x, self.weight[...].astype(self.dtype).T)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return y
-
-
-class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis, with each family's weight form and dtype casts.
-
-    style "llama" (Mistral, Llama 4): ``w * normed(x_f32).astype(dtype)``;
-    style "gemma": ``(normed(x_f32) * (1 + w_f32)).astype(dtype)`` (weights initialised at 0);
-    style "f32": gpt-oss, ``(w * normed(x_f32)).astype(dtype)``, the weight stored in float32 whatever
-    `param_dtype` (transformers keeps these norms in float32)."""
-
-    def __init__(self, dim: int, *, eps: float, style: str, param_dtype):
-        init = jnp.zeros if style == "gemma" else jnp.ones
-        if style == "f32":  # gpt-oss keeps its norms in float32 (transformers' _keep_in_fp32_modules)
-            param_dtype = jnp.float32
-        self.weight = nnx.Param(init((dim,), param_dtype))
-        self.eps = eps
-        self.style = style
-
-    def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        w = self.weight[...]
-        if self.style == "gemma":
-            return (normed * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
-        if self.style == "f32":
-            return (w * normed).astype(x.dtype)
-        return w.astype(x.dtype) * normed.astype(x.dtype)
 
 
 def _l2_norm(x, eps: float):
@@ -99,15 +43,9 @@ def _l2_norm(x, eps: float):
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-def _activation(name: str):
-    if name == "silu":
-        return jax.nn.silu
-    return functools.partial(jax.nn.gelu, approximate=True)  # gelu_pytorch_tanh
-
-
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, hidden_size: int, *, rngs, param_dtype):
-        self.weight = _normal(rngs, (vocab_size, hidden_size), param_dtype)
+        self.weight = normal_param(rngs, (vocab_size, hidden_size), param_dtype)
 
 
 _QK_NORM_STYLES = {"gemma3_text": "gemma", "qwen3": "llama", "qwen3_moe": "llama"}
@@ -135,7 +73,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = None
             self.k_norm = None
-        self.sinks = _normal(rngs, (n,), param_dtype) if config.layer_has_sinks(layer) else None
+        self.sinks = normal_param(rngs, (n,), param_dtype) if config.layer_has_sinks(layer) else None
         self.layer = layer
         self.config = config
 
@@ -165,175 +103,6 @@ class Attention(nnx.Module):
         sinks = None if self.sinks is None else self.sinks[...]
         out, cache = cache.attend(layer, q, k, v, params=config.layer_params(layer), sinks=sinks)
         return self.o_proj(out.reshape(num_tokens, config.num_heads * h).astype(x.dtype)), cache
-
-
-class GatedMLP(nnx.Module):
-    """``down(act(gate(x)) * up(x))``."""
-
-    def __init__(self, config: ModelConfig, intermediate_size: int, *, rngs, dtype, param_dtype):
-        d = config.hidden_size
-        common = dict(bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.gate_proj = Linear(d, intermediate_size, **common)
-        self.up_proj = Linear(d, intermediate_size, **common)
-        self.down_proj = Linear(intermediate_size, d, **common)
-        self.act = config.hidden_act
-
-    def __call__(self, x):
-        return self.down_proj(_activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _grouped(expert_ids, num_experts: int):
-    """The token-expert pairs sorted by expert: the order, each pair's token row, and the group sizes."""
-    flat = expert_ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    return order, flat[order], group_sizes
-
-
-def _ragged(lhs, rhs, group_sizes):
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=_PRECISION)
-
-
-class GptOssRouter(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
-        self.weight = _normal(rngs, (config.num_experts, config.hidden_size), param_dtype)
-        self.bias = _normal(rngs, (config.num_experts,), param_dtype)
-
-
-class GptOssExperts(nnx.Module):
-    """Experts with interleaved ``gate_up_proj [E, D, 2I]`` (gate at even columns), biases, clamped SwiGLU."""
-
-    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
-        e, d, i = config.num_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = _normal(rngs, (e, d, 2 * i), param_dtype)
-        self.gate_up_proj_bias = nnx.Param(jnp.zeros((e, 2 * i), param_dtype))
-        self.down_proj = _normal(rngs, (e, i, d), param_dtype)
-        self.down_proj_bias = nnx.Param(jnp.zeros((e, d), param_dtype))
-
-
-class GptOssMLP(nnx.Module):
-    """gpt-oss's MoE: router logits ``x @ W.T + b``, top-k, softmax over the k, weighted sum of the experts."""
-
-    alpha = 1.702
-    limit = 7.0
-
-    def __init__(self, config: ModelConfig, *, rngs, dtype, param_dtype):
-        self.router = GptOssRouter(config, rngs=rngs, param_dtype=param_dtype)
-        self.experts = GptOssExperts(config, rngs=rngs, param_dtype=param_dtype)
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_experts
-        self.dtype = dtype
-
-    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        dt = self.dtype
-        logits = _matmul(x, self.router.weight[...].astype(dt).T) + self.router.bias[...].astype(dt)
-        top_values, top_ids = jax.lax.top_k(logits, self.top_k)  # [T, k]
-        scores = jax.nn.softmax(top_values, axis=-1).astype(dt)
-        order, experts, group_sizes = _grouped(top_ids, self.num_experts)
-        rows = order // self.top_k
-        e = self.experts
-        gate_up = _ragged(x[rows], e.gate_up_proj[...].astype(dt), group_sizes)
-        gate_up = gate_up + e.gate_up_proj_bias[...].astype(dt)[experts]
-        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = jnp.minimum(gate, self.limit)
-        up = jnp.clip(up, -self.limit, self.limit)
-        glu = gate * jax.nn.sigmoid(gate * self.alpha)
-        out = _ragged((up + 1) * glu, e.down_proj[...].astype(dt), group_sizes)
-        out = out + e.down_proj_bias[...].astype(dt)[experts]
-        out = out * scores.reshape(-1)[order][:, None]
-        return jnp.zeros_like(x).at[rows].add(out.astype(x.dtype))
-
-
-class Llama4Router(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
-        self.weight = _normal(rngs, (config.num_experts, config.hidden_size), param_dtype)
-
-
-class Llama4Experts(nnx.Module):
-    """Experts with ``gate_up_proj [E, D, 2I]`` (gate the first half) and ``down_proj [E, I, D]``, no biases."""
-
-    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
-        e, d, i = config.num_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = _normal(rngs, (e, d, 2 * i), param_dtype)
-        self.down_proj = _normal(rngs, (e, i, d), param_dtype)
-
-
-class Llama4MoE(nnx.Module):
-    """Llama 4's MoE: the top-k experts' inputs are scaled by ``sigmoid(router logit)`` (before the expert,
-    not after), plus a shared expert. transformers runs every expert on every token with the others' inputs
-    scaled to 0, which gives exactly 0 without biases; only the top k are computed here."""
-
-    def __init__(self, config: ModelConfig, *, rngs, dtype, param_dtype):
-        self.experts = Llama4Experts(config, rngs=rngs, param_dtype=param_dtype)
-        self.router = Llama4Router(config, rngs=rngs, param_dtype=param_dtype)
-        self.shared_expert = GatedMLP(
-            config, config.intermediate_size, rngs=rngs, dtype=dtype, param_dtype=param_dtype
-        )
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_experts
-        self.act = config.hidden_act
-        self.dtype = dtype
-
-    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        dt = self.dtype
-        logits = _matmul(x, self.router.weight[...].astype(dt).T)
-        top_values, top_ids = jax.lax.top_k(logits, self.top_k)
-        scores = jax.nn.sigmoid(top_values.astype(jnp.float32)).astype(dt)  # [T, k]
-        order, _, group_sizes = _grouped(top_ids, self.num_experts)
-        rows = order // self.top_k
-        routed_in = x[rows] * scores.reshape(-1)[order][:, None]
-        gate_up = _ragged(routed_in, self.experts.gate_up_proj[...].astype(dt), group_sizes)
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        out = _ragged(up * _activation(self.act)(gate), self.experts.down_proj[...].astype(dt), group_sizes)
-        routed = jnp.zeros_like(x).at[rows].add(out.astype(x.dtype))
-        return self.shared_expert(x) + routed
-
-
-class Qwen3MoeRouter(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
-        self.weight = _normal(rngs, (config.num_experts, config.hidden_size), param_dtype)
-
-
-class Qwen3MoeExperts(nnx.Module):
-    """Experts in transformers 5.17's fused layout: ``gate_up_proj [E, 2I, D]`` (gate the first half, each expert's
-    ``[out, in]``) and ``down_proj [E, D, I]``, no biases (`load_model` stacks checkpoints' per-expert Linears)."""
-
-    def __init__(self, config: ModelConfig, *, rngs, param_dtype):
-        e, d, i = config.num_experts, config.hidden_size, config.expert_intermediate_size
-        self.gate_up_proj = _normal(rngs, (e, 2 * i, d), param_dtype)
-        self.down_proj = _normal(rngs, (e, d, i), param_dtype)
-
-
-class Qwen3MoeMLP(nnx.Module):
-    """Qwen 3's MoE: float32 softmax over every expert's router logit, the top k (renormalized to sum to 1 when
-    `ModelConfig.norm_topk_prob`), then the weighted sum of those experts' gated MLPs."""
-
-    def __init__(self, config: ModelConfig, *, rngs, dtype, param_dtype):
-        self.gate = Qwen3MoeRouter(config, rngs=rngs, param_dtype=param_dtype)
-        self.experts = Qwen3MoeExperts(config, rngs=rngs, param_dtype=param_dtype)
-        self.top_k = config.num_experts_per_tok
-        self.num_experts = config.num_experts
-        self.norm_topk_prob = config.norm_topk_prob
-        self.act = config.hidden_act
-        self.dtype = dtype
-
-    def __call__(self, x: Float[Array, "T D"]) -> Float[Array, "T D"]:
-        dt = self.dtype
-        logits = _matmul(x, self.gate.weight[...].astype(dt).T)  # [T, E]
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        top_values, top_ids = jax.lax.top_k(probs, self.top_k)  # [T, k]
-        if self.norm_topk_prob:
-            top_values = top_values / jnp.sum(top_values, axis=-1, keepdims=True)
-        scores = top_values.astype(dt)
-        order, _, group_sizes = _grouped(top_ids, self.num_experts)
-        rows = order // self.top_k
-        e = self.experts
-        gate_up = _ragged(x[rows], jnp.swapaxes(e.gate_up_proj[...].astype(dt), 1, 2), group_sizes)  # [T*k, 2I]
-        gate, up = jnp.split(gate_up, 2, axis=-1)
-        down = jnp.swapaxes(e.down_proj[...].astype(dt), 1, 2)  # [E, I, D]
-        out = _ragged(_activation(self.act)(gate) * up, down, group_sizes)
-        out = out * scores.reshape(-1)[order][:, None]
-        return jnp.zeros_like(x).at[rows].add(out.astype(x.dtype))
 
 
 class DecoderLayer(nnx.Module):
@@ -468,7 +237,7 @@ class DecoderEnds(nnx.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         if self.lm_head is None:
-            logits = _matmul(x, self.embed_tokens.weight[...].astype(dt).T)
+            logits = matmul(x, self.embed_tokens.weight[...].astype(dt).T)
         else:
             logits = self.lm_head(x)
         logits = logits.astype(jnp.float32)

@@ -26,8 +26,8 @@ A quantized checkpoint (``quantization_config``) is refused with `NotImplemented
 experts, which `load_model` dequantizes.
 
 Where a key is absent the default of the transformers 5.17 config class applies (as `from_pretrained` would
-do), and legacy spellings are read as transformers reads them (``rope_theta`` / ``rope_scaling`` beside or
-instead of ``rope_parameters``, Gemma 3's ``rope_local_base_freq`` and ``sliding_window_pattern``).
+do; `hf_defaults`), and legacy spellings are read as transformers reads them (``rope_theta`` / ``rope_scaling``
+beside or instead of ``rope_parameters``, Gemma 3's ``rope_local_base_freq`` and ``sliding_window_pattern``).
 """
 
 import json
@@ -35,6 +35,7 @@ import os
 from pathlib import Path
 
 from ..integers import check_int
+from .hf_defaults import CONFIG_DEFAULTS, TEXT_CONFIG_SIZES, WRAPPER_DEFAULTS
 from .rope import RopeParameters
 
 __all__ = [
@@ -68,139 +69,11 @@ SUPPORTED_ARCHITECTURES = (
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 """transformers' names of the attention types a layer may have (``layer_types``)."""
 
-_GEMMA_DEFAULTS = dict(  # what Gemma 2 and Gemma 3 text share
-    hidden_activation="gelu_pytorch_tanh",
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    sliding_window=4096,
-    query_pre_attn_scalar=256,
-    attention_bias=False,
-    bos_token_id=2,
-    eos_token_id=1,
-    pad_token_id=0,
-    head_dim=256,
-    num_key_value_heads=4,
-)
-
-_QWEN3_DEFAULTS = dict(  # what Qwen 3 and Qwen 3 MoE share
-    hidden_act="silu",
-    max_position_embeddings=32_768,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    rope_theta=10_000.0,
-    attention_bias=False,
-    use_sliding_window=False,
-    sliding_window=4096,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
-
-# The transformers 5.17 config classes' defaults for the keys a config.json may leave out.
-_DEFAULTS = {
-    "mistral": dict(
-        hidden_act="silu",
-        max_position_embeddings=4096 * 32,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        sliding_window=4096,
-        rope_theta=10000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=None,
-    ),
-    "gemma2": dict(
-        **_GEMMA_DEFAULTS,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        final_logit_softcapping=30.0,
-        attn_logit_softcapping=50.0,
-    ),
-    "gemma3_text": dict(
-        **_GEMMA_DEFAULTS,
-        max_position_embeddings=131_072,
-        final_logit_softcapping=None,
-        attn_logit_softcapping=None,
-    ),
-    "gpt_oss": dict(
-        hidden_act="silu",
-        max_position_embeddings=131_072,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        sliding_window=128,
-        rope_theta=150000.0,
-        attention_bias=True,
-        num_experts_per_tok=4,
-        head_dim=64,
-        num_key_value_heads=8,
-        num_local_experts=128,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    ),
-    "llama4_text": dict(
-        hidden_act="silu",
-        max_position_embeddings=4096 * 32,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        attention_bias=False,
-        num_experts_per_tok=1,
-        num_local_experts=16,
-        interleave_moe_layer_step=1,
-        use_qk_norm=True,
-        no_rope_layer_interval=4,
-        attention_chunk_size=8192,
-        attn_temperature_tuning=True,
-        floor_scale=8192,
-        attn_scale=0.1,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=None,
-        intermediate_size_mlp=16384,
-        head_dim=128,
-        num_key_value_heads=8,
-    ),
-    "qwen3": dict(
-        **_QWEN3_DEFAULTS,
-        head_dim=128,
-        num_key_value_heads=32,
-        max_window_layers=28,
-    ),
-    "qwen3_moe": dict(
-        **_QWEN3_DEFAULTS,
-        num_key_value_heads=4,
-        decoder_sparse_step=1,
-        moe_intermediate_size=768,
-        num_experts_per_tok=8,
-        num_experts=128,
-        norm_topk_prob=False,
-    ),
-}
-
-# What a wrapper's text_config may leave out (sizes that the readers of a config.json of its own require):
-# the text config classes' defaults.
-_TEXT_CONFIG_SIZES = {
-    "gemma3_text": dict(
-        vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8
-    ),
-    "llama4_text": dict(
-        vocab_size=202_048, hidden_size=5120, intermediate_size=8192, num_hidden_layers=48, num_attention_heads=40
-    ),
-}
-
-# The wrapper config classes' defaults (transformers 5.17 Gemma3Config, Llama4Config) for what is read of them.
-_WRAPPER_DEFAULTS = {
-    "gemma3": dict(image_token_index=262_144, tie_word_embeddings=True),
-    "llama4": dict(image_token_index=200_092, tie_word_embeddings=False),
-}
-
-
 def _get(config: dict, key: str, architecture: str, *, required: bool = False):
     """`config[key]`, else the family default; `ValueError` naming `key` when it is required and absent."""
     if key in config:
         return config[key]
-    defaults = _DEFAULTS[architecture]
+    defaults = CONFIG_DEFAULTS[architecture]
     if required or key not in defaults:
         raise ValueError(f"config.json has no {key!r}, which model_type={architecture!r} needs")
     return defaults[key]
@@ -279,11 +152,11 @@ def _read_wrapper(config: dict, wrapper: str) -> dict:
         raise NotImplementedError(
             f"text_config.model_type={text_type!r} in model_type={wrapper!r} is not supported (only {language!r})"
         )
-    text = {**_TEXT_CONFIG_SIZES[language], **text, "model_type": language}
+    text = {**TEXT_CONFIG_SIZES[language], **text, "model_type": language}
     for key in _SPECIAL_TOKEN_KEYS:  # GenerationConfig.from_model_config: the wrapper's first, then the text's
         if config.get(key) is not None:
             text[key] = config[key]
-    defaults = _WRAPPER_DEFAULTS[wrapper]
+    defaults = WRAPPER_DEFAULTS[wrapper]
     if wrapper == "gemma3":  # Gemma3ForConditionalGeneration ties its LM head by the wrapper's config alone
         text["tie_word_embeddings"] = config.get("tie_word_embeddings", defaults["tie_word_embeddings"])
     # (Llama4ForConditionalGeneration's LM head is its Llama4ForCausalLM's: tied by text_config's own key)
@@ -305,11 +178,11 @@ def _common(config: dict, architecture: str) -> dict:
     hidden = get("hidden_size", required=True)
     num_kv_heads = config.get("num_key_value_heads")
     if num_kv_heads is None:
-        num_kv_heads = _DEFAULTS[architecture].get("num_key_value_heads", num_heads)
+        num_kv_heads = CONFIG_DEFAULTS[architecture].get("num_key_value_heads", num_heads)
     head_dim = config.get("head_dim")
     if head_dim is None:
-        head_dim = _DEFAULTS[architecture].get("head_dim") or hidden // num_heads
-    eos = config.get("eos_token_id", _DEFAULTS[architecture]["eos_token_id"])
+        head_dim = CONFIG_DEFAULTS[architecture].get("head_dim") or hidden // num_heads
+    eos = config.get("eos_token_id", CONFIG_DEFAULTS[architecture]["eos_token_id"])
     return dict(
         architecture=architecture,
         vocab_size=get("vocab_size", required=True),
@@ -322,9 +195,9 @@ def _common(config: dict, architecture: str) -> dict:
         max_position_embeddings=get("max_position_embeddings"),
         rms_norm_eps=float(get("rms_norm_eps")),
         tie_word_embeddings=bool(get("tie_word_embeddings")),
-        bos_token_id=config.get("bos_token_id", _DEFAULTS[architecture]["bos_token_id"]),
+        bos_token_id=config.get("bos_token_id", CONFIG_DEFAULTS[architecture]["bos_token_id"]),
         eos_token_ids=_token_ids(eos),
-        pad_token_id=config.get("pad_token_id", _DEFAULTS[architecture]["pad_token_id"]),
+        pad_token_id=config.get("pad_token_id", CONFIG_DEFAULTS[architecture]["pad_token_id"]),
     )
 
 
@@ -340,7 +213,7 @@ def _global_rope(config: dict, architecture: str, default: dict | None = None) -
     ``rope_scaling`` before ``rope_parameters``, then ``rope_theta`` and the family's default theta."""
     params = config.get("rope_scaling") or config.get("rope_parameters") or default or {}
     params = dict(params)
-    params.setdefault("rope_theta", config.get("rope_theta", _DEFAULTS[architecture]["rope_theta"]))
+    params.setdefault("rope_theta", config.get("rope_theta", CONFIG_DEFAULTS[architecture]["rope_theta"]))
     return RopeParameters.from_hf(
         params, max_position_embeddings=_get(config, "max_position_embeddings", architecture)
     )
