@@ -351,20 +351,15 @@ def nnx_leaves(model) -> list:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        try:
-            generate(args)
-        except (ValueError, NotImplementedError, FileNotFoundError) as error:
-            print(f"jha generate: error: {error}", file=sys.stderr)
-            return 2
-    elif args.command == "serve":
-        from .serve import serve
-
-        try:
-            serve(args)
-        except (ValueError, NotImplementedError, FileNotFoundError) as error:
-            print(f"jha serve: error: {error}", file=sys.stderr)
-            return 2
+    if args.command == "serve":
+        from .serve import serve as run  # FastAPI and uvicorn only for the server
+    else:
+        run = generate
+    try:
+        run(args)
+    except (ValueError, NotImplementedError, FileNotFoundError) as error:
+        print(f"jha {args.command}: error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -116,6 +116,7 @@ class EngineStats:
     deferred_rows: int = 0  # rows a decode step's allocator left for the next step (they computed nothing)
     compiled_executables: int = 0  # by `Engine.compile`, before the first step
     compile_time: float = 0.0  # spent in `Engine.compile`
+    blocks_in_use: int = 0  # after the last step read back
     peak_blocks_in_use: int = 0
     peak_blocks_full_attention: int = 0  # what the same requests would hold with every group as full attention
 
@@ -132,6 +133,7 @@ class EngineStats:
             self.prefill_time += seconds
         else:
             self.decode_time += seconds
+        self.blocks_in_use = blocks_in_use
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, blocks_in_use)
         self.peak_blocks_full_attention = max(self.peak_blocks_full_attention, full_attention_blocks)
 

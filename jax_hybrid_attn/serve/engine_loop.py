@@ -27,7 +27,7 @@ from typing import Protocol
 
 from ..engine import Engine, EngineStats, SamplingParams
 
-__all__ = ["EngineLoop", "EngineRequest", "EngineSnapshot", "LiveStats", "Observer", "TokenEvent"]
+__all__ = ["EngineLoop", "EngineRequest", "EngineSnapshot", "Observer", "TokenEvent"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,19 +66,6 @@ class EngineSnapshot:
     blocks_in_use: int = 0
     usable_blocks: int = 0
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
-
-
-@dataclasses.dataclass
-class LiveStats(EngineStats):
-    """`EngineStats` that also keep the blocks in use after the last step read back (the engine records only
-    their peak)."""
-
-    blocks_in_use: int = 0
-
-    def record_step(self, num_tokens, decode_tokens, seconds, *, blocks_in_use, full_attention_blocks):
-        super().record_step(num_tokens, decode_tokens, seconds, blocks_in_use=blocks_in_use,
-                            full_attention_blocks=full_attention_blocks)  # fmt: skip
-        self.blocks_in_use = blocks_in_use
 
 
 class Observer(Protocol):
@@ -136,7 +123,6 @@ class EngineLoop:
     def __init__(self, engine: Engine, *, observer: Observer | None = None):
         self.engine = engine
         self._observer = observer
-        engine.stats = LiveStats(**dataclasses.asdict(engine.stats))
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._idle_waiters: list[_WhenIdle] = []  # engine thread only
@@ -322,7 +308,7 @@ class EngineLoop:
         engine, stats = self.engine, self.engine.stats
         usable = engine.layout.num_blocks - 1
         idle = not engine.has_unfinished_requests() and not self._needs_drain
-        in_use = usable - engine.manager.num_free_blocks if idle else getattr(stats, "blocks_in_use", 0)
+        in_use = usable - engine.manager.num_free_blocks if idle else stats.blocks_in_use
         self.snapshot = EngineSnapshot(
             running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), blocks_in_use=in_use,
             usable_blocks=usable, stats=dataclasses.replace(stats),
