@@ -10,8 +10,9 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serve_load.py [--t
      (tiny: small sizes), and the clock starts once ``/health`` says 200 (its startup is reported apart);
   3. `--num-prompts` streaming requests (greedy, `--max-tokens` each, EOS ignored) are sent at `--request-rate`
      per second with Poisson arrivals (seeded), or all at once (``inf``, the default), at most
-     `--max-concurrency` in flight; each records its time to first token, the gaps between its chunks (one
-     chunk per token) and its end-to-end latency;
+     `--max-concurrency` in flight, from `--client-processes` processes (one Python process cannot parse 256
+     streams as fast as the server sends them); each records its time to first token, the gaps between its
+     chunks and its end-to-end latency;
   4. the server's /metrics (preemptions, prefix-cache hit rate) is read and the server stopped;
   5. `Engine.generate` on the same prompts, with the same engine flags, in this process (a warm run after one
      that compiles); its greedy text is compared with the server's.
@@ -25,6 +26,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,9 +45,12 @@ TINY_PROMPT_BYTES = (16, 64)
 TINY_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "256"]
 HEALTH_TIMEOUT_S = 1800  # a cold compile on a busy machine
 HEALTH_POLL_S = 0.5
+CLIENT_START_S = 0.5  # from the client processes' import to the first request
+DEFAULT_CLIENT_PROCESSES = 4
 REQUEST_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
 PERCENTILES = (50, 90, 99)
+PREFIX = "jha:"  # the server's metric names
 
 
 def free_port() -> int:
@@ -54,13 +59,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir: str, flags: list[str], *, port: int, log_path: str) -> tuple[subprocess.Popen, float]:
-    """`jha serve` in a subprocess; returns it once /health says 200, with the seconds that took."""
+def start_server(model_dir: str, flags: list[str], *, port: int, log_path: str,
+                 profile: str | None = None) -> tuple[subprocess.Popen, float]:  # fmt: skip
+    """`jha serve` in a subprocess (under cProfile, writing `profile`, if given); returns it once /health says
+    200, with the seconds that took."""
     import httpx
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "jax_hybrid_attn", "serve", "--model", model_dir, "--port", str(port),
-               "--log-level", "warning", *flags]  # fmt: skip
+    profiler = ["-m", "cProfile", "-o", profile] if profile else []
+    command = [sys.executable, *profiler, "-m", "jax_hybrid_attn", "serve", "--model", model_dir, "--port",
+               str(port), "--log-level", "warning", *flags]  # fmt: skip
     started = time.perf_counter()
     log = open(log_path, "w")  # noqa: SIM115 - the server writes it until it stops
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -78,7 +86,9 @@ def start_server(model_dir: str, flags: list[str], *, port: int, log_path: str) 
 
 
 def stop_server(process: subprocess.Popen) -> None:
-    process.terminate()
+    """Stop the server as Ctrl-C does (uvicorn shuts down, then raises the signal again: a SIGINT lets cProfile
+    write its file, a SIGTERM would not)."""
+    process.send_signal(signal.SIGINT)
     try:
         process.wait(STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -106,33 +116,58 @@ async def one_request(client, prompt: str, *, model: str, max_tokens: int) -> di
                 usage = chunk["usage"]
     end = time.perf_counter()
     return {"text": "".join(text), "output_tokens": usage["completion_tokens"] if usage else len(times),
-            "ttft": times[0] - started if times else None, "itl": list(np.diff(times)), "e2e": end - started}  # fmt: skip
+            "prompt_tokens": usage["prompt_tokens"] if usage else 0,
+            "ttft": times[0] - started if times else None, "itl": list(np.diff(times)), "e2e": end - started,
+            "end": end}  # fmt: skip
 
 
-async def run_load(base: str, prompts: list[str], *, model: str, max_tokens: int, rate: float,
-                   max_concurrency: int | None, seed: int) -> tuple[list[dict], float]:  # fmt: skip
-    """Send every prompt (Poisson arrivals at `rate` per second, or all at once for inf); (results, wall s)."""
+async def _client(base: str, prompts: list[tuple[int, str, float]], *, model: str, max_tokens: int,
+                  max_concurrency: int | None, start_at: float) -> list[tuple[int, dict]]:  # fmt: skip
+    """One client process's share: each (index, prompt, send offset in s) sent at ``start_at + offset``."""
     import httpx
 
-    rng = np.random.default_rng(seed)
-    gaps = np.zeros(len(prompts)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(prompts))
-    limit = asyncio.Semaphore(max_concurrency or len(prompts))
-    limits = httpx.Limits(max_connections=max_concurrency or len(prompts), max_keepalive_connections=None)
-
+    limit = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
+    limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
 
-        async def limited(prompt):
+        async def send(index, prompt, offset):
+            await asyncio.sleep(max(0.0, start_at + offset - time.perf_counter()))
             async with limit:
-                return await one_request(client, prompt, model=model, max_tokens=max_tokens)
+                return index, await one_request(client, prompt, model=model, max_tokens=max_tokens)
 
-        started = time.perf_counter()
-        tasks = []
-        for prompt, gap in zip(prompts, gaps, strict=True):
-            if gap:
-                await asyncio.sleep(gap)
-            tasks.append(asyncio.create_task(limited(prompt)))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - started
+        return await asyncio.gather(*(send(*item) for item in prompts))
+
+
+def _client_process(base, prompts, kwargs) -> list[tuple[int, dict]]:
+    return asyncio.run(_client(base, prompts, **kwargs))
+
+
+def _ready() -> None:
+    import httpx  # noqa: F401 - imported before the clock starts
+
+
+def run_load(base: str, prompts: list[str], *, model: str, max_tokens: int, rate: float,
+             max_concurrency: int | None, seed: int, processes: int) -> tuple[list[dict], float]:  # fmt: skip
+    """Send every prompt (Poisson arrivals at `rate` per second, or all at once for inf) from `processes` client
+    processes (prompt i from process i mod `processes`), so that parsing the streams is not the bottleneck;
+    (results in prompt order, wall seconds from the first send to the last response's end)."""
+    import concurrent.futures
+    import multiprocessing
+
+    rng = np.random.default_rng(seed)
+    offsets = np.zeros(len(prompts)) if math.isinf(rate) else np.cumsum(rng.exponential(1.0 / rate, len(prompts)))
+    shares = [[(i, prompts[i], float(offsets[i])) for i in range(p, len(prompts), processes)] for p in range(processes)]
+    per_process = None if max_concurrency is None else max(1, math.ceil(max_concurrency / processes))
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
+        for future in [pool.submit(_ready) for _ in range(processes)]:
+            future.result()
+        start_at = time.perf_counter() + CLIENT_START_S
+        kwargs = {"model": model, "max_tokens": max_tokens, "max_concurrency": per_process, "start_at": start_at}
+        futures = [pool.submit(_client_process, base, share, kwargs) for share in shares if share]
+        results = dict(item for future in futures for item in future.result())
+    ends = [r["end"] for r in results.values() if "end" in r]
+    return [results[i] for i in range(len(prompts))], (max(ends) if ends else time.perf_counter()) - start_at
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -152,6 +187,77 @@ def ms(values) -> str:
     return " / ".join(f"{np.percentile(values, p) * 1e3:.1f}" for p in PERCENTILES)
 
 
+def report(label: str, results: list[dict], wall: float, before: dict, after: dict, direct: dict, record) -> None:
+    """One load's lines: outcome, throughput (against `Engine.generate`'s on the second load's prompts),
+    latencies as the clients saw them, and the server's own counters over the load."""
+    ok = [r for r in results if "error" not in r]
+    errors = [r["error"] for r in results if "error" in r]
+    output_tokens = sum(r["output_tokens"] for r in ok)
+    prompt_tokens = sum(r["prompt_tokens"] for r in ok)
+    same = sum(r.get("text") == t for r, t in zip(results, direct["texts"], strict=True))
+
+    def delta(name: str) -> float:
+        return after.get(f"{PREFIX}{name}", 0.0) - before.get(f"{PREFIX}{name}", 0.0)
+
+    direct_output = direct["output_tokens"] / direct["seconds"]
+    record(f"{label} | {len(ok)} ok, {len(errors)} failed" + (f" ({errors[0]})" if errors else "") + f" | "
+           f"{wall:.2f} s | {len(ok) / wall:.2f} req/s | output {output_tokens / wall:,.0f} tok/s "
+           f"({output_tokens / wall / direct_output:.0%} of Engine.generate's) | total "
+           f"{(prompt_tokens + output_tokens) / wall:,.0f} tok/s")  # fmt: skip
+    record(f"{label} | latency ms p50/p90/p99 | TTFT {ms([r['ttft'] for r in ok if r['ttft'] is not None])} | "
+           f"ITL {ms([g for r in ok for g in r['itl']])} | E2E {ms([r['e2e'] for r in ok])}")  # fmt: skip
+    first_tokens = delta("time_to_first_token_seconds_count")
+    mean_ttft = delta("time_to_first_token_seconds_sum") / max(1.0, first_tokens)
+    record(f"{label} | server's counters | mean TTFT from submission {mean_ttft * 1e3:.1f} ms "
+           f"| engine steps {delta('engine_steps_total'):.0f} | preemptions {delta('num_preemptions_total'):.0f} | "
+           f"prefix-cache hits {delta('prefix_cache_hit_tokens_total'):.0f} of {delta('prompt_tokens_total'):.0f} "
+           f"prompt tokens" + (f" | greedy text equal to Engine.generate's {same}/{len(results)}"
+                               if label == "second load" else ""))  # fmt: skip
+
+
+def engine_process(model_dir: str, flags: list[str], prompts: list[str], *, max_tokens: int) -> dict:
+    """The server's engine process without HTTP: every prompt submitted at once from an event loop (as the
+    server's handlers submit them) and read back to the end, warm (a first round compiles and runs once)."""
+    from jax_hybrid_attn.cli import build_parser
+    from jax_hybrid_attn.engine import SamplingParams
+    from jax_hybrid_attn.models import load_tokenizer
+    from jax_hybrid_attn.serve.engine_loop import EngineRequest
+    from jax_hybrid_attn.serve.engine_process import EngineProcess
+    from jax_hybrid_attn.serve.request_streams import RequestStreams
+
+    args = build_parser().parse_args(["serve", "--model", model_dir, "--log-level", "warning", *flags])
+    tokenizer = load_tokenizer(model_dir)
+    token_lists = [tokenizer.encode(p) for p in prompts]
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine = EngineProcess(args).start()
+    engine.wait_loaded()
+
+    async def run(tag: str) -> float:
+        streams = RequestStreams(engine)
+        requests = [EngineRequest(f"{tag}-{i}", tokens, sampling) for i, tokens in enumerate(token_lists)]
+        started = time.perf_counter()
+        events = streams.open(requests)
+        left = len(requests)
+        while left:
+            event = await events.get()
+            left -= event.finish_reason is not None or event.error is not None
+        return time.perf_counter() - started
+
+    async def both() -> float:
+        engine.start()  # read the engine's messages on this loop
+        while not engine.ready.is_set():
+            if engine.error is not None:
+                raise engine.error
+            await asyncio.sleep(HEALTH_POLL_S)
+        await run("warm")
+        return await run("timed")
+
+    try:
+        return {"seconds": asyncio.run(both())}
+    finally:
+        engine.stop()
+
+
 def engine_generate(model_dir: str, flags: list[str], prompts: list[str], *, max_tokens: int) -> dict:
     """`Engine.generate` on the prompts with the server's engine flags, warm (a first run compiles)."""
     from jax_hybrid_attn.cli import build_parser
@@ -164,12 +270,19 @@ def engine_generate(model_dir: str, flags: list[str], prompts: list[str], *, max
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(token_lists, sampling)  # compiles every step shape, warms nothing else up
     engine.reset()
+    token_times: dict = {}
+
+    def on_token(request_id, _token) -> None:
+        token_times.setdefault(request_id, []).append(time.perf_counter())
+
     started = time.perf_counter()
-    outputs = engine.generate(token_lists, sampling)
+    outputs = engine.generate(token_lists, sampling, on_token=on_token)
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "texts": [tokenizer.decode(o.output_token_ids) for o in outputs],
             "output_tokens": sum(len(o.output_token_ids) for o in outputs),
-            "prompt_tokens": sum(map(len, token_lists))}  # fmt: skip
+            "prompt_tokens": sum(map(len, token_lists)), "steps": engine.stats.steps,
+            "ttft": [times[0] - started for times in token_times.values()],
+            "itl": [gap for times in token_times.values() for gap in np.diff(times)]}  # fmt: skip
 
 
 def main() -> None:
@@ -181,7 +294,12 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=math.inf, help="requests per second (default: inf)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-processes", type=int, default=DEFAULT_CLIENT_PROCESSES,
+                        help=f"processes that send the requests and read the streams (default: "
+                             f"{DEFAULT_CLIENT_PROCESSES})")  # fmt: skip
     parser.add_argument("--compilation-cache", metavar="DIR", help="passed to the server and to the engine")
+    parser.add_argument("--profile-server", action="store_true",
+                        help="run the server's process under cProfile; print its 30 costliest functions")  # fmt: skip
     parser.add_argument("--engine-flags", default=None,
                         help="the engine flags of both runs (default: startup.py's newcomer flags; tiny: small sizes)")  # fmt: skip
     args = parser.parse_args()
@@ -204,39 +322,46 @@ def main() -> None:
         if args.model is None:
             write_checkpoint(model_dir, TINY if args.tiny else GEMMA3_1B)
         prompt_file = os.path.join(work, "prompts.txt")
-        write_prompts(prompt_file, num_prompts=num_prompts, lengths=TINY_PROMPT_BYTES if args.tiny else PROMPT_BYTES)
-        prompts = Path(prompt_file).read_text().splitlines()
+        write_prompts(prompt_file, num_prompts=2 * num_prompts,
+                      lengths=TINY_PROMPT_BYTES if args.tiny else PROMPT_BYTES)  # fmt: skip
+        every = Path(prompt_file).read_text().splitlines()
+        rounds = {"first load after /health (other prompts)": every[num_prompts:], "second load": every[:num_prompts]}
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        process, startup = start_server(model_dir, flags, port=port, log_path=os.path.join(work, "server.log"))
+        profile = os.path.join(work, "server.prof") if args.profile_server else None
+        process, startup = start_server(model_dir, flags, port=port, log_path=os.path.join(work, "server.log"),
+                                        profile=profile)  # fmt: skip
+        measured = {}
         try:
             record(f"jha serve {' '.join(flags)} | healthy after {startup:.1f} s")
-            results, wall = asyncio.run(run_load(base, prompts, model=Path(model_dir).resolve().name,
-                                                 max_tokens=max_tokens, rate=args.request_rate,
-                                                 max_concurrency=args.max_concurrency, seed=args.seed))  # fmt: skip
-            metrics = scrape(base)
+            for label, prompts in rounds.items():
+                before = scrape(base)
+                results, wall = run_load(base, prompts, model=Path(model_dir).resolve().name, max_tokens=max_tokens,
+                                         rate=args.request_rate, max_concurrency=args.max_concurrency,
+                                         seed=args.seed, processes=args.client_processes)  # fmt: skip
+                measured[label] = (results, wall, before, scrape(base))
         finally:
             stop_server(process)  # the device is free for the engine alone
-        direct = engine_generate(model_dir, flags, prompts, max_tokens=max_tokens)
-    ok = [r for r in results if "error" not in r]
-    errors = [r["error"] for r in results if "error" in r]
-    output_tokens = sum(r["output_tokens"] for r in ok)
-    prompt_tokens = direct["prompt_tokens"]
-    record(f"load | {len(prompts)} requests at rate {args.request_rate}/s (max concurrency "
-           f"{args.max_concurrency or 'none'}), {max_tokens} greedy tokens each | {len(ok)} ok, {len(errors)} failed"
-           + (f": {errors[0]}" if errors else ""))  # fmt: skip
-    record(f"server | {wall:.2f} s | {len(ok) / wall:.2f} req/s | output {output_tokens / wall:,.0f} tok/s | total "
-           f"{(prompt_tokens + output_tokens) / wall:,.0f} tok/s | preemptions "
-           f"{metrics.get('jha:num_preemptions_total', 0):.0f} | prefix-cache hit rate "
-           f"{metrics.get('jha:prefix_cache_hit_rate', 0):.1%}")  # fmt: skip
-    record(f"server latency ms p50/p90/p99 | TTFT {ms([r['ttft'] for r in ok if r['ttft'] is not None])} | "
-           f"ITL {ms([g for r in ok for g in r['itl']])} | E2E {ms([r['e2e'] for r in ok])}")  # fmt: skip
-    same = sum(r.get("text") == t for r, t in zip(results, direct["texts"], strict=True))
-    record(f"Engine.generate, same prompts, warm | {direct['seconds']:.2f} s | output "
-           f"{direct['output_tokens'] / direct['seconds']:,.0f} tok/s | total "
-           f"{(prompt_tokens + direct['output_tokens']) / direct['seconds']:,.0f} tok/s | the server's output tok/s "
-           f"{output_tokens / wall / (direct['output_tokens'] / direct['seconds']):.0%} of it | greedy text equal "
-           f"{same}/{len(results)}")  # fmt: skip
+        if profile:
+            import pstats
+
+            pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+        no_http = engine_process(model_dir, flags, rounds["second load"], max_tokens=max_tokens)
+        direct = engine_generate(model_dir, flags, rounds["second load"], max_tokens=max_tokens)
+    record(f"load | {num_prompts} requests at rate {args.request_rate}/s (max concurrency "
+           f"{args.max_concurrency or 'none'}) from {args.client_processes} client processes, {max_tokens} greedy "
+           "tokens each, twice")  # fmt: skip
+    for label, (results, wall, before, after) in measured.items():
+        report(label, results, wall, before, after, direct, record)
+    direct_output = direct["output_tokens"] / direct["seconds"]
+    record(f"Engine.generate, the second load's prompts, warm | {direct['seconds']:.2f} s | output "
+           f"{direct_output:,.0f} tok/s | total "
+           f"{(direct['prompt_tokens'] + direct['output_tokens']) / direct['seconds']:,.0f} tok/s | steps "
+           f"{direct['steps']} | latency ms p50/p90/p99 (token callbacks) TTFT {ms(direct['ttft'])}, ITL "
+           f"{ms(direct['itl'])}")  # fmt: skip
+    record(f"the server's engine process without HTTP, the second load's prompts submitted at once, warm | "
+           f"{no_http['seconds']:.2f} s | output {direct['output_tokens'] / no_http['seconds']:,.0f} tok/s "
+           f"({direct['seconds'] / no_http['seconds']:.0%} of Engine.generate's)")  # fmt: skip
     print("\n| measurement |\n|---|")
     for line in rows:
         print(f"| {line} |")

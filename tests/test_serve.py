@@ -1,12 +1,14 @@
 """`jha serve`: the OpenAI-compatible server on the engine, driven by the official `openai` client over loopback.
 
 One server for the module (the embedded model, tiny engine sizes, a chat template given on the command line),
-run by uvicorn on a thread of the test process, so that the engine compiles once. Greedy outputs are checked
-against `Engine.generate` on the same engine (what `jha generate` runs), called on the engine thread while no
-request runs. After every test the engine holds no request and every KV block is back in the pool.
+run by uvicorn on a thread of the test process with its engine in a process of its own, as ``jha serve`` runs
+it, so that the engine compiles once. Greedy outputs are checked against `Engine.generate` on the same engine
+(what `jha generate` runs), called in the engine process while no request runs. After every test the engine
+holds no request and every KV block is back in the pool.
 """
 
 import asyncio
+import functools
 import io
 import json
 import logging
@@ -87,8 +89,8 @@ def served():
             time.sleep(0.2)
     assert health and health[-1] == 200, f"the server did not become healthy: {health[-5:]}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
-    yield type("Served", (), dict(server=server, base=base, port=port, client=client, health=health,
-                                  errors=errors, name=server.serving.model_name))  # fmt: skip
+    yield type("Served", (), {"server": server, "base": base, "port": port, "client": client, "health": health,
+                              "errors": errors, "name": server.serving.model_name})  # fmt: skip
     client.close()
     uvicorn_server.should_exit = True
     thread.join(timeout=IDLE_TIMEOUT_S)
@@ -97,15 +99,22 @@ def served():
     assert not thread.is_alive()
 
 
+def engine_state(engine) -> dict:
+    """Whether `engine` holds requests, its free and usable blocks, its counters (run in the engine process)."""
+    return {"unfinished": engine.has_unfinished_requests(), "free": engine.manager.num_free_blocks,
+            "usable": engine.layout.num_blocks - 1, "steps": engine.stats.steps,
+            "prompt_tokens": engine.stats.prompt_tokens}  # fmt: skip
+
+
+def greedy_tokens(prompts: list[list[int]], lengths: list[int], engine) -> list[list[int]]:
+    """`Engine.generate`'s greedy tokens (run in the engine process)."""
+    sampling = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]
+    return [o.output_token_ids for o in engine.generate(prompts, sampling)]
+
+
 def idle_engine(served) -> dict:
-    """Once the engine is idle: whether it holds requests, its free and usable blocks, its counters."""
-
-    def look(engine):
-        return dict(unfinished=engine.has_unfinished_requests(), free=engine.manager.num_free_blocks,
-                    usable=engine.layout.num_blocks - 1, steps=engine.stats.steps,
-                    prompt_tokens=engine.stats.prompt_tokens)  # fmt: skip
-
-    return served.server.engine_loop.when_idle(look).result(timeout=IDLE_TIMEOUT_S)
+    """`engine_state` once the engine is idle."""
+    return served.server.engine.when_idle(engine_state).result(timeout=IDLE_TIMEOUT_S)
 
 
 @pytest.fixture(autouse=True)
@@ -121,9 +130,8 @@ def nothing_left(request):
 def reference(served, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
     """Greedy tokens of `Engine.generate` on the server's engine (on its thread, while no request runs)."""
     lengths = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
-    sampling = [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths]
-    outputs = served.server.engine_loop.when_idle(lambda engine: engine.generate(prompts, sampling))
-    return [o.output_token_ids for o in outputs.result(timeout=REQUEST_TIMEOUT_S)]
+    outputs = served.server.engine.when_idle(functools.partial(greedy_tokens, prompts, lengths))
+    return outputs.result(timeout=REQUEST_TIMEOUT_S)
 
 
 TOKENIZER = ByteTokenizer()
@@ -201,6 +209,11 @@ def test_completions_equal_engine_generate_whole_and_streamed(served):
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(tokens)
         assert all(c.usage is None for c in chunks[:-1])
+        # without include_usage the chunk that ends the last choice carries the usage
+        chunks = list(served.client.completions.create(model=served.name, prompt=prompt, max_tokens=12,
+                                                       temperature=0, stream=True))  # fmt: skip
+        assert chunks[-1].choices[0].finish_reason and chunks[-1].usage.completion_tokens == len(tokens)
+        assert all(c.usage is None for c in chunks[:-1])
     # a prompt of token ids, as one list
     ids = [257, 40, 41, 42]
     by_ids = served.client.completions.create(model=served.name, prompt=ids, max_tokens=5, temperature=0,
@@ -231,6 +244,10 @@ def test_chat_whole_and_streamed(served):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == TOKENIZER.decode(expected)
     assert chunks[-1].usage.total_tokens == len(chat_prompt(messages)) + len(expected)
+    chunks = list(served.client.chat.completions.create(model=served.name, messages=messages, max_tokens=10,
+                                                        temperature=0, stream=True, n=2))  # fmt: skip
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].choices[0].finish_reason and chunks[-1].usage.completion_tokens == 2 * len(expected)
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name "}, {"type": "text", "text": "a prime."}]}]
     joined = served.client.chat.completions.create(model=served.name, messages=parts, max_tokens=4, temperature=0)
     assert joined.usage.prompt_tokens == len(chat_prompt([{"role": "user", "content": "Name a prime."}]))
@@ -260,9 +277,9 @@ def test_chat_templates_from_a_checkpoint_and_none(served, tmp_path):
     from jax_hybrid_attn.serve.app import build_app
     from jax_hybrid_attn.serve.openai_serving import OpenAIServing
 
-    serving = OpenAIServing(served.server.engine_loop, tokenizer=TOKENIZER, model_name="plain", chat_template=None,
-                            max_n=1)  # fmt: skip
-    app = build_app(serving, metrics=served.server.metrics, manage_engine_loop=False)
+    serving = OpenAIServing(served.server.serving.streams, tokenizer=TOKENIZER, model_name="plain",
+                            chat_template=None, max_n=1)  # fmt: skip
+    app = build_app(serving, metrics=served.server.metrics, manage_engine=False)
 
     async def ask():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://plain") as http:
@@ -333,7 +350,8 @@ def aborted(served) -> float:
 
 def test_clients_that_disconnect_are_aborted(served):
     before = aborted(served)
-    long = dict(model=served.name, max_tokens=MAX_MODEL_LEN // 2, temperature=0, extra_body={"ignore_eos": True})
+    long = {"model": served.name, "max_tokens": MAX_MODEL_LEN // 2, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}  # fmt: skip
     streams = [served.client.completions.create(prompt=f"stream {i}", stream=True, **long) for i in range(4)]
     for stream in streams:  # a few chunks each, then gone
         for _, _chunk in zip(range(3), stream, strict=False):
@@ -360,8 +378,9 @@ def test_fault_injection_many_requests_some_disconnect(served):
     rng = random.Random(2024)
     plans = []
     for i in range(400):
-        plans.append(dict(prompt=f"{i} {words(rng, rng.randint(1, 5))}", max_tokens=rng.randint(2, 16),
-                          stream=rng.random() < 0.8, drop_after=rng.randint(0, 8) if rng.random() < 0.2 else None))  # fmt: skip
+        plans.append({"prompt": f"{i} {words(rng, rng.randint(1, 5))}", "max_tokens": rng.randint(2, 16),
+                      "stream": rng.random() < 0.8,
+                      "drop_after": rng.randint(0, 8) if rng.random() < 0.2 else None})  # fmt: skip
     done: dict[int, str] = {}
     dropped = []
     failures = []
@@ -372,7 +391,8 @@ def test_fault_injection_many_requests_some_disconnect(served):
             if time.monotonic() - started > FAULT_TEST_BUDGET_S:
                 return
             try:
-                options = dict(model=served.name, prompt=plan["prompt"], max_tokens=plan["max_tokens"], temperature=0)
+                options = {"model": served.name, "prompt": plan["prompt"], "max_tokens": plan["max_tokens"],
+                           "temperature": 0}  # fmt: skip
                 if plan["drop_after"] is not None:
                     async with await client.completions.create(stream=True, **options) as stream:
                         count = 0
@@ -502,18 +522,19 @@ def test_an_engine_that_fails_fails_its_requests_and_its_health_check():
     from jax_hybrid_attn.serve.engine_loop import EngineLoop, EngineRequest
     from jax_hybrid_attn.serve.metrics import ServerMetrics
     from jax_hybrid_attn.serve.openai_serving import OpenAIServing
+    from jax_hybrid_attn.serve.request_streams import RequestStreams
 
     engine_loop = EngineLoop(_FailingEngine())
     metrics = ServerMetrics(snapshot=lambda: engine_loop.snapshot)
-    serving = OpenAIServing(engine_loop, tokenizer=TOKENIZER, model_name="failing", chat_template=None, max_n=1)
-    app = build_app(serving, metrics=metrics, manage_engine_loop=False)
+    streams = RequestStreams(engine_loop, observer=metrics)
+    serving = OpenAIServing(streams, tokenizer=TOKENIZER, model_name="failing", chat_template=None, max_n=1)
+    app = build_app(serving, metrics=metrics, manage_engine=False)
     engine_loop.start()
     assert engine_loop.ready.wait(IDLE_TIMEOUT_S)
 
     async def run():
-        events = asyncio.Queue()
-        engine_loop.submit([EngineRequest("empty", [], SamplingParams()), EngineRequest("ok", [1], SamplingParams())],
-                           events)  # fmt: skip
+        events = streams.open([EngineRequest("empty", [], SamplingParams()),
+                               EngineRequest("ok", [1], SamplingParams())])  # fmt: skip
         received = [await asyncio.wait_for(events.get(), IDLE_TIMEOUT_S) for _ in range(2)]
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://failing") as http:
             return received, await http.get("/health"), await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
@@ -524,3 +545,49 @@ def test_an_engine_that_fails_fails_its_requests_and_its_health_check():
     assert isinstance(engine_loop.error, RuntimeError) and not engine_loop.healthy
     assert health.status_code == 503 and "the device is gone" in health.json()["error"]["message"]
     assert completion.status_code == 503 and "not running" in completion.json()["error"]["message"]
+
+
+def test_the_engine_process_reports_what_stops_it():
+    """Loading fails: `wait_loaded` raises the engine process's error. The engine process dies mid-request: the
+    request gets an error event (500), the client says it failed, and a function that cannot travel to the
+    engine process is refused by its future."""
+    import argparse
+
+    from jax_hybrid_attn.serve.engine_loop import EngineRequest
+    from jax_hybrid_attn.serve.engine_process import EngineProcess
+    from jax_hybrid_attn.serve.request_streams import RequestStreams
+    from tests import serve_fakes
+
+    args = argparse.Namespace(model="/nowhere", log_level="warning")
+    failing = EngineProcess(args, build=serve_fakes.build_nothing).start()
+    with pytest.raises(ValueError, match="no config.json"):
+        failing.wait_loaded()
+    failing.stop()
+
+    engine = EngineProcess(args, build=serve_fakes.build_stepping_engine).start()
+    engine.wait_loaded()
+    assert engine.max_model_len == 64 and not engine.healthy
+
+    async def run():
+        engine.start()  # read its messages on this loop
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while not engine.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert engine.healthy
+        assert await asyncio.wrap_future(engine.when_idle(serve_fakes.unfinished_requests)) == 0
+        with pytest.raises(Exception, match="pickle"):
+            await asyncio.wrap_future(engine.when_idle(lambda e: len(e.left)))
+        streams = RequestStreams(engine)
+        events = streams.open([EngineRequest("long", [1, 2], SamplingParams(max_tokens=10_000))])
+        first = await asyncio.wait_for(events.get(), IDLE_TIMEOUT_S)
+        engine._process.kill()
+        while True:
+            event = await asyncio.wait_for(events.get(), IDLE_TIMEOUT_S)
+            if event.error is not None:
+                return first, event
+
+    first, failed = asyncio.run(run())
+    assert first.token_ids == [serve_fakes.TOKEN] and first.finish_reason is None
+    assert failed.status == 500 and "exited" in failed.error
+    assert not engine.healthy and "exit code" in str(engine.error)
+    engine.stop()

@@ -49,7 +49,13 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         """The bytes of `ids` as UTF-8 (invalid sequences replaced); special ids are dropped."""
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        try:  # every id a byte, the common case, without a Python loop (an array would give its raw buffer)
+            data = bytes(ids) if isinstance(ids, list | tuple) else None
+        except (ValueError, TypeError):
+            data = None
+        if data is None:
+            data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
 
 
 def _read_json(path: Path) -> dict:

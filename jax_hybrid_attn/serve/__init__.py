@@ -2,11 +2,13 @@
 
   * `protocol`: OpenAI's request and response bodies (pydantic); `errors`: its error JSON;
   * `engine_loop`: one thread owns and steps the engine; requests and aborts reach it through a thread-safe
-    queue, tokens go back to each request's asyncio queue;
+    queue, each step's tokens go back as events; `engine_process`: that loop in a process of its own (what
+    ``jha serve`` runs); `request_streams`: the events into each request's asyncio queue, and its timings;
   * `text`: tokens to text as they arrive, and stop strings; `chat_template`: a checkpoint's chat template;
   * `openai_serving`: completions and chat completions on the engine loop (choices, usage, streaming);
   * `metrics`: Prometheus metrics in a registry of the server's own;
-  * `app`: the FastAPI routes; `server`: the model, engine and app from ``jha serve``'s options, and uvicorn.
+  * `app`: the FastAPI routes; `server`: the engine process and the app from ``jha serve``'s options, and
+    uvicorn.
 
 FastAPI, uvicorn, jinja2 and prometheus_client (the ``serve`` extra) are imported by those modules only: this
 package's own import, which ``jha``'s argument parser needs, imports none of them.

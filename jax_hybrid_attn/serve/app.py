@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine_loop import EngineLoop
 from .errors import (
     INVALID_REQUEST,
     NOT_FOUND,
@@ -62,19 +61,19 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def build_app(serving: OpenAIServing, *, metrics: ServerMetrics, manage_engine_loop: bool = True) -> FastAPI:
-    """The app. `manage_engine_loop`: start the engine loop when the app starts and stop it when it stops."""
-    engine_loop: EngineLoop = serving.engine_loop
+def build_app(serving: OpenAIServing, *, metrics: ServerMetrics, manage_engine: bool = True) -> FastAPI:
+    """The app. `manage_engine`: start the engine client when the app starts and stop it when it stops."""
+    engine = serving.engine
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        if manage_engine_loop:
-            engine_loop.start()
+        if manage_engine:
+            engine.start()
         try:
             yield
         finally:
-            if manage_engine_loop:
-                await asyncio.to_thread(engine_loop.stop)
+            if manage_engine:
+                await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="jax_hybrid_attn", description="An OpenAI-compatible server on the engine.",
                   lifespan=lifespan, docs_url=None, redoc_url=None)  # fmt: skip
@@ -120,12 +119,14 @@ def build_app(serving: OpenAIServing, *, metrics: ServerMetrics, manage_engine_l
 
     @app.get("/health")
     async def health():
-        if engine_loop.healthy:
+        if engine.healthy:
             return {"status": "ok"}
-        if engine_loop.error is not None:
-            message = f"the engine failed: {type(engine_loop.error).__name__}: {engine_loop.error}"
+        if engine.error is not None:
+            message = f"the engine failed: {type(engine.error).__name__}: {engine.error}"
+        elif engine.model_config is None:
+            message = "the engine is loading the model"
         else:
-            message = "the engine is compiling its step shapes" if not engine_loop.ready.is_set() else "stopped"
+            message = "the engine is compiling its step shapes" if not engine.ready.is_set() else "stopped"
         return JSONResponse(error_body(message, type=UNAVAILABLE), status_code=http.HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/metrics")

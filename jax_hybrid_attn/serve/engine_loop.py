@@ -1,33 +1,30 @@
-"""The engine under the server: one thread owns the `Engine` and steps it (`EngineLoop`).
+"""The engine on a thread of its own (`EngineLoop`), and what the server's handlers expect of an engine
+(`EngineClient`: this loop, or `engine_process.EngineProcess` running it in another process).
 
-    asyncio handlers --submit / abort / when_idle--> a thread-safe command queue
+    submit / abort / when_idle, from any thread --> a thread-safe command queue
         --> the engine thread: applies the commands between steps (`Engine.add_request`, `Engine.abort_request`),
             steps while any request is unfinished, blocks on the queue when none is
-        --> each step's tokens and finished requests, as `TokenEvent`s, back to the asyncio loop of each request
-            (`loop.call_soon_threadsafe`, one call per loop and step) and into the request's `asyncio.Queue`.
+        --> each step's new tokens and finished requests, as `TokenEvent`s, to the `Deliver` callable each
+            request was submitted with (one call per callable and step, on the engine thread).
 
 Nothing but the engine thread touches the engine once it runs (`when_idle` runs a function there, between
 requests). After requests are aborted the thread reads back the steps still in flight and waits for the device
-calls (`Engine.synchronize`), so an idle engine holds no block.
-
-The engine thread also times each request's tokens for the server's metrics (`Observer`) and publishes an
-`EngineSnapshot` after each step (requests running and waiting, blocks in use, the engine's counters) that the
-metrics read from any thread.
+calls (`Engine.synchronize`), so an idle engine holds no block. After each step it publishes an `EngineSnapshot`
+(requests running and waiting, blocks in use, the engine's counters), read from any thread.
 """
 
-import asyncio
 import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ..engine import Engine, EngineStats, SamplingParams
+from ..models import ModelConfig
 
-__all__ = ["EngineLoop", "EngineRequest", "EngineSnapshot", "Observer", "TokenEvent"]
+__all__ = ["Deliver", "EngineClient", "EngineLoop", "EngineRequest", "EngineSnapshot", "TokenEvent"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +41,7 @@ class EngineRequest:
     sampling: SamplingParams
 
 
-@dataclasses.dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):
     """What one step did for one request: its new tokens, and why it finished (``"stop"`` or ``"length"``; None
     while it runs), or why the engine refused it or failed (`error`, `status` the HTTP status it means)."""
 
@@ -54,6 +50,10 @@ class TokenEvent:
     finish_reason: str | None = None
     error: str | None = None
     status: int | None = None
+
+
+Deliver = Callable[[list[TokenEvent]], None]
+"""Takes one step's events of the requests submitted with it (called once per step, from the engine's thread)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,34 +68,35 @@ class EngineSnapshot:
     stats: EngineStats = dataclasses.field(default_factory=EngineStats)
 
 
-class Observer(Protocol):
-    """Receives each request's timings (called on the engine thread)."""
+class EngineClient(Protocol):
+    """What the server's handlers use of an engine. `model_config` and `max_model_len` are None until the model
+    has loaded; `ready` is set once every step shape is compiled; `error` is what stopped the engine, if it
+    failed."""
 
-    def first_token(self, seconds: float) -> None: ...
+    ready: threading.Event
+    error: BaseException | None
+    snapshot: EngineSnapshot
+    model_config: ModelConfig | None
+    max_model_len: int | None
 
-    def next_token(self, seconds: float) -> None: ...
+    @property
+    def healthy(self) -> bool: ...
 
-    def finished(self, reason: str, *, seconds: float, prompt_tokens: int, output_tokens: int) -> None: ...
+    def start(self) -> "EngineClient": ...
 
+    def stop(self, *, timeout: float = STOP_TIMEOUT_S) -> None: ...
 
-@dataclasses.dataclass
-class _Tracked:
-    """A request the engine thread holds for a handler: where its events go, and its timings."""
+    def submit(self, requests: Sequence[EngineRequest], deliver: Deliver) -> None: ...
 
-    request: EngineRequest
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    arrival: float
-    last_token: float | None = None
-    num_tokens: int = 0
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def when_idle(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class _Add:
     requests: tuple[EngineRequest, ...]
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    arrival: float
+    deliver: Deliver
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,18 +114,19 @@ _STOP = object()
 
 
 class EngineLoop:
-    """Owns `engine` on a thread of its own once `start`ed; see the module docstring.
+    """Owns `engine` on a thread of its own once `start`ed; see the module docstring. An `EngineClient`.
 
     Args:
       engine: the engine (compiled on the thread before it serves, unless it is already).
-      observer: receives each request's timings (the server's metrics), or None.
+      on_snapshot: called on the engine thread with each new `EngineSnapshot` (after the step's events).
     """
 
-    def __init__(self, engine: Engine, *, observer: Observer | None = None):
+    def __init__(self, engine: Engine, *, on_snapshot: Callable[[EngineSnapshot], None] | None = None):
         self.engine = engine
-        self._observer = observer
+        self.model_config, self.max_model_len = engine.model_config, engine.max_model_len
+        self._on_snapshot = on_snapshot
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._delivers: dict[str, Deliver] = {}  # the requests the engine holds (engine thread only)
         self._idle_waiters: list[_WhenIdle] = []  # engine thread only
         self._deferred: list[_Add] = []  # requests that arrived while idle waiters wait (engine thread only)
         self._needs_drain = False  # steps may be in flight with no request left (after aborts)
@@ -147,10 +149,21 @@ class EngineLoop:
             self._commands.put(_STOP)
             self._thread.join(timeout)
 
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine thread to end (it was stopped, or it failed)."""
+        self._thread.join(timeout)
+
     @property
     def healthy(self) -> bool:
         """Compiled, serving, and not failed."""
         return self.ready.is_set() and self.error is None and self._thread.is_alive()
+
+    def submit(self, requests: Sequence[EngineRequest], deliver: Deliver) -> None:
+        """Queue `requests` for the engine; their `TokenEvent`s go to `deliver`. The caller aborts the ones it
+        stops waiting for (`abort`)."""
+        if self.error is not None or not self._thread.is_alive():
+            raise RuntimeError(f"the engine is not running ({self.error or 'stopped'})")
+        self._commands.put(_Add(tuple(requests), deliver))
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests (`Engine.abort_request`, on the engine thread); ids it no longer holds are ignored."""
@@ -163,15 +176,6 @@ class EngineLoop:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_WhenIdle(fn, future))
         return future
-
-    # ---------------------------------------------------------------------------- the event loop
-
-    def submit(self, requests: Sequence[EngineRequest], events: asyncio.Queue) -> None:
-        """Queue `requests` for the engine; their `TokenEvent`s go into `events` on the running event loop. The
-        caller aborts the ones it stops waiting for (`abort`)."""
-        if self.error is not None or not self._thread.is_alive():
-            raise RuntimeError(f"the engine is not running ({self.error or 'stopped'})")
-        self._commands.put(_Add(tuple(requests), asyncio.get_running_loop(), events, time.perf_counter()))
 
     # --------------------------------------------------------------------------- the engine thread
 
@@ -226,50 +230,39 @@ class EngineLoop:
             self._deferred.append(command)
         elif isinstance(command, _Add):
             for request in command.requests:
-                self._add(request, command)
+                self._add(request, command.deliver)
         elif isinstance(command, _Abort):
             aborted = set(command.request_ids)
             self._deferred = [dataclasses.replace(c, requests=tuple(r for r in c.requests if r.request_id not in aborted))
                               for c in self._deferred]  # fmt: skip
             for request_id in command.request_ids:
-                tracked = self._tracked.pop(request_id, None)
-                if tracked is not None:
+                if self._delivers.pop(request_id, None) is not None:
                     self.engine.abort_request(request_id)
                     self._needs_drain = True
-                    self._observe_finish(tracked, "abort", time.perf_counter())
         elif isinstance(command, _WhenIdle):
             self._idle_waiters.append(command)
 
-    def _add(self, request: EngineRequest, command: _Add) -> None:
+    def _add(self, request: EngineRequest, deliver: Deliver) -> None:
         try:
             self.engine.add_request(request.prompt_token_ids, request.sampling, request_id=request.request_id)
         except (ValueError, NotImplementedError) as error:
-            event = TokenEvent(request.request_id, [], error=str(error), status=400)
-            self._post(command.loop, [(command.events, event)])
+            deliver([TokenEvent(request.request_id, [], error=str(error), status=400)])
             return
-        self._tracked[request.request_id] = _Tracked(request, command.loop, command.events, command.arrival)
+        self._delivers[request.request_id] = deliver
 
     def _step(self) -> None:
         tokens: dict = {}
         finished = self.engine.step(lambda request_id, token: tokens.setdefault(request_id, []).append(token))
-        now = time.perf_counter()
         self._needs_drain = True
-        done = {output.request_id: output for output in finished}
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id in tokens.keys() | done.keys():
-            tracked = self._tracked.get(request_id)
-            if tracked is None:  # aborted meanwhile
-                continue
-            new = tokens.get(request_id, [])
-            self._observe_tokens(tracked, len(new), now)
-            output = done.get(request_id)
-            reason = None if output is None else str(output.finish_reason)
-            if output is not None:
-                del self._tracked[request_id]
-                self._observe_finish(tracked, reason, now)
-            by_loop.setdefault(tracked.loop, []).append((tracked.events, TokenEvent(request_id, new, reason)))
-        for loop, items in by_loop.items():
-            self._post(loop, items)
+        reasons = {output.request_id: str(output.finish_reason) for output in finished}
+        by_deliver: dict[Deliver, list[TokenEvent]] = {}
+        for request_id in tokens.keys() | reasons.keys():
+            reason = reasons.get(request_id)
+            deliver = self._delivers.get(request_id) if reason is None else self._delivers.pop(request_id, None)
+            if deliver is not None:  # else aborted meanwhile
+                by_deliver.setdefault(deliver, []).append(TokenEvent(request_id, tokens.get(request_id, []), reason))
+        for deliver, events in by_deliver.items():
+            deliver(events)
         self._publish()
 
     def _run_idle(self, waiter: _WhenIdle) -> None:
@@ -280,30 +273,6 @@ class EngineLoop:
         except Exception as error:  # noqa: BLE001 - the caller's function: its error is the caller's
             waiter.future.set_exception(error)
 
-    def _observe_tokens(self, tracked: _Tracked, count: int, now: float) -> None:
-        for _ in range(count):
-            if self._observer is not None:
-                if tracked.last_token is None:
-                    self._observer.first_token(now - tracked.arrival)
-                else:
-                    self._observer.next_token(now - tracked.last_token)
-            tracked.last_token = now
-        tracked.num_tokens += count
-
-    def _observe_finish(self, tracked: _Tracked, reason: str, now: float) -> None:
-        if self._observer is not None:
-            self._observer.finished(reason, seconds=now - tracked.arrival,
-                                    prompt_tokens=len(tracked.request.prompt_token_ids),
-                                    output_tokens=tracked.num_tokens)  # fmt: skip
-
-    @staticmethod
-    def _post(loop: asyncio.AbstractEventLoop, items: list) -> None:
-        """Put ``(queue, event)`` items on `loop`'s queues, from the engine thread."""
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the loop is closed: nobody waits for these events
-            pass
-
     def _publish(self) -> None:
         engine, stats = self.engine, self.engine.stats
         usable = engine.layout.num_blocks - 1
@@ -313,15 +282,14 @@ class EngineLoop:
             running=len(engine.scheduler.running), waiting=len(engine.scheduler.waiting), blocks_in_use=in_use,
             usable_blocks=usable, stats=dataclasses.replace(stats),
         )  # fmt: skip
+        if self._on_snapshot is not None:
+            self._on_snapshot(self.snapshot)
 
     def _fail_all(self, message: str) -> None:
-        by_loop: dict = {}
-        for request_id, tracked in self._tracked.items():
-            event = TokenEvent(request_id, [], error=message, status=500)
-            by_loop.setdefault(tracked.loop, []).append((tracked.events, event))
-        self._tracked.clear()
-        for loop, items in by_loop.items():
-            self._post(loop, items)
+        by_deliver: dict[Deliver, list[TokenEvent]] = {}
+        for request_id, deliver in self._delivers.items():
+            by_deliver.setdefault(deliver, []).append(TokenEvent(request_id, [], error=message, status=500))
+        self._delivers.clear()
         pending = [*self._deferred, *self._idle_waiters]  # and the requests queued after the failure
         while True:
             try:
@@ -330,13 +298,16 @@ class EngineLoop:
                 break
         for command in pending:
             if isinstance(command, _Add):
-                events = [(command.events, TokenEvent(r.request_id, [], error=message, status=500))
-                          for r in command.requests]  # fmt: skip
-                self._post(command.loop, events)
+                events = [TokenEvent(r.request_id, [], error=message, status=500) for r in command.requests]
+                by_deliver.setdefault(command.deliver, []).extend(events)
             elif isinstance(command, _WhenIdle):
                 command.future.set_exception(RuntimeError(message))
+        for deliver, events in by_deliver.items():
+            _deliver_safely(deliver, events)
 
 
-def _put_all(items: list) -> None:
-    for events, event in items:
-        events.put_nowait(event)
+def _deliver_safely(deliver: Deliver, events: list[TokenEvent]) -> None:
+    try:
+        deliver(events)
+    except Exception:
+        logger.exception("delivering the engine's failure failed")

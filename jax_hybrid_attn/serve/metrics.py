@@ -1,9 +1,10 @@
 """The server's Prometheus metrics (``GET /metrics``), in a registry of its own (never the process-wide one).
 
 From the engine (its `EngineSnapshot`, read at each scrape): requests running and waiting, KV blocks in use and
-the pool's usage, the prefix cache's hit rate and its token counts, preemptions, steps. Per request (observed on
-the engine thread, `engine_loop.Observer`): time to first token (from the request's arrival at the server),
-inter-token latency, end-to-end latency, and requests finished by reason. Names follow vLLM's, prefixed ``jha:``.
+the pool's usage, the prefix cache's hit rate and its token counts, preemptions, steps. Per request (observed as
+the engine's events reach the server, `request_streams.Observer`): time to first token (from the request's
+submission), inter-token latency, end-to-end latency, and requests finished by reason. Names follow vLLM's,
+prefixed ``jha:``.
 """
 
 from collections.abc import Callable
@@ -26,7 +27,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class ServerMetrics:
-    """The metrics of one server. It is the engine loop's `Observer`; `snapshot` returns the engine's latest
+    """The metrics of one server. It is the request streams' `Observer`; `snapshot` returns the engine's latest
     `EngineSnapshot` (read at each scrape)."""
 
     def __init__(self, *, snapshot: Callable[[], EngineSnapshot]):
@@ -51,7 +52,7 @@ class ServerMetrics:
                                          registry=self.registry)  # fmt: skip
         self.registry.register(_EngineCollector(snapshot))
 
-    # engine_loop.Observer
+    # request_streams.Observer
     def first_token(self, seconds: float) -> None:
         self.time_to_first_token.observe(seconds)
 

@@ -7,15 +7,20 @@ engine request then aborted). When the handler stops waiting (the client disconn
 every choice), the choices still running are aborted.
 
 Stop tokens (the model's end-of-sequence tokens, ``stop_token_ids``) end a choice with finish reason "stop" and
-add no text; they count as completion tokens. ``usage`` is in every whole response; a stream sends it as OpenAI
-does: in one last chunk with no choices, before ``data: [DONE]``, when ``stream_options.include_usage`` is true.
+add no text; they count as completion tokens. ``usage`` is in every whole response and in a stream's last chunk:
+the chunk that ends its last choice, or, when ``stream_options.include_usage`` is true, as OpenAI sends it, one
+more chunk with no choices before ``data: [DONE]`` (the other chunks' ``usage`` is then null).
+
+A stream's text chunks are rendered from a template of their JSON with the text spliced in (no pydantic object
+per token); events that wait for a handler are merged into one chunk.
 """
 
-import asyncio
 import contextlib
 import dataclasses
+import json
+import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from pydantic import BaseModel
 
@@ -23,7 +28,7 @@ from ..engine import SamplingParams
 from ..engine.prompts import check_prompt
 from ..models.tokenizer import Tokenizer
 from .chat_template import ChatTemplate, ChatTemplateError
-from .engine_loop import EngineLoop, EngineRequest
+from .engine_loop import EngineRequest, TokenEvent
 from .errors import NOT_FOUND, SERVER_ERROR, APIError
 from .protocol import (
     SEED_MODULUS,
@@ -40,6 +45,7 @@ from .protocol import (
     Delta,
     Usage,
 )
+from .request_streams import RequestStreams
 from .text import TextStream
 
 __all__ = ["DONE", "MAX_PROMPTS", "OpenAIServing", "sse"]
@@ -76,6 +82,7 @@ class _Job:
     prompts: list[list[int]]
     choices: list[_Choice]
     return_token_ids: bool
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
     def usage(self) -> Usage:
@@ -83,10 +90,10 @@ class _Job:
 
 
 class OpenAIServing:
-    """OpenAI's completion endpoints on `engine_loop`'s engine.
+    """OpenAI's completion endpoints on the engine behind `streams`.
 
     Args:
-      engine_loop: the engine loop (its engine's model config and ``max_model_len`` bound the requests).
+      streams: the engine client's request streams (its model config and ``max_model_len`` bound the requests).
       tokenizer: the model's tokenizer.
       model_name: the name requests must give (or none).
       chat_template: the template of ``/v1/chat/completions`` (None: chat requests are refused).
@@ -95,17 +102,20 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine_loop: EngineLoop,
+        streams: RequestStreams,
         *,
         tokenizer: Tokenizer,
         model_name: str,
         chat_template: ChatTemplate | None,
         max_n: int,
     ):
-        self.engine_loop = engine_loop
-        engine = engine_loop.engine
-        self.model_config, self.max_model_len = engine.model_config, engine.max_model_len
+        self.streams, self.engine = streams, streams.engine
         self.tokenizer, self.model_name, self.chat_template, self.max_n = tokenizer, model_name, chat_template, max_n
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's ``max_model_len`` (None until its model has loaded)."""
+        return self.engine.max_model_len
 
     # --------------------------------------------------------------------------------- completions
 
@@ -115,20 +125,31 @@ class OpenAIServing:
         await _drain(self._run(job))
         choices = [CompletionChoice(index=c.index, text=c.text.text, finish_reason=c.finish_reason,
                                     **self._token_fields(job, c)) for c in job.choices]  # fmt: skip
-        return CompletionResponse(id=job.id, model=self.model_name, choices=choices, usage=job.usage)
+        return CompletionResponse(id=job.id, created=job.created, model=self.model_name, choices=choices,
+                                  usage=job.usage)  # fmt: skip
 
     def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
         """Checks the request now, then streams its server-sent events."""
         job = self._completion_job(request)
 
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+            return sse(CompletionChunk(id=job.id, created=job.created, model=self.model_name, choices=choices,
+                                       usage=usage))  # fmt: skip
+
+        text_chunk = _TextChunks(lambda index, text: chunk([CompletionChoice(index=index, text=text)]))
+
         async def events():
             async with contextlib.aclosing(self._run(job)) as run:
-                async for choice, piece, new_tokens in run:
+                async for choice, piece, new_tokens, usage in run:
+                    if choice.finish_reason is None and not job.return_token_ids:
+                        yield text_chunk(choice.index, piece)
+                        continue
                     tokens = {"token_ids": new_tokens} if job.return_token_ids else {}
-                    chunk = CompletionChoice(index=choice.index, text=piece, finish_reason=choice.finish_reason, **tokens)
-                    yield sse(CompletionChunk(id=job.id, model=self.model_name, choices=[chunk]))
+                    choices = [CompletionChoice(index=choice.index, text=piece, finish_reason=choice.finish_reason,
+                                                **tokens)]  # fmt: skip
+                    yield chunk(choices, None if request.include_usage else usage)
             if request.include_usage:
-                yield sse(CompletionChunk(id=job.id, model=self.model_name, choices=[], usage=job.usage))
+                yield chunk([], job.usage)
             yield DONE
 
         return events()
@@ -159,26 +180,34 @@ class OpenAIServing:
         await _drain(self._run(job))
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text.text),
                               finish_reason=c.finish_reason, **self._token_fields(job, c)) for c in job.choices]  # fmt: skip
-        return ChatCompletionResponse(id=job.id, model=self.model_name, choices=choices, usage=job.usage)
+        return ChatCompletionResponse(id=job.id, created=job.created, model=self.model_name, choices=choices,
+                                      usage=job.usage)  # fmt: skip
 
     def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
         """Checks the request now, then streams its server-sent events: each choice's first chunk gives the
         assistant role, then its text, then its finish reason."""
         job = self._chat_job(request)
 
-        def chunk(choice_chunks):
-            return sse(ChatCompletionChunk(id=job.id, model=self.model_name, choices=choice_chunks))
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            return sse(ChatCompletionChunk(id=job.id, created=job.created, model=self.model_name, choices=choices,
+                                           usage=usage))  # fmt: skip
+
+        text_chunk = _TextChunks(lambda index, text: chunk([ChatChunkChoice(index=index, delta=Delta(content=text))]))
 
         async def events():
             yield chunk([ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")) for c in job.choices])
             async with contextlib.aclosing(self._run(job)) as run:
-                async for choice, piece, new_tokens in run:
+                async for choice, piece, new_tokens, usage in run:
+                    if choice.finish_reason is None and not job.return_token_ids:
+                        yield text_chunk(choice.index, piece)
+                        continue
                     tokens = {"token_ids": new_tokens} if job.return_token_ids else {}
                     delta = Delta(content=piece) if piece or not choice.finish_reason else Delta()
-                    yield chunk([ChatChunkChoice(index=choice.index, delta=delta, finish_reason=choice.finish_reason,
-                                                 **tokens)])  # fmt: skip
+                    choices = [ChatChunkChoice(index=choice.index, delta=delta, finish_reason=choice.finish_reason,
+                                               **tokens)]  # fmt: skip
+                    yield chunk(choices, None if request.include_usage else usage)
             if request.include_usage:
-                yield sse(ChatCompletionChunk(id=job.id, model=self.model_name, choices=[], usage=job.usage))
+                yield chunk([], job.usage)
             yield DONE
 
         return events()
@@ -206,6 +235,12 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------- checks
 
+    @property
+    def _model_config(self):
+        if self.engine.model_config is None:
+            raise APIError("the engine is loading the model", status=503, type=SERVER_ERROR)
+        return self.engine.model_config
+
     def _check_common(self, request) -> None:
         if request.model is not None and request.model != self.model_name:
             raise APIError(f"model: the model {request.model!r} does not exist; this server serves "
@@ -216,14 +251,14 @@ class OpenAIServing:
             raise APIError(f"{unsupported}: not supported by this server", param=unsupported, code="unsupported")
         if request.n > self.max_n:
             raise APIError(f"n: {request.n} choices, more than this server's limit of {self.max_n}", param="n")
-        vocab = self.model_config.vocab_size
+        vocab = self._model_config.vocab_size
         bad = [t for t in request.stop_token_ids or () if not 0 <= t < vocab]
         if bad:
             raise APIError(f"stop_token_ids: {bad[:8]} outside the vocabulary [0, {vocab})", param="stop_token_ids")
 
     def _check_prompt(self, tokens: Sequence[int], *, param: str) -> None:
         try:
-            check_prompt(tokens, model_config=self.model_config, max_model_len=self.max_model_len)
+            check_prompt(tokens, model_config=self._model_config, max_model_len=self.max_model_len)
         except (ValueError, NotImplementedError) as error:
             raise APIError(f"{param}: {error}", param=param) from None
 
@@ -269,34 +304,31 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------------------------- running
 
-    async def _run(self, job: _Job) -> AsyncIterator[tuple[_Choice, str, list[int]]]:
-        """Submit the job's choices and yield (choice, its new text, its new tokens) as tokens arrive; a choice's
-        last item has its finish reason set. Choices still running when this ends (finished, cancelled or
-        closed) are aborted."""
-        events: asyncio.Queue = asyncio.Queue()
+    async def _run(self, job: _Job) -> AsyncIterator[tuple[_Choice, str, list[int], Usage | None]]:
+        """Submit the job's choices and yield (choice, its new text, its new tokens, the job's usage once its last
+        choice ends, else None) as tokens arrive. The events waiting for a choice are taken together: a handler
+        that runs behind the engine sends fewer, larger pieces. A choice's last item has its finish reason set.
+        Choices still running when this ends (finished, cancelled or closed) are aborted."""
         running = {c.request.request_id: c for c in job.choices}
         try:
-            self.engine_loop.submit([c.request for c in job.choices], events)
+            events = self.streams.open([c.request for c in job.choices])
         except RuntimeError as error:
             raise APIError(str(error), status=503, type=SERVER_ERROR) from None
         try:
             while running:
-                event = await events.get()
-                choice = running.get(event.request_id)
-                if choice is None:
-                    continue
-                if event.error is not None:
-                    kind = "invalid_request_error" if event.status and event.status < 500 else SERVER_ERROR
-                    raise APIError(event.error, status=event.status or 500, type=kind)
-                new_tokens, piece = self._take(choice, event.token_ids, event.finish_reason)
-                if choice.finish_reason is not None:
-                    del running[event.request_id]
-                    if event.finish_reason is None:  # a stop string: the engine request still runs
-                        self.engine_loop.abort([event.request_id])
-                yield choice, piece, new_tokens
+                waiting = [await events.get()]
+                while not events.empty():
+                    waiting.append(events.get_nowait())
+                for choice, tokens, reason in _merge(waiting, running):
+                    new_tokens, piece = self._take(choice, tokens, reason)
+                    if choice.finish_reason is not None:
+                        del running[choice.request.request_id]
+                        if reason is None:  # a stop string: the engine request still runs
+                            self.streams.close([choice.request.request_id])
+                    yield choice, piece, new_tokens, None if running else job.usage
         finally:
             if running:
-                self.engine_loop.abort(list(running))
+                self.streams.close(list(running))
 
     @staticmethod
     def _take(choice: _Choice, tokens: list[int], finish_reason: str | None) -> tuple[list[int], str]:
@@ -315,6 +347,41 @@ class OpenAIServing:
                 choice.finish_reason = finish_reason
         choice.token_ids += kept
         return kept, piece
+
+
+def _merge(events: list[TokenEvent], running: dict[str, _Choice]) -> list[tuple[_Choice, list[int], str | None]]:
+    """The events of running choices, merged per choice in order: (choice, its tokens, its finish reason or
+    None). An error event raises its `APIError`."""
+    merged: dict[str, tuple[_Choice, list[int], str | None]] = {}
+    for event in events:
+        choice = running.get(event.request_id)
+        if choice is None:
+            continue
+        if event.error is not None:
+            kind = "invalid_request_error" if event.status and event.status < 500 else SERVER_ERROR
+            raise APIError(event.error, status=event.status or 500, type=kind)
+        _, tokens, _ = merged.get(event.request_id, (choice, [], None))
+        merged[event.request_id] = (choice, tokens + event.token_ids, event.finish_reason)
+    return list(merged.values())
+
+
+class _TextChunks:
+    """A stream's text-only chunks, rendered once per choice by pydantic (`make(index, text)` gives the
+    server-sent event) with a placeholder for the text, then by splicing each piece in as JSON."""
+
+    def __init__(self, make: Callable[[int, str], str]):
+        self._make = make
+        self._templates: dict[int, tuple[str, str]] = {}
+
+    def __call__(self, index: int, text: str) -> str:
+        template = self._templates.get(index)
+        if template is None:
+            before, _, after = self._make(index, _TEXT_SLOT).rpartition(json.dumps(_TEXT_SLOT))
+            template = self._templates[index] = (before, after)
+        return template[0] + json.dumps(text, ensure_ascii=False) + template[1]
+
+
+_TEXT_SLOT = "<jha-text-slot>"
 
 
 async def _drain(items) -> None:

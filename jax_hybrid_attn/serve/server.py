@@ -1,9 +1,9 @@
-"""``jha serve``: the model, the engine, the engine loop and the app from the command line's options
+"""``jha serve``: the engine process, the request streams and the app from the command line's options
 (`build_server`), and uvicorn serving them (`run`).
 
-The model loads as ``jha generate`` loads it (the same options, `jax_hybrid_attn.cli.add_engine_arguments`); the
-server listens at once and compiles the engine's step shapes on the engine thread (``/health`` says 503 until they
-are), then serves.
+The engine process loads the model as ``jha generate`` loads it (the same options,
+`jax_hybrid_attn.cli.add_engine_arguments`, through `build_engine`); once it has, the server listens while the
+engine compiles its step shapes (``/health`` says 503 until they are), then serves.
 """
 
 import argparse
@@ -15,9 +15,10 @@ from pathlib import Path
 from ..engine import Engine
 from .app import build_app
 from .chat_template import load_chat_template
-from .engine_loop import EngineLoop
+from .engine_process import EngineProcess
 from .metrics import ServerMetrics
 from .openai_serving import OpenAIServing
+from .request_streams import RequestStreams
 
 __all__ = ["EMBEDDED_MODEL_NAME", "Server", "build_engine", "build_server", "run"]
 
@@ -29,11 +30,11 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Server:
-    """What ``jha serve`` runs: the FastAPI `app`, its `engine_loop` (started by the app's lifespan), the
+    """What ``jha serve`` runs: the FastAPI `app`, its `engine` process (stopped by the app's lifespan), the
     `serving` endpoints and the `metrics`."""
 
     app: object
-    engine_loop: EngineLoop
+    engine: EngineProcess
     serving: OpenAIServing
     metrics: ServerMetrics
 
@@ -70,20 +71,27 @@ def served_model_name(args: argparse.Namespace) -> str:
 
 
 def build_server(args: argparse.Namespace, *, log=sys.stderr) -> Server:
-    """The server of ``jha serve``'s options; its engine loop starts with the app (or by `EngineLoop.start`)."""
+    """The server of ``jha serve``'s options, once its engine process has loaded the model (what loading raised,
+    it raises); the engine compiles meanwhile and after."""
+    from ..models import load_tokenizer
+
     if args.max_n < 1:
         raise ValueError(f"--max-n={args.max_n} must be at least 1")
     chat_template = load_chat_template(args.model, override=args.chat_template)
-    engine, tokenizer = build_engine(args, log=log)
-    holder: dict = {}
-    metrics = ServerMetrics(snapshot=lambda: holder["loop"].snapshot)
-    engine_loop = holder["loop"] = EngineLoop(engine, observer=metrics)
+    tokenizer = load_tokenizer(args.model)
+    engine = EngineProcess(args).start()
+    try:
+        engine.wait_loaded()
+    except BaseException:
+        engine.stop()
+        raise
+    metrics = ServerMetrics(snapshot=lambda: engine.snapshot)
     name = served_model_name(args)
-    serving = OpenAIServing(engine_loop, tokenizer=tokenizer, model_name=name, chat_template=chat_template,
-                            max_n=args.max_n)  # fmt: skip
+    serving = OpenAIServing(RequestStreams(engine, observer=metrics), tokenizer=tokenizer, model_name=name,
+                            chat_template=chat_template, max_n=args.max_n)  # fmt: skip
     if chat_template is None:
         print(f"{name}: no chat template (/v1/chat/completions answers 400)", file=log)
-    return Server(build_app(serving, metrics=metrics), engine_loop, serving, metrics)
+    return Server(build_app(serving, metrics=metrics), engine, serving, metrics)
 
 
 def run(args: argparse.Namespace) -> None:
