@@ -11,8 +11,11 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
               `generate_batch` with `paged|sdpa` on the same weights and prompts, in the same process;
   tp-capacity (CPU is enough) concurrent 32k sequences at equal KV memory per device, tensor parallel 1 and 2;
   tp          (two GPUs) the throughput model at tensor parallel 1 and 2: tokens/s, memory per GPU, same tokens;
-  busy        (GPU) the share of a 256-request decode step's wall time that the GPU runs kernels or copies
-              (CUPTI profile), and the engine's step time against its jitted calls replayed back to back.
+  busy        (GPU) a 256-request decode step against its byte floor: the bytes it must read (weights, and the
+              K/V each layer's window, chunk or context covers), the time they take at the read ceiling
+              measured in the same run, the engine's wall time, the kernel time, kernels per layer and the
+              share of the wall time the GPU runs kernels or copies (CUPTI profile); and the engine's step
+              time against its jitted calls replayed back to back.
 
 Prints one line per measurement and a summary table last.
 """
@@ -286,13 +289,66 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     while scheduler.waiting or not all(request.output_token_ids for request in scheduler.running):
         engine.step()  # every prompt prefilled
     engine.synchronize()
-    line = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)
-    line = f"decode step of {num_requests} requests: {line}"
+    floor_before = decode_step_bytes(engine, model)
+    line, timed = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)
+    floor = {key: (value + decode_step_bytes(engine, model)[key]) / 2 for key, value in floor_before.items()}
+    read_gbps = read_ceiling_gbps()
+    floor_ms = floor["total"] / (read_gbps * 1e6)
+    line = (f"decode step of {num_requests} requests: must read {floor['weights'] / 1e9:.2f} GB of weights + "
+            f"{floor['kv'] / 1e9:.2f} GB of covered K/V = {floor['total'] / 1e9:.2f} GB, {floor_ms:.2f} ms at the "
+            f"read ceiling measured here ({read_gbps:,.0f} GB/s); the engine's step {timed['step_ms']:.2f} ms = "
+            f"{timed['step_ms'] / floor_ms:.2f}x that floor, kernel time {timed['kernel_ms']:.2f} ms, "
+            f"{timed['ops'] / config.num_layers:.1f} kernels and copies per layer; {line}")  # fmt: skip
     print("busy", line, flush=True)
     rows.append(("busy", line))
 
 
-def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
+def decode_step_bytes(engine: Engine, model) -> dict[str, float]:
+    """The bytes the next decode step of `engine`'s running requests must read at least: the weights (the
+    embedding table only where it is also the LM head; a decode gathers R rows of it otherwise) and, per layer,
+    the K and V of the positions each request's query attends (its context on a full layer, the last W on a
+    sliding one, its chunk so far on a chunked one). Keys ``weights``, ``kv`` and ``total``."""
+    from flax import nnx
+
+    config = engine.model_config
+    weights = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if not config.tie_word_embeddings:
+        weights -= model.model.embed_tokens.weight.value.nbytes
+    per_position = 2 * config.num_kv_heads * config.head_dim * np.dtype(engine.layout.dtype).itemsize
+    kv = 0
+    for request in engine.scheduler.running:
+        length = request.num_tokens  # the positions the next step's query attends, its own included
+        for layer_type in config.layer_types:
+            if layer_type == "sliding_attention":
+                covered = min(length, config.sliding_window)
+            elif layer_type == "chunked_attention":
+                covered = (length - 1) % config.attention_chunk_size + 1
+            else:
+                covered = length
+            kv += covered * per_position
+    return {"weights": weights, "kv": kv, "total": weights + kv}
+
+
+READ_CEILING_BYTES = 4 << 30
+"""The array `read_ceiling_gbps` reads (a read stream of this size runs at the HBM's rate, not the L2's)."""
+
+
+def read_ceiling_gbps(*, calls: int = 10) -> float:
+    """The device's read bandwidth as measured here: a max over a `READ_CEILING_BYTES` bf16 array, per call."""
+    size = READ_CEILING_BYTES // 2 if jax.default_backend() == "gpu" else 1 << 20
+    x = jnp.ones(size, jnp.bfloat16)
+    read = jax.jit(jnp.max)
+    jax.block_until_ready(read(x))
+    started = time.perf_counter()
+    for _ in range(calls):
+        result = read(x)
+    jax.block_until_ready(result)
+    return x.nbytes * calls / ((time.perf_counter() - started) * 1e9)
+
+
+def _busy_variant(engine: Engine, trace: str, *, steps: int) -> tuple[str, dict]:
+    """(the line of `steps` decode steps: wall time, GPU busy share, the same calls replayed, host phases; and
+    its figures: ``step_ms``, ``kernel_ms`` and ``ops`` per step)."""
     for _ in range(3):  # decode steps (the decode shape compiles)
         engine.step()
     started = time.perf_counter()
@@ -338,11 +394,13 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> str:
     replay_time = replays()
     replay_trace = profiled(f"{trace}/replay", replays)
     busy = engine_trace.gpu_busy_ms
+    figures = {"step_ms": step_time, "kernel_ms": busy / steps, "ops": engine_trace.gpu_ops / steps}
     return (f"engine {step_time:.2f} ms per step, GPU busy {busy / engine_trace.gpu_span_ms:.0%} of it "
             f"({busy / steps:.2f} ms of kernels and copies per step, {engine_trace.gpu_ops / steps:.0f} of them); "
             f"the step's calls replayed back to back {replay_time:.2f} ms, GPU busy "
             f"{replay_trace.gpu_busy_ms / replay_trace.gpu_span_ms:.0%}; the engine's thread per step: {phases}; "
-            "host per engine step by profiler event: " + "; ".join(engine_trace.host_lines(per=steps, top=8)))  # fmt: skip
+            "host per engine step by profiler event: " + "; ".join(engine_trace.host_lines(per=steps, top=8)),
+            figures)  # fmt: skip
 
 
 def _host_phases(engine: Engine, *, steps: int) -> str:
@@ -350,7 +408,7 @@ def _host_phases(engine: Engine, *, steps: int) -> str:
     reading back, of the reading the part spent waiting for the device, and of the device worker in sending the
     step's calls."""
     timed = {  # phase: the function it is the time of (`jax.device_get`: the engine's one read of a step)
-        "plan": (engine, "_schedule"), "send": (engine, "_send"), "read": (engine, "_read"),
+        "plan": (engine.scheduler, "schedule"), "send": (engine, "_send"), "read": (engine, "_read"),
         "of it waiting": (jax, "device_get"), "worker sending the calls": (engine, "_dispatch"),
     }  # fmt: skip
     spent = dict.fromkeys(timed, 0.0)
