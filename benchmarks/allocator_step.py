@@ -12,8 +12,9 @@ output, and append + allocate in one call. The first three run the step as `comp
 
     PYTHONPATH=. python benchmarks/allocator_step.py [--steps 300] [--requests 256]
 
-vLLM 0.33's Python `KVCacheManager` takes 7.1-7.7 ms per scheduler step for the same work on a 2-core CPU.
-Also printed: blocks held per request at a 32,768-token context against full-attention allocation.
+`allocator_vs_vllm.py` times vLLM 0.33's Python `KVCacheManager` on the same work, side by side; the figures of
+both are in benchmarks/RESULTS.md. Also printed: blocks held per request at a 32,768-token context against
+full-attention allocation.
 """
 
 import argparse

@@ -13,8 +13,8 @@ noise hits both alike: the figure to read is the ratio. Each step starts, untime
 sampled (the same tokens on both sides): vLLM's block hasher and our `append_token_ids` hash a block when it fills.
 ``--sync-dispatch`` runs our calls inline on the calling thread (JAX's `jax_cpu_enable_async_dispatch` off: a
 scheduler waits for each step's result anyway; on 2 cores the hand-off to a worker thread shows in the figures).
-With ``--block 1`` the sides alternate every step, and each step runs after the other side's (its caches cold:
-ours then takes about 1.5x longer on a 2-core machine). At the end, every request's block ids in every group
+With ``--block 1`` the sides alternate every step, and each step runs after the other side's (its caches cold;
+see benchmarks/RESULTS.md for what that costs). At the end, every request's block ids in every group
 must be the same on both sides: the two allocators did the same work, block for block.
 
 vLLM 0.33 pins another torch than this project, so it runs in its own environment (see BUILD.md):
@@ -31,8 +31,8 @@ import sys
 import time
 
 # One torch thread, as vLLM's engine runs for serving (`vllm.utils.torch_utils.set_torch_threads_for_runtime`): set
-# before torch is imported, or its idle OpenMP threads spin and take cycles from both sides (vLLM's median nearly
-# doubles on a 2-core machine).
+# before torch is imported, or its idle OpenMP threads spin and take cycles from both sides (see
+# benchmarks/RESULTS.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import jax

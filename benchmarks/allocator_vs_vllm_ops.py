@@ -34,8 +34,8 @@ The documented differences (`jax_hybrid_attn.allocator`'s docstring), and how ea
     .venv-vllm/bin/python benchmarks/allocator_vs_vllm_ops.py [--configs gemma3 ...] [--workloads ...] [--seed 0]
 
 Sizes are small (block 4, windows and chunks of 16 tokens, prompts of 9-59 tokens, pools of 8-149 blocks) so
-that windows and chunks are crossed many times; a workload takes a few seconds after its compile (10-25 s on 2
-cores: the pool size and token budget are static shapes of our step).
+that windows and chunks are crossed many times. Each workload compiles our step anew (the pool size and token
+budget are static shapes of it).
 
 The table, per configuration and workload: ops compared (allocations, preemptions and frees, each followed by
 the full comparison), allocations that succeeded, failures (allocations that did not fit: admissions refused by

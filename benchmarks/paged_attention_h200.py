@@ -4,7 +4,7 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/paged_attention_h2
 (``--sections parity,decode,prefill`` picks parts; ``--sweep`` also times the configurations behind the
 kernel defaults). Prints one line per parity case and per timed case, and a summary table last. Timing: CUPTI kernel time
 (Mosaic GPU profiler, every kernel of the jitted call), median of 30 runs, compile excluded. Decode is
-reported in GB/s of the KV blocks a query can see, against the measured 4.28 TB/s copy ceiling; prefill
+reported in GB/s of the KV blocks a query can see, against the H200's copy ceiling (`COPY_CEILING_GBPS`); prefill
 in TFLOP/s of the visible (query, key) pairs. Peers run side by side in the same process.
 """
 
@@ -295,7 +295,7 @@ def prefill_section(rows, *, sweep):
         dict(block_kv=64, num_stages=3),
         dict(block_kv=64, num_stages=4),
         dict(early_k_wait=True),
-        dict(consumer_registers=224, producer_registers=56),  # ptxas spills ~80 bytes with 232 / 40
+        dict(consumer_registers=224, producer_registers=56),  # against ptxas's spills at 232 / 40
         dict(persistent_ctas=jax.devices()[0].core_count),  # one CTA per SM, looping over the tiles
         dict(direct_io=False),  # q packed into tiles, the output gathered per token
     ]

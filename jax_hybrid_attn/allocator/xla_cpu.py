@@ -3,22 +3,21 @@
 The XLA CPU runtime pays a few microseconds per operation (a thunk dispatch each), so the allocator step costs
 about its number of array operations, whatever the batch size. The step is written to keep that number low and to
 avoid copies of the multi-MB state arrays; the device-neutral code elsewhere calls these helpers instead of the
-plain JAX operations. Every helper gives the same values, bit for bit, as the plain operation would. Figures
-(also in ``benchmarks/RESULTS.md``) were measured on 2 pinned CPU cores:
+plain JAX operations. Every helper gives the same values, bit for bit, as the plain operation would. The
+measured figures are in ``benchmarks/RESULTS.md`` (the allocator's step sections):
 
 * `compile_single_task` (the pinned compile; `kv_cache_manager.compile_allocate_slots` compiles the step with it). XLA's CPU compiler splits an operation
   into parallel tasks when its cost model counts enough bytes accessed: more than 512 KB gives a memory-bound
   operation 2 tasks (at most ``ceil(sqrt(cores))``, and never more than the CPUs the *compiling* thread may run
   on). The model counts the whole operand of a fused gather and the whole output of a scatter, so each gather or
   scatter of a few hundred rows in a multi-MB state array (the pool's block info, the request block tables, the
-  prefix map, the token ids) runs as 2 tasks, and the hand-off to a pool thread costs more than the copy: a
-  384-row gather from a [189,057, 8] block info took 56-75 µs split against 12-18 µs as one task. The step has
-  about 24 such operations in its common path. Compiling on a thread pinned to one CPU makes XLA give every
+  prefix map, the token ids) runs as 2 tasks, and the hand-off to a pool thread costs more than the copy. The
+  step has about 24 such operations in its common path. Compiling on a thread pinned to one CPU makes XLA give every
   memory-bound operation one task (it still splits a fusion with more arithmetic than bytes; see `materialize`).
   Only that thread is pinned: the caller's affinity is never changed, and the executable runs as any other (XLA's
   thread pool still runs independent operations side by side). On the Gemma-3-like decode step of 256 requests
-  (2 pinned cores of the H200 host, alternating, two runs): 445-659 µs per step against 675-973 µs as `jax.jit`
-  compiles it; 221 split operations became 9, none of them in the common path.
+  it leaves a few operations split, none of them in the common path, and the step runs faster than as `jax.jit`
+  compiles it.
 * `cumsum`: an int32 prefix sum as two reduce-windows (up to 1,024 elements), where XLA's CPU lowering of
   `jnp.cumsum` takes about seven operations.
 * `run_if`: rarely needed work as a 0-or-1-trip `lax.while_loop`. A `lax.cond` whose pass-through branch returns
