@@ -136,6 +136,7 @@ class Mirror:
                 assert all(len(lst) == 0 for lst in got), f"{rid!r} holds {got} but is not running"
             else:
                 assert got == want, f"{rid!r}: allocator {got}, oracle {want}"
+        assert manager.get_num_common_prefix_blocks() == oracle.num_common_prefix_blocks()
         check_invariants(manager)
 
 

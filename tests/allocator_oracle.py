@@ -300,6 +300,22 @@ class Oracle:
             del self.blocks[slot]
             del self.num_cached[slot]
 
+    def num_common_prefix_blocks(self):
+        """vLLM's ``get_num_common_prefix_blocks`` per group (``block.ref_cnt == len(req_to_blocks)`` over the
+        blocks of one running request), for every kind of group, a null block ending the count."""
+        if not self.blocks:
+            return [0] * self.num_groups
+        first = self.blocks[min(self.blocks)]
+        counts = []
+        for g in range(self.num_groups):
+            count = 0
+            for block in first[g]:
+                if block == 0 or self.ref[block] != len(self.blocks):
+                    break
+                count += 1
+            counts.append(count)
+        return counts
+
     def reset_prefix_cache(self):
         if len(self.free) != self.num_blocks - 1:
             return False

@@ -67,6 +67,30 @@ def test_free_queue_order_of_vllm_033_basic_prefill_example():
     assert manager.make_prefix_cache_stats().hits == 48
 
 
+def test_common_prefix_blocks_are_those_every_running_request_holds():
+    """vLLM's `get_num_common_prefix_blocks`: req0 and req1 share 3 cached blocks of 16, so both hold them; a
+    third request with another prompt ends the common prefix; once it leaves, the 3 are common again; none
+    runs: 0. (The mirror also compares every count with the oracle's after each step.)"""
+    mirror = Mirror(BASIC)
+    manager = mirror.manager
+    assert manager.get_num_common_prefix_blocks() == [0]
+    common = list(range(48))
+    mirror.add("req0", common + [100] * 7)
+    mirror.schedule([("req0", 55)])
+    assert manager.get_num_common_prefix_blocks() == [4]  # one request holds all of its blocks alone
+    mirror.add("req1", common + [200] * 7)
+    mirror.schedule([("req1", 55)])
+    assert manager.get_num_common_prefix_blocks() == [3]
+    mirror.add("req2", [300] * 20)
+    mirror.schedule([("req2", 20)])
+    assert manager.get_num_common_prefix_blocks() == [0]
+    mirror.free("req2")
+    assert manager.get_num_common_prefix_blocks() == [3]
+    mirror.free("req0")
+    mirror.free("req1")
+    assert manager.get_num_common_prefix_blocks() == [0]
+
+
 def test_null_block_is_never_handed_out_nor_freed():
     manager = KVCacheManager(BASIC)
     manager.add_request("a", list(range(160)))

@@ -60,7 +60,15 @@ from .kv_cache_manager import KVCacheManager, compile_allocate_slots
 from .pool import free_queue_order
 from .requests import add_requests, append_token_ids
 from .state import AllocatorState, PrefixCacheStats, init_state
-from .step import StepOutput, allocate_slots, free, get_computed_blocks, reset_prefix_cache, usage
+from .step import (
+    StepOutput,
+    allocate_slots,
+    free,
+    get_computed_blocks,
+    num_common_prefix_blocks,
+    reset_prefix_cache,
+    usage,
+)
 from .xla_cpu import compile_single_task
 
 PrefixCacheStatsSnapshot = PrefixCacheStats
@@ -92,6 +100,7 @@ __all__ = [
     "get_kv_cache_groups",
     "init_state",
     "max_concurrency",
+    "num_common_prefix_blocks",
     "reset_prefix_cache",
     "unify_page_sizes",
     "usage",

@@ -350,6 +350,10 @@ class KVCacheManager:
         tables = np.asarray(requests.tables[:, slot])
         return [tables[g, : lengths[g]].tolist() for g in range(self.config.num_groups)]
 
+    def get_num_common_prefix_blocks(self) -> list[int]:
+        """Per group, the leading blocks every running request holds (`step.num_common_prefix_blocks`)."""
+        return np.asarray(step_ops.num_common_prefix_blocks(self.state)).tolist()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
         self.state, ok = step_ops.reset_prefix_cache(self.config, self.state)
