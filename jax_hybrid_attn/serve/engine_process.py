@@ -14,8 +14,11 @@ interpreter lock behind the handlers (up to its 5 ms switch interval, several ti
 
 Messages are pickled tuples. The engine process sends ``loaded`` (the model config and ``max_model_len``) once
 the model is on the device, ``ready`` once every step shape is compiled, then ``events`` and ``snapshot`` per
-step, ``idle`` with each `when_idle` result, and ``failed`` with the exception that stopped it. The server
-process never initializes the accelerator: only the engine process does.
+step, ``idle`` with each `when_idle` result, and ``failed`` with the exception that stopped it; a thread of its
+own writes them (`_Outbox`), so that the engine never waits for the pipe, and messages that queued up go as one
+``batch``. The server sends ``add``, ``abort``, ``when_idle`` and ``stop``; the commands of one pass of its event
+loop go as one ``batch`` too. The server process never initializes the accelerator: only the engine process
+does.
 
 If the engine process dies, every request waiting on it gets an error event (status 500) and ``/health`` says
 so. `stop` asks it to exit and waits; it is killed if it does not.
@@ -131,7 +134,8 @@ class EngineProcess:
         return self.ready.is_set() and self.error is None and self._process is not None and self._process.is_alive()
 
     def submit(self, requests: Sequence[EngineRequest], deliver: Deliver) -> None:
-        """Send `requests` to the engine; their `TokenEvent`s go to `deliver` (from the reader thread)."""
+        """Send `requests` to the engine; their `TokenEvent`s go to `deliver`, called on the event loop that reads
+        the engine's messages."""
         if self.error is not None or self._process is None or not self.loaded.is_set():
             state = self.error or ("not started" if self._process is None else "loading the model")
             raise RuntimeError(f"the engine is not running ({state})")
