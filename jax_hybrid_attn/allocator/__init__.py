@@ -20,6 +20,7 @@ Modules, one job each:
   single_row        the step's general path: one row of any kind
   vectorised        the step's fast path: a run of rows served at once
   step              `allocate_slots` (the rows in order), `free`, `get_computed_blocks`, `reset_prefix_cache`
+  common_prefix     the leading blocks every running request holds, per group (for cascade attention)
   xla_cpu           workarounds for XLA's CPU runtime, with their measured gains; the pinned compile
   kv_cache_manager  `KVCacheManager`, a thin Python object around the jitted functions; `compile_allocate_slots`
 
@@ -42,6 +43,7 @@ Deliberate differences from vLLM (each explained where it is made):
     sizes of one attention type through `UniformTypeKVCacheSpecs`.
 """
 
+from .common_prefix import num_common_prefix_blocks
 from .config import (
     AllocatorConfig,
     KVCacheConfig,
@@ -60,15 +62,7 @@ from .kv_cache_manager import KVCacheManager, compile_allocate_slots
 from .pool import free_queue_order
 from .requests import add_requests, append_token_ids
 from .state import AllocatorState, PrefixCacheStats, init_state
-from .step import (
-    StepOutput,
-    allocate_slots,
-    free,
-    get_computed_blocks,
-    num_common_prefix_blocks,
-    reset_prefix_cache,
-    usage,
-)
+from .step import StepOutput, allocate_slots, free, get_computed_blocks, reset_prefix_cache, usage
 from .xla_cpu import compile_single_task
 
 PrefixCacheStatsSnapshot = PrefixCacheStats

@@ -23,6 +23,7 @@ from . import pool as pool_ops
 from . import requests as request_ops
 from . import step as step_ops
 from .columns import STAT_HITS, STAT_QUERIES, STAT_REQUESTS, RequestRows
+from .common_prefix import num_common_prefix_blocks
 from .config import AllocatorConfig
 from .hashing import NO_ADAPTER, cache_salt_words
 from .state import AllocatorState, PrefixCacheStats, init_state
@@ -351,8 +352,8 @@ class KVCacheManager:
         return [tables[g, : lengths[g]].tolist() for g in range(self.config.num_groups)]
 
     def get_num_common_prefix_blocks(self) -> list[int]:
-        """Per group, the leading blocks every running request holds (`step.num_common_prefix_blocks`)."""
-        return np.asarray(step_ops.num_common_prefix_blocks(self.state)).tolist()
+        """Per group, the leading blocks every running request holds (`common_prefix.num_common_prefix_blocks`)."""
+        return np.asarray(num_common_prefix_blocks(self.state)).tolist()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""
