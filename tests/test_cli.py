@@ -31,7 +31,7 @@ def test_the_report_and_no_hybrid(capsys, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
     code, out, _ = run(capsys, "--prompt-file", str(prompts), "--max-tokens", "3", "--no-hybrid", "--num-blocks", "64",
-                       "--max-model-len", "64")  # fmt: skip
+                       "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16")  # fmt: skip
     assert code == 0
     assert "requests 2 (0 refused)" in out and "every layer as full attention" in out and "TTFT" in out
     assert "model gemma3_text, 6 layers: full 1: 5; sliding (window 32) 5: 0-4; random weights" in out

@@ -6,6 +6,8 @@ causal layers never look at the padding), with no cache, allocator or metadata: 
 engine but the model's weights.
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,19 +58,21 @@ def tiny_model(family: str, seed: int = 0):
     return config, nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
+@partial(jax.jit, static_argnums=0)
+def _dense_next_token(graphdef, state, tokens, last):
+    """The argmax of the logits at `last` by the dense forward over all of `tokens` (one compile per model structure
+    and padded length, shared by every prompt and token)."""
+    logits, _ = nnx.merge(graphdef, state)(tokens, DenseAttention(tokens.shape[0]), logits_indices=last[None])
+    return jnp.argmax(logits[0])
+
+
 def dense_greedy(model, prompt: list[int], num_tokens: int, *, length: int = 64) -> list[int]:
     """Greedy tokens by the dense forward: the whole (padded) sequence every time, the logits at its end."""
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def next_token(state, tokens, last):
-        logits, _ = nnx.merge(graphdef, state)(tokens, DenseAttention(length), logits_indices=last[None])
-        return jnp.argmax(logits[0])
-
     tokens = list(prompt)
     for _ in range(num_tokens):
         padded = jnp.asarray(tokens + [0] * (length - len(tokens)), jnp.int32)
-        tokens.append(int(next_token(state, padded, jnp.int32(len(tokens) - 1))))
+        tokens.append(int(_dense_next_token(graphdef, state, padded, jnp.int32(len(tokens) - 1))))
     return tokens[len(prompt) :]
 
 

@@ -1,7 +1,7 @@
 """The model split over 2, 4 and 8 devices (8 forced CPU devices): for every layer pattern that splits differently,
 the model's logits equal one device's within float32 tolerance, and the engine's greedy tokens on 2 devices (on 8
-for one pattern) are identical to one device's. 8 query and 2 KV heads: on 4 and 8 devices the KV heads are
-replicated.
+for one pattern) are identical to one device's (the dense forward's greedy tokens, which the engine gives on one
+device: tests/test_engine.py). 8 query and 2 KV heads: on 4 and 8 devices the KV heads are replicated.
 
 XLA's forced host device count must be set before JAX starts, so each family runs in a subprocess; and two
 processes on one host run one engine through `jax.distributed`.
@@ -28,7 +28,7 @@ CHECK = textwrap.dedent(
     from jax_hybrid_attn.models import DenseAttention, ModelConfig
     from jax_hybrid_attn.models.partitioning import shard_model
     from jax_hybrid_attn.testing import TOLERANCES
-    from tests.test_engine import FAMILIES, tiny_model
+    from tests.test_engine import FAMILIES, dense_greedy, tiny_model
 
     assert len(jax.devices()) == 8, jax.devices()
     family = {family!r}
@@ -43,23 +43,25 @@ CHECK = textwrap.dedent(
 
     want = logits(*nnx.split(model))
     prompts = [[(5 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((13, 30, 7))]
-    runs = {{}}
     for tp in (2, 4, 8):
         mesh = Mesh(np.array(jax.devices()[:tp]), (TENSOR_AXIS,))
         graphdef, state, _ = shard_model(model, mesh, TENSOR_AXIS)
         np.testing.assert_allclose(np.asarray(logits(graphdef, state)), np.asarray(want),
                                    **TOLERANCES[jnp.dtype(jnp.float32)])
+    # one device's greedy tokens: the dense forward's (the engine's on one device, tests/test_engine.py)
+    want_tokens = [dense_greedy(model, prompt, 5) for prompt in prompts]
     engine_devices = {engine_devices!r}  # the engine: fewer devices than KV heads (each holds one), or more (replicated)
-    for tp in engine_devices:
+    per_device = []
+    for tp in (1, *engine_devices):  # one device: the KV memory it holds (nothing to compile)
         engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
                                                     max_model_len=64, tensor_parallel=tp))
-        outputs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))
-        runs[tp] = ([o.output_token_ids for o in outputs], engine.layout.total_bytes // tp)
         assert len(engine.runner.kv_cache.sharding.device_set) == tp
-    assert all(runs[tp][0] == runs[1][0] for tp in runs), runs
-    per_device = [runs[tp][1] for tp in engine_devices]
+        per_device.append(engine.layout.total_bytes // tp)
+        if tp > 1:
+            outputs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))
+            assert [o.output_token_ids for o in outputs] == want_tokens, (tp, outputs, want_tokens)
     assert per_device[1] * 2 == per_device[0], per_device  # 2 KV heads over 2 devices: half each
-    print("per-device KV bytes at TP", engine_devices, per_device)
+    print("per-device KV bytes at TP", (1, *engine_devices), per_device)
     print("ok")
     """
 )
@@ -67,7 +69,7 @@ CHECK = textwrap.dedent(
 
 # The layer patterns that split differently: dense MLPs with windows and q/k norms; sinks and a top-k MoE; chunked
 # RoPE and global NoPE layers with a shared expert. The engine runs on 8 devices (KV heads replicated) for one.
-SPLIT_PATTERNS = {"gemma3_text": (1, 2, 8), "gpt_oss": (1, 2), "llama4_text": (1, 2)}
+SPLIT_PATTERNS = {"gemma3_text": (2, 8), "gpt_oss": (2,), "llama4_text": (2,)}
 
 
 @pytest.mark.parametrize("family", list(SPLIT_PATTERNS))
@@ -79,17 +81,32 @@ def test_engine_split_over_devices_equals_one_device(family):
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
+# `jha generate` (what ``python -m jax_hybrid_attn generate`` runs) on 1 and then 2 of the forced devices, in one
+# process: each run prints one JSON line. Small step sizes for a 6-token prompt: one decode and one mixed shape.
+COMMAND = textwrap.dedent(
+    """
+    import sys
+    from jax_hybrid_attn.cli import main
+
+    for tp in ("1", "2"):
+        code = main(["generate", "--no-progress", "--json", "--max-tokens", "4", "--prompt", "Hello", "--num-blocks",
+                     "64", "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+                     "--tensor-parallel", tp])
+        sys.stdout.flush()
+        if code:
+            sys.exit(code)
+    """
+)
+
+
 def test_the_command_splits_the_embedded_model_and_reports_kv_memory_per_device():
     env = forced_cpu_devices_env(8)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    payloads = []
-    for tp in ("1", "2"):
-        command = [sys.executable, "-m", "jax_hybrid_attn", "generate", "--no-progress", "--json", "--max-tokens", "4",
-                   "--prompt", "Hello", "--num-blocks", "64", "--max-model-len", "64", "--tensor-parallel", tp]  # fmt: skip
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=root)
-        assert result.returncode == 0, result.stderr[-3000:]
-        payloads.append(json.loads(result.stdout))
-    one, two = payloads
+    result = subprocess.run([sys.executable, "-c", COMMAND], env=env, capture_output=True, text=True, timeout=600,
+                            cwd=root)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    one, two = (json.loads(line) for line in result.stdout.splitlines())
+    assert one["metrics"]["kv_cache"]["tensor_parallel"] == 1
     assert one["outputs"][0]["output_token_ids"] == two["outputs"][0]["output_token_ids"]
     kv = two["metrics"]["kv_cache"]
     # the embedded model has one KV head: each device holds it whole (replicated), as much as one device did
@@ -118,16 +135,13 @@ MULTI_PROCESS = textwrap.dedent(
 
 def test_two_processes_run_one_engine_over_their_devices():
     """jax.distributed on one host: 2 processes of 2 CPU devices each, one mesh of 4 (KV heads repeated), every
-    process adding the same requests: each reads back the tokens of one device."""
-    from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
-
-    from .test_engine import tiny_model
+    process adding the same requests: each reads back the tokens of one device (the dense forward's greedy tokens,
+    which the engine gives on one device: tests/test_engine.py)."""
+    from .test_engine import dense_greedy, tiny_model
 
     prompts = [[(5 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((13, 30, 7))]
-    config, model = tiny_model("mistral")
-    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                                                max_model_len=64))  # fmt: skip
-    want = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0))]
+    _, model = tiny_model("mistral")
+    want = [dense_greedy(model, prompt, 5) for prompt in prompts]
     with socket.socket() as free:
         free.bind(("localhost", 0))
         port = free.getsockname()[1]
