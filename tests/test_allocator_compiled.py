@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jax_hybrid_attn.allocator import (
     allocate_slots,
@@ -77,3 +78,47 @@ def test_compiled_step_equals_the_jitted_step():
         served[0] == config.max_num_seqs and served[-1] < config.max_num_seqs
     )  # the pool ran out on the way
     assert compile_allocate_slots(config, state_c, slots, out_c.seq_lens, ones).as_text() == step.as_text()
+
+
+def test_batched_add_and_free_equal_one_request_per_call():
+    """`add_requests` / `free_requests` (one device call per batch, rows padded to a compiled batch size) leave the
+    same state as `add_request` / `free` one request at a time, compiled or not; a bad batch changes nothing."""
+    from jax_hybrid_attn.allocator import KVCacheManager
+
+    config = CONFIGS["hybrid"]
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 1000, int(n)).tolist() for n in rng.integers(1, 7, config.max_num_seqs)]
+    ids = [f"r{i}" for i in range(len(prompts))]
+    one, batched, compiled = KVCacheManager(config), KVCacheManager(config), KVCacheManager(config)
+    compiled.compile()
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        one.add_request(request_id, prompt)
+    for manager in (batched, compiled):
+        assert manager.add_requests(ids[:1], prompts[:1]) == [one._slot_of[ids[0]]]  # the same slot
+        manager.add_requests(ids[1:], prompts[1:])
+    for manager in (one, batched, compiled):
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            assert manager.allocate_slots(request_id, len(prompt)) is not None
+    want = jax.tree.map(np.asarray, one.state)
+    for manager in (batched, compiled):
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, manager.state), want)
+
+    before = jax.tree.map(np.asarray, batched.state)
+    for bad in ([ids[0], "new"], ["new", "new"]):  # already added; twice in one batch
+        with pytest.raises(ValueError, match="is already added"):
+            batched.add_requests(bad, [[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match=r"token_ids must give one prompt per request \(2\)"):
+        batched.add_requests(["x", "y"], [[1, 2]])
+    with pytest.raises(ValueError, match=r"token_ids\[1\]"):
+        batched.add_requests(["x", "y"], [[1, 2], []])
+    with pytest.raises(ValueError, match="names a request twice"):
+        batched.free_requests([ids[0], ids[0]])
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, batched.state), before)
+
+    one.free(ids[2])
+    one.free(ids[0])
+    for manager in (batched, compiled):
+        manager.free_requests([ids[2], ids[0]])
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, manager.state),
+                     jax.tree.map(np.asarray, one.state))  # fmt: skip
+        assert manager.free_block_queue() == one.free_block_queue()

@@ -1,7 +1,8 @@
 """`KVCacheManager`: a thin Python object around the jitted allocator, for schedulers written in Python.
 
-It maps request ids to slots, keeps each request's computed-token count, pads every batch to ``max_num_seqs``
-rows (one compiled shape), checks arguments, and returns Python lists where vLLM does. All the work happens in
+It maps request ids to slots, keeps each request's computed-token count, pads every step's batch to
+``max_num_seqs`` rows (one compiled shape) and each batch of added or freed requests to one of a few sizes
+(`BATCH_SIZES`), checks arguments, and returns Python lists where vLLM does. All the work happens in
 the jitted functions of `step` and `requests` (the step compiled with `compile_allocate_slots`, below, one task
 per memory-bound operation on a CPU); the state stays on the device.
 
@@ -29,7 +30,11 @@ from .hashing import NO_ADAPTER, cache_salt_words
 from .state import AllocatorState, PrefixCacheStats, init_state
 from .xla_cpu import compile_single_task
 
-__all__ = ["KVCacheManager", "compile_allocate_slots"]
+__all__ = ["BATCH_SIZES", "KVCacheManager", "compile_allocate_slots"]
+
+BATCH_SIZES = (1, 8, 64)
+"""Batch sizes (with ``max_num_seqs``, and below it) that `KVCacheManager.add_requests` and `free_requests` are
+compiled for; a batch is padded to the next one."""
 
 
 def _check_request_id(request_id) -> None:
@@ -89,7 +94,7 @@ class KVCacheManager:
         self.reuse_output_buffers = bool(reuse_output_buffers)
         self._last_output: step_ops.StepOutput | None = None
         self._compiled_steps: dict[bool, jax.stages.Compiled] = {}  # by whether a previous output is reused
-        self._compiled_ops: dict[str, jax.stages.Compiled] = {}  # `compile`: add_request's and free's operations
+        self._compiled_ops: dict[tuple[str, int], jax.stages.Compiled] = {}  # `compile`: add's and free's, by batch
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._num_computed: dict[Hashable, int] = {}
@@ -112,56 +117,109 @@ class KVCacheManager:
         bools) in ``[0, 2**31)`` and at most ``max_model_len`` long; `adapter_id` an int >= 0; `cache_salt` None,
         str or bytes; a free request slot. Raises `ValueError` (`TypeError` for an unhashable id) naming the
         argument."""
-        _check_request_id(request_id)
-        if request_id in self._slot_of:
-            raise ValueError(f"request_id={request_id!r} is already added")
-        tokens = _token_ids("token_ids", token_ids)
-        if tokens.size == 0:
-            raise ValueError("token_ids=[] must hold at least one token (a request without a prompt never runs)")
-        if tokens.size > self.config.max_model_len:
-            raise ValueError(
-                f"len(token_ids)={tokens.size} exceeds max_model_len={self.config.max_model_len}"
-            )
-        adapter_id = check_int("adapter_id", adapter_id, minimum=0)
-        salt = cache_salt_words(cache_salt)
-        if not self._free_slots:
-            raise ValueError(f"all max_num_seqs={self.config.max_num_seqs} request slots are in use")
-        slot = self._free_slots.pop()
-        self.state = self._add(self.state, slot, tokens, salt, adapter_id)
-        self._slot_of[request_id] = slot
-        self._num_computed[request_id] = 0
-        return slot
+        return self.add_requests([request_id], [token_ids], cache_salts=[cache_salt], adapter_ids=[adapter_id])[0]
 
-    def _add(self, state, slot: int, tokens: np.ndarray, salt, adapter_id: int):
-        row = np.zeros((1, self.config.max_model_len), np.int32)
-        row[0, : tokens.size] = tokens
-        args = (np.array([slot], np.int32), row, np.array([tokens.size], np.int32), np.asarray(salt)[None],
-                np.array([adapter_id], np.int32))  # fmt: skip
-        if self._compiled_ops:
-            return self._compiled_ops["add"](state, *args)
+    def add_requests(
+        self,
+        request_ids: Sequence[Hashable],
+        token_ids: Sequence[Sequence[int]],
+        *,
+        cache_salts: Sequence | None = None,
+        adapter_ids: Sequence[int] | None = None,
+    ) -> list[int]:
+        """`add_request` for several requests in one device call (a scheduler admits a batch at once: one call
+        costs about what one request does). Every request is checked, as `add_request` checks it, before anything
+        changes; ids must also differ from each other. Returns their slots."""
+        if not isinstance(request_ids, Sequence) or isinstance(request_ids, (str, bytes)):
+            raise TypeError(f"request_ids={request_ids!r} must be a sequence of request ids")
+        single = len(request_ids) == 1
+
+        def name(base: str, i: int) -> str:
+            return base if single else f"{base}[{i}]"
+
+        num = len(request_ids)
+        if not isinstance(token_ids, Sequence) or len(token_ids) != num:
+            raise ValueError(f"token_ids must give one prompt per request ({num}), got {token_ids!r:.80}")
+        salts = _per_request("cache_salts", cache_salts, None, num, lambda _name, value: value)
+        adapters = _per_request("adapter_ids", adapter_ids, NO_ADAPTER, num, lambda _name, value: value)
+        prompts, words, adapter_values = [], [], []
+        for i, request_id in enumerate(request_ids):
+            _check_request_id(request_id)
+            if request_id in self._slot_of or request_id in request_ids[:i]:
+                raise ValueError(f"{name('request_id', i)}={request_id!r} is already added")
+            tokens = _token_ids(name("token_ids", i), token_ids[i])
+            if tokens.size == 0:
+                raise ValueError(f"{name('token_ids', i)}=[] must hold at least one token (a request without a "
+                                 "prompt never runs)")  # fmt: skip
+            if tokens.size > self.config.max_model_len:
+                raise ValueError(
+                    f"len({name('token_ids', i)})={tokens.size} exceeds max_model_len={self.config.max_model_len}"
+                )
+            adapter_values.append(check_int(name("adapter_id", i), adapters[i], minimum=0))
+            words.append(cache_salt_words(salts[i]))
+            prompts.append(tokens)
+        if num > len(self._free_slots):
+            raise ValueError(f"all max_num_seqs={self.config.max_num_seqs} request slots are in use" if single else
+                             f"{num} requests, {len(self._free_slots)} of max_num_seqs={self.config.max_num_seqs} "
+                             "request slots free")  # fmt: skip
+        slots = [self._free_slots.pop() for _ in range(num)]
+        for start in range(0, num, self._batch_sizes[-1]):
+            end = start + self._batch_sizes[-1]
+            self.state = self._add(self.state, slots[start:end], prompts[start:end], words[start:end],
+                                   adapter_values[start:end])  # fmt: skip
+        for request_id, slot in zip(request_ids, slots, strict=True):
+            self._slot_of[request_id] = slot
+            self._num_computed[request_id] = 0
+        return slots
+
+    @functools.cached_property
+    def _batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes of the compiled `add_requests` and `free_requests` (`BATCH_SIZES`, and ``max_num_seqs``)."""
+        return tuple(sorted({b for b in BATCH_SIZES if b < self.config.max_num_seqs} | {self.config.max_num_seqs}))
+
+    def _padded(self, num: int) -> int:
+        return next(b for b in self._batch_sizes if b >= num)
+
+    def _add(self, state, slots: list[int], prompts: list[np.ndarray], salts: list[np.ndarray], adapters: list[int]):
+        """One device call for up to the largest batch size of requests (rows past them: slot -1, ignored)."""
+        size = self._padded(len(slots))
+        rows = np.zeros((size, self.config.max_model_len), np.int32)
+        for i, tokens in enumerate(prompts):
+            rows[i, : tokens.size] = tokens
+        pad = size - len(slots)
+        args = (np.array(slots + [-1] * pad, np.int32), rows,
+                np.array([t.size for t in prompts] + [0] * pad, np.int32),
+                np.concatenate([np.stack(salts), np.zeros((pad, 2), np.uint32)]),
+                np.array(adapters + [0] * pad, np.int32))  # fmt: skip
+        compiled = self._compiled_ops.get(("add", size))
+        if compiled is not None:
+            return compiled(state, *args)
         return request_ops.add_requests(self.config, state, *args)
 
-    def _free(self, state, slot: int):
-        slots = np.array([slot], np.int32)
-        if self._compiled_ops:
-            return self._compiled_ops["free"](state, slots)
-        return step_ops.free(self.config, state, slots)
+    def _free(self, state, slots: list[int]):
+        """One device call for up to the largest batch size of requests' blocks."""
+        size = self._padded(len(slots))
+        padded = np.array(slots + [-1] * (size - len(slots)), np.int32)
+        compiled = self._compiled_ops.get(("free", size))
+        if compiled is not None:
+            return compiled(state, padded)
+        return step_ops.free(self.config, state, padded)
 
     def compile(self) -> None:
-        """Compile `add_request`'s and `free`'s (and so `preempt`'s) device operations ahead of time for this
-        configuration and state: a server calls it before serving, so that no request waits for a compile (a
-        later call with other shapes is an error, never a silent compile)."""
+        """Compile `add_requests`' and `free_requests`' (and so `add_request`'s, `free`'s and `preempt`'s) device
+        operations ahead of time for this configuration and state, for each batch size: a server calls it before
+        serving, so that no request waits for a compile."""
         state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
 
-        def abstract(*arrays):
-            return [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+        def abstract(*shapes_and_dtypes):
+            return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes_and_dtypes]
 
-        row, salt = np.zeros((1, self.config.max_model_len), np.int32), cache_salt_words(None)[None]
-        one = np.zeros(1, np.int32)
-        self._compiled_ops = {
-            "add": request_ops.add_requests.lower(self.config, state, *abstract(one, row, one, salt, one)).compile(),
-            "free": step_ops.free.lower(self.config, state, *abstract(one)).compile(),
-        }
+        for size in self._batch_sizes:
+            rows, ints = ((size, self.config.max_model_len), np.int32), ((size,), np.int32)
+            salts = ((size, 2), np.uint32)
+            self._compiled_ops["add", size] = request_ops.add_requests.lower(
+                self.config, state, *abstract(ints, rows, ints, salts, ints)).compile()  # fmt: skip
+            self._compiled_ops["free", size] = step_ops.free.lower(self.config, state, *abstract(ints)).compile()
 
     def append_token_ids(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Append tokens (e.g. the one sampled this step) to a request.
@@ -331,15 +389,27 @@ class KVCacheManager:
 
     def free(self, request_id: Hashable) -> None:
         """Free a finished request's blocks (each group tail first) and release its slot."""
-        self.preempt(request_id)
-        self._free_slots.append(self._slot_of.pop(request_id))
-        del self._num_computed[request_id]
+        self.free_requests([request_id])
+
+    def free_requests(self, request_ids: Sequence[Hashable]) -> None:
+        """`free` several requests in one device call (in order); every id is checked first."""
+        slots = [self._slot(request_id) for request_id in request_ids]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"request_ids={list(request_ids)!r} names a request twice")
+        self._release_blocks(slots)
+        for request_id, slot in zip(request_ids, slots, strict=True):
+            self._free_slots.append(slot)
+            del self._slot_of[request_id], self._num_computed[request_id]
 
     def preempt(self, request_id: Hashable) -> None:
         """Free a request's blocks but keep it (and its tokens): its next `allocate_slots` starts over, with
         prefix hits on whatever of its blocks is still cached."""
-        self.state = self._free(self.state, self._slot(request_id))
+        self._release_blocks([self._slot(request_id)])
         self._num_computed[request_id] = 0
+
+    def _release_blocks(self, slots: list[int]) -> None:
+        for start in range(0, len(slots), self._batch_sizes[-1]):
+            self.state = self._free(self.state, slots[start : start + self._batch_sizes[-1]])
 
     # --------------------------------------------------------------------------------------- inspection
 

@@ -121,11 +121,15 @@ class Scheduler:
         requests first, in arrival order. The steps in flight are assumed to go as planned; a request whose last
         token is in flight is left out."""
         budget = self.config.max_num_batched_tokens
+        admitted = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.popleft()
-            self._on_device(self._manager.add_request, request.request_id, request.all_token_ids)
             request.admitted = True
             self.running.append(request)
+            admitted.append(request)
+        if admitted:  # in one device call
+            self._on_device(self._manager.add_requests, [r.request_id for r in admitted],
+                            [r.all_token_ids for r in admitted])  # fmt: skip
         rows = []
         for request in self.running:
             outputs = request.expected_num_outputs
@@ -178,7 +182,9 @@ class Scheduler:
                 reason = self._finish_reason(request, token)
                 if reason is not None:
                     request.finish_reason = reason
-                    outcome.finished.append(self._release(request))
+                    outcome.finished.append(self._release(request, free=False))
+        if outcome.finished:  # their blocks, in one device call
+            self._on_device(self._manager.free_requests, [output.request_id for output in outcome.finished])
         return outcome
 
     def preempt(self, failed: list[Request]) -> int:
@@ -209,8 +215,10 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _release(self, request: Request) -> RequestOutput:
-        self._on_device(self._manager.free, request.request_id)
+    def _release(self, request: Request, *, free: bool = True) -> RequestOutput:
+        """Take a finished request out; its blocks are freed (`free`), or the caller frees them."""
+        if free:
+            self._on_device(self._manager.free, request.request_id)
         self.running.remove(request)
         self._ids.discard(request.request_id)
         return RequestOutput.of(request)
