@@ -23,6 +23,7 @@ and end-to-end latency (p50, p90, p99, in ms), and the engine's own tokens/s on 
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -35,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from serve_trace import TRACE_DIR_VARIABLE
 from serving import GEMMA3_1B, TINY
 from startup import NEWCOMER_FLAGS, write_checkpoint, write_prompts
 
@@ -59,15 +61,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_dir: str, flags: list[str], *, port: int, log_path: str,
-                 profile: str | None = None) -> tuple[subprocess.Popen, float]:  # fmt: skip
-    """`jha serve` in a subprocess (under cProfile, writing `profile`, if given); returns it once /health says
-    200, with the seconds that took."""
+def start_server(model_dir: str, flags: list[str], *, port: int, log_path: str, profile: str | None = None,
+                 trace: str | None = None) -> tuple[subprocess.Popen, float]:  # fmt: skip
+    """`jha serve` in a subprocess (under cProfile, writing `profile`, if given; with `serve_trace`'s timeline
+    written to the directory `trace`, if given); returns it once /health says 200, with the seconds that took."""
     import httpx
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if trace:
+        env[TRACE_DIR_VARIABLE] = trace
     profiler = ["-m", "cProfile", "-o", profile] if profile else []
-    command = [sys.executable, *profiler, "-m", "jax_hybrid_attn", "serve", "--model", model_dir, "--port",
+    entry = [str(Path(__file__).with_name("serve_trace.py"))] if trace else ["-m", "jax_hybrid_attn"]
+    command = [sys.executable, *profiler, *entry, "serve", "--model", model_dir, "--port",
                str(port), "--log-level", "warning", *flags]  # fmt: skip
     started = time.perf_counter()
     log = open(log_path, "w")  # noqa: SIM115 - the server writes it until it stops
@@ -118,7 +123,7 @@ async def one_request(client, prompt: str, *, model: str, max_tokens: int) -> di
     return {"text": "".join(text), "output_tokens": usage["completion_tokens"] if usage else len(times),
             "prompt_tokens": usage["prompt_tokens"] if usage else 0,
             "ttft": times[0] - started if times else None, "itl": list(np.diff(times)), "e2e": end - started,
-            "end": end}  # fmt: skip
+            "start": started, "end": end}  # fmt: skip
 
 
 async def _client(base: str, prompts: list[tuple[int, str, float]], *, model: str, max_tokens: int,
@@ -147,10 +152,11 @@ def _ready() -> None:
 
 
 def run_load(base: str, prompts: list[str], *, model: str, max_tokens: int, rate: float,
-             max_concurrency: int | None, seed: int, processes: int) -> tuple[list[dict], float]:  # fmt: skip
+             max_concurrency: int | None, seed: int, processes: int) -> tuple[list[dict], float, float]:  # fmt: skip
     """Send every prompt (Poisson arrivals at `rate` per second, or all at once for inf) from `processes` client
     processes (prompt i from process i mod `processes`), so that parsing the streams is not the bottleneck;
-    (results in prompt order, wall seconds from the first send to the last response's end)."""
+    (results in prompt order, wall seconds from the first send to the last response's end, the first send's
+    time)."""
     import concurrent.futures
     import multiprocessing
 
@@ -167,7 +173,7 @@ def run_load(base: str, prompts: list[str], *, model: str, max_tokens: int, rate
         futures = [pool.submit(_client_process, base, share, kwargs) for share in shares if share]
         results = dict(item for future in futures for item in future.result())
     ends = [r["end"] for r in results.values() if "end" in r]
-    return [results[i] for i in range(len(prompts))], (max(ends) if ends else time.perf_counter()) - start_at
+    return [results[i] for i in range(len(prompts))], (max(ends) if ends else time.perf_counter()) - start_at, start_at
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -213,6 +219,56 @@ def report(label: str, results: list[dict], wall: float, before: dict, after: di
            f"prefix-cache hits {delta('prefix_cache_hit_tokens_total'):.0f} of {delta('prompt_tokens_total'):.0f} "
            f"prompt tokens" + (f" | greedy text equal to Engine.generate's {same}/{len(results)}"
                                if label == "second load" else ""))  # fmt: skip
+
+
+def _read_trace(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as file:
+        return [json.loads(line) for line in file]
+
+
+def print_timeline(label: str, trace: str, results: list[dict], *, start: float, wall: float) -> None:
+    """Where one load's time went (ms from its first send): the clients' sends, the server's submissions, the
+    engine's `add_request`s and steps (busy, idle between steps, each step of the first 20 and the last), the
+    server's last delivery and the clients' last end."""
+    end = start + wall + 1.0
+    server = [r for r in _read_trace(os.path.join(trace, "server.jsonl"))
+              if start - 1.0 <= r.get("t", r.get("start")) <= end]  # fmt: skip
+    engine = _read_trace(os.path.join(trace, "engine.jsonl"))
+    adds = sorted(r["t"] for r in engine if r["kind"] == "add" and start - 1.0 <= r["t"] <= end)
+    steps = sorted((r for r in engine if r["kind"] == "step" and start <= r["start"] <= end), key=lambda r: r["start"])
+
+    def at(t: float) -> str:
+        return f"{(t - start) * 1e3:.0f}"
+
+    def spread(times: list[float]) -> str:
+        if not times:
+            return "-"
+        return f"first {at(min(times))}, median {at(float(np.median(times)))}, last {at(max(times))}"
+
+    opens = [r["t"] for r in server if r["kind"] == "open"]
+    delivers = [r["t"] for r in server if r["kind"] == "deliver"]
+    print(f"timeline | {label} | ms from the first send")
+    print(f"  client sends: {spread([r['start'] for r in results if 'start' in r])}")
+    print(f"  server submissions: {len(opens)}, {spread(opens)}")
+    print(f"  engine add_request: {len(adds)}, {spread(adds)}")
+    if steps:
+        busy = sum(s["end"] - s["start"] for s in steps)
+        idle = sum(max(0.0, b["start"] - a["end"]) for a, b in itertools.pairwise(steps))
+        print(f"  engine steps: {len(steps)}, first starts at {at(steps[0]['start'])}, last ends at "
+              f"{at(steps[-1]['end'])}; in step() {busy * 1e3:.0f} ms, between steps {idle * 1e3:.0f} ms")  # fmt: skip
+        for i, s in enumerate(steps):
+            if i < 20 or i == len(steps) - 1:
+                print(f"    step {i}: {at(s['start'])} +{(s['end'] - s['start']) * 1e3:.1f} ms, {s['rows']} rows, "
+                      f"{s['tokens']} tokens; then running {s['running']}, waiting {s['waiting']}")  # fmt: skip
+    print(f"  server deliveries: {len(delivers)}, last {at(max(delivers)) if delivers else '-'}; clients' last end "
+          f"{at(start + wall)}")  # fmt: skip
+    for name, records in (("server", server), ("engine", engine)):
+        pauses = [r for r in records if r["kind"] == "gc" and start <= r["start"] <= end]
+        print(f"  {name} process: {len(pauses)} garbage collections over 1 ms, "
+              + ", ".join(f"{at(r['start'])} +{(r['end'] - r['start']) * 1e3:.0f} ms (gen {r['generation']})"
+                          for r in pauses[:12]))  # fmt: skip
 
 
 def engine_process(model_dir: str, flags: list[str], prompts: list[str], *, max_tokens: int) -> dict:
@@ -300,6 +356,8 @@ def main() -> None:
     parser.add_argument("--compilation-cache", metavar="DIR", help="passed to the server and to the engine")
     parser.add_argument("--profile-server", action="store_true",
                         help="run the server's process under cProfile; print its 30 costliest functions")  # fmt: skip
+    parser.add_argument("--trace", action="store_true",
+                        help="run the server through serve_trace.py; print each load's timeline")  # fmt: skip
     parser.add_argument("--engine-flags", default=None,
                         help="the engine flags of both runs (default: startup.py's newcomer flags; tiny: small sizes)")  # fmt: skip
     args = parser.parse_args()
@@ -329,19 +387,27 @@ def main() -> None:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         profile = os.path.join(work, "server.prof") if args.profile_server else None
+        trace = os.path.join(work, "trace") if args.trace else None
+        if trace:
+            os.makedirs(trace)
         process, startup = start_server(model_dir, flags, port=port, log_path=os.path.join(work, "server.log"),
-                                        profile=profile)  # fmt: skip
-        measured = {}
+                                        profile=profile, trace=trace)  # fmt: skip
+        measured, starts = {}, {}
         try:
             record(f"jha serve {' '.join(flags)} | healthy after {startup:.1f} s")
             for label, prompts in rounds.items():
                 before = scrape(base)
-                results, wall = run_load(base, prompts, model=Path(model_dir).resolve().name, max_tokens=max_tokens,
-                                         rate=args.request_rate, max_concurrency=args.max_concurrency,
-                                         seed=args.seed, processes=args.client_processes)  # fmt: skip
+                results, wall, start_at = run_load(base, prompts, model=Path(model_dir).resolve().name,
+                                                   max_tokens=max_tokens, rate=args.request_rate,
+                                                   max_concurrency=args.max_concurrency, seed=args.seed,
+                                                   processes=args.client_processes)  # fmt: skip
                 measured[label] = (results, wall, before, scrape(base))
+                starts[label] = start_at
         finally:
             stop_server(process)  # the device is free for the engine alone
+        if trace:
+            for label, (results, wall, *_) in measured.items():
+                print_timeline(label, trace, results, start=starts[label], wall=wall)
         if profile:
             import pstats
 

@@ -33,7 +33,7 @@ from .errors import (
     validation_error,
 )
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .openai_serving import DONE, OpenAIServing
+from .openai_serving import DONE, OpenAIServing, SubmittedStream
 from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 __all__ = ["build_app"]
@@ -51,14 +51,16 @@ class EventStream(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events):
+    def __init__(self, events: SubmittedStream):
         super().__init__(_with_error_event(events))
+        self._events = events
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self._events.aclose()  # also when the body never began: its requests are in the engine
 
 
 def build_app(serving: OpenAIServing, *, metrics: ServerMetrics, manage_engine: bool = True) -> FastAPI:

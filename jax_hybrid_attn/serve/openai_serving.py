@@ -15,6 +15,7 @@ A stream's text chunks are rendered from a template of their JSON with the text 
 per token); events that wait for a handler are merged into one chunk.
 """
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -48,7 +49,7 @@ from .protocol import (
 from .request_streams import RequestStreams
 from .text import TextStream
 
-__all__ = ["DONE", "MAX_PROMPTS", "OpenAIServing", "sse"]
+__all__ = ["DONE", "MAX_PROMPTS", "OpenAIServing", "SubmittedStream", "sse"]
 
 MAX_PROMPTS = 256
 """The most prompts one completion request may hold."""
@@ -72,6 +73,10 @@ class _Choice:
     text: TextStream
     token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+
+
+_Piece = tuple[_Choice, str, list[int], Usage | None]
+"""What a running job yields: (choice, its new text, its new tokens, the job's usage once its last choice ends)."""
 
 
 @dataclasses.dataclass
@@ -122,15 +127,16 @@ class OpenAIServing:
     async def completion(self, request: CompletionRequest) -> CompletionResponse:
         """The whole response."""
         job = self._completion_job(request)
-        await _drain(self._run(job))
+        await _drain(self._follow(job, self._submit(job)))
         choices = [CompletionChoice(index=c.index, text=c.text.text, finish_reason=c.finish_reason,
                                     **self._token_fields(job, c)) for c in job.choices]  # fmt: skip
         return CompletionResponse(id=job.id, created=job.created, model=self.model_name, choices=choices,
                                   usage=job.usage)  # fmt: skip
 
-    def completion_stream(self, request: CompletionRequest) -> AsyncIterator[str]:
-        """Checks the request now, then streams its server-sent events."""
+    def completion_stream(self, request: CompletionRequest) -> "SubmittedStream":
+        """Checks the request and sends it to the engine now; its server-sent events as they come."""
         job = self._completion_job(request)
+        submitted = self._submit(job)
 
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
             return sse(CompletionChunk(id=job.id, created=job.created, model=self.model_name, choices=choices,
@@ -139,7 +145,7 @@ class OpenAIServing:
         text_chunk = _TextChunks(lambda index, text: chunk([CompletionChoice(index=index, text=text)]))
 
         async def events():
-            async with contextlib.aclosing(self._run(job)) as run:
+            async with contextlib.aclosing(self._follow(job, submitted)) as run:
                 async for choice, piece, new_tokens, usage in run:
                     if choice.finish_reason is None and not job.return_token_ids:
                         yield text_chunk(choice.index, piece)
@@ -152,7 +158,7 @@ class OpenAIServing:
                 yield chunk([], job.usage)
             yield DONE
 
-        return events()
+        return self._stream(job, events())
 
     def _completion_job(self, request: CompletionRequest) -> _Job:
         self._check_common(request)
@@ -177,16 +183,17 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         """The whole response."""
         job = self._chat_job(request)
-        await _drain(self._run(job))
+        await _drain(self._follow(job, self._submit(job)))
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text.text),
                               finish_reason=c.finish_reason, **self._token_fields(job, c)) for c in job.choices]  # fmt: skip
         return ChatCompletionResponse(id=job.id, created=job.created, model=self.model_name, choices=choices,
                                       usage=job.usage)  # fmt: skip
 
-    def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[str]:
-        """Checks the request now, then streams its server-sent events: each choice's first chunk gives the
-        assistant role, then its text, then its finish reason."""
+    def chat_stream(self, request: ChatCompletionRequest) -> "SubmittedStream":
+        """Checks the request and sends it to the engine now; its server-sent events as they come: each choice's
+        first chunk gives the assistant role, then its text, then its finish reason."""
         job = self._chat_job(request)
+        submitted = self._submit(job)
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             return sse(ChatCompletionChunk(id=job.id, created=job.created, model=self.model_name, choices=choices,
@@ -196,7 +203,7 @@ class OpenAIServing:
 
         async def events():
             yield chunk([ChatChunkChoice(index=c.index, delta=Delta(role="assistant", content="")) for c in job.choices])
-            async with contextlib.aclosing(self._run(job)) as run:
+            async with contextlib.aclosing(self._follow(job, submitted)) as run:
                 async for choice, piece, new_tokens, usage in run:
                     if choice.finish_reason is None and not job.return_token_ids:
                         yield text_chunk(choice.index, piece)
@@ -210,7 +217,7 @@ class OpenAIServing:
                 yield chunk([], job.usage)
             yield DONE
 
-        return events()
+        return self._stream(job, events())
 
     def _chat_job(self, request: ChatCompletionRequest) -> _Job:
         self._check_common(request)
@@ -304,16 +311,23 @@ class OpenAIServing:
 
     # ----------------------------------------------------------------------------------- running
 
-    async def _run(self, job: _Job) -> AsyncIterator[tuple[_Choice, str, list[int], Usage | None]]:
-        """Submit the job's choices and yield (choice, its new text, its new tokens, the job's usage once its last
-        choice ends, else None) as tokens arrive. The events waiting for a choice are taken together: a handler
-        that runs behind the engine sends fewer, larger pieces. A choice's last item has its finish reason set.
-        Choices still running when this ends (finished, cancelled or closed) are aborted."""
-        running = {c.request.request_id: c for c in job.choices}
+    def _submit(self, job: _Job) -> asyncio.Queue:
+        """Send the job's choices to the engine; their events arrive in the returned queue."""
         try:
-            events = self.streams.open([c.request for c in job.choices])
+            return self.streams.open([c.request for c in job.choices])
         except RuntimeError as error:
             raise APIError(str(error), status=503, type=SERVER_ERROR) from None
+
+    def _abort_running(self, job: _Job) -> None:
+        """Abort the job's choices still running in the engine (idempotent)."""
+        self.streams.close([c.request.request_id for c in job.choices if c.finish_reason is None])
+
+    async def _follow(self, job: _Job, events: asyncio.Queue) -> AsyncIterator[_Piece]:
+        """Yield (choice, its new text, its new tokens, the job's usage once its last choice ends, else None) as
+        the submitted job's tokens arrive. The events waiting for a choice are taken together: a handler that runs
+        behind the engine sends fewer, larger pieces. A choice's last item has its finish reason set. Choices
+        still running when this ends (finished, cancelled or closed) are aborted."""
+        running = {c.request.request_id: c for c in job.choices}
         try:
             while running:
                 waiting = [await events.get()]
@@ -327,8 +341,10 @@ class OpenAIServing:
                             self.streams.close([choice.request.request_id])
                     yield choice, piece, new_tokens, None if running else job.usage
         finally:
-            if running:
-                self.streams.close(list(running))
+            self._abort_running(job)
+
+    def _stream(self, job: _Job, events: AsyncIterator[str]) -> "SubmittedStream":
+        return SubmittedStream(events, abort=lambda: self._abort_running(job))
 
     @staticmethod
     def _take(choice: _Choice, tokens: list[int], finish_reason: str | None) -> tuple[list[int], str]:
@@ -363,6 +379,23 @@ def _merge(events: list[TokenEvent], running: dict[str, _Choice]) -> list[tuple[
         _, tokens, _ = merged.get(event.request_id, (choice, [], None))
         merged[event.request_id] = (choice, tokens + event.token_ids, event.finish_reason)
     return list(merged.values())
+
+
+class SubmittedStream:
+    """A stream's server-sent events (`events`) for a job already in the engine: `aclose` aborts its running
+    choices (`abort`) also when the events were never iterated (the client left before the response began)."""
+
+    def __init__(self, events: AsyncIterator[str], *, abort: Callable[[], None]):
+        self._events, self._abort = events, abort
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._events
+
+    async def aclose(self) -> None:
+        try:
+            await self._events.aclose()
+        finally:
+            self._abort()
 
 
 class _TextChunks:

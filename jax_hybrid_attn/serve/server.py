@@ -8,7 +8,6 @@ engine compiles its step shapes (``/health`` says 503 until they are), then serv
 
 import argparse
 import dataclasses
-import gc
 import logging
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 from ..engine import Engine
 from .app import build_app
 from .chat_template import load_chat_template
-from .engine_process import EngineProcess
+from .engine_process import EngineProcess, freeze_startup_heap
 from .metrics import ServerMetrics
 from .openai_serving import OpenAIServing
 from .request_streams import RequestStreams
@@ -102,11 +101,7 @@ def run(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port={args.port} must be in [0, 65535]")
     server = build_server(args)
-    # What startup allocated (the imported modules, the tokenizer) lives as long as the process: out of the
-    # collector's reach, a collection during a burst of requests walks only what the requests made (as vLLM's
-    # server does after its startup).
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()  # the imported modules, the tokenizer: a burst's collections walk only what it made
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     print(f"serving {server.serving.model_name} on http://{args.host}:{args.port}/v1 (GET /health says 200 once "
           "the engine has compiled)", file=sys.stderr)  # fmt: skip
