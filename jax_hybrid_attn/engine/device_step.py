@@ -3,9 +3,6 @@
 (sampling, the sampled tokens back into the allocator). Only `forward` depends on the step's shape: the other two
 compile once per allocator configuration (and `allocate`'s `defer_rest`, `sample`'s `greedy_only`).
 
-`decode_steps` runs several decode steps in one call (a scan of the three): the tokens each samples go into the
-allocator's state, whence the next takes its inputs.
-
 Everything a step needs from the steps before it stays on the device: the allocator's state (the known tokens
 of each request, their block tables), the KV caches and each request's count of computed tokens. The host sends
 only its plan (which requests, at most how many tokens each, their sampling values), so it can send step n+1
@@ -15,7 +12,6 @@ blocks), step n+1 computes from what step n really did.
 Shape letters: R rows (request slots, ``max_num_seqs``) · T tokens of the step · V vocabulary.
 """
 
-from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -34,7 +30,7 @@ from .kv_layout import KVCacheLayout
 from .paged_cache import PagedCache
 from .sampling import sample_tokens
 
-__all__ = ["NO_SLOT", "StepPlan", "StepResult", "allocate", "decode_steps", "forward", "sample"]
+__all__ = ["NO_SLOT", "StepPlan", "StepResult", "allocate", "forward", "sample"]
 
 NO_SLOT = -1
 """`StepPlan.slots` of a padding row."""
@@ -180,38 +176,3 @@ def sample(
         num_scheduled=out.num_scheduled_tokens, sampled=sampled, tokens=tokens, num_free_blocks=allocator.pool.num_free,
     )  # fmt: skip
     return allocator, num_computed, result
-
-
-def decode_steps(
-    allocator_config: AllocatorConfig,
-    run_forward: Callable,
-    allocator: AllocatorState,
-    num_computed: Int[Array, "R"],
-    model: ScannedDecoder,
-    kv_cache: Array,
-    plan: StepPlan,
-    *,
-    num_steps: int,
-    num_tokens: int,
-    greedy_only: bool,
-) -> tuple[AllocatorState, Int[Array, "R"], Array, StepResult]:
-    """`num_steps` decode steps in one call (jit it with the keywords static, `allocator`, `num_computed` and
-    `kv_cache` donated): each is `allocate` (rows it cannot serve at once deferred: nothing makes the host wait),
-    `run_forward` (`forward` with its static configuration bound) at the decode shape of T = `num_tokens`, and
-    `sample`; the tokens one step samples are the next one's inputs. `plan` is every step's (one new token per
-    row). Returns (the allocator's state, the computed counts, the cache, each step's `StepResult` stacked on a
-    leading axis of `num_steps`)."""
-
-    def one(carry, _):
-        allocator, num_computed, kv_cache = carry
-        allocator, out, known = allocate(allocator_config, allocator, num_computed, plan, defer_rest=True)
-        kv_cache, logits = run_forward(model, kv_cache, out, num_tokens=num_tokens, max_query_len=1)
-        allocator, num_computed, result = sample(
-            allocator_config, allocator, num_computed, out, known, plan, logits, greedy_only=greedy_only
-        )
-        return (allocator, num_computed, kv_cache), result
-
-    (allocator, num_computed, kv_cache), results = jax.lax.scan(
-        one, (allocator, num_computed, kv_cache), length=num_steps
-    )
-    return allocator, num_computed, kv_cache, results
