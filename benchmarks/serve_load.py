@@ -271,9 +271,15 @@ def print_timeline(label: str, trace: str, results: list[dict], *, start: float,
                           for r in pauses[:12]))  # fmt: skip
 
 
+def _reset_engine(engine) -> None:
+    """(In the engine process.) Forget the prefix cache and the counters, as `engine_generate` does."""
+    engine.reset()
+
+
 def engine_process(model_dir: str, flags: list[str], prompts: list[str], *, max_tokens: int) -> dict:
     """The server's engine process without HTTP: every prompt submitted at once from an event loop (as the
-    server's handlers submit them) and read back to the end, warm (a first round compiles and runs once)."""
+    server's handlers submit them) and read back to the end, warm (a first round runs once, then the prefix cache
+    is reset)."""
     from jax_hybrid_attn.cli import build_parser
     from jax_hybrid_attn.engine import SamplingParams
     from jax_hybrid_attn.models import load_tokenizer
@@ -306,6 +312,7 @@ def engine_process(model_dir: str, flags: list[str], prompts: list[str], *, max_
                 raise engine.error
             await asyncio.sleep(HEALTH_POLL_S)
         await run("warm")
+        await asyncio.wrap_future(engine.when_idle(_reset_engine))  # no prefix hits from the warm round
         return await run("timed")
 
     try:
