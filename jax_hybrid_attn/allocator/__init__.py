@@ -22,6 +22,7 @@ Modules, one job each:
   step              `allocate_slots` (the rows in order), `free`, `get_computed_blocks`, `reset_prefix_cache`
   common_prefix     the leading blocks every running request holds, per group (for cascade attention)
   xla_cpu           workarounds for XLA's CPU runtime, with their measured gains; the pinned compile
+  request_batches   requests added and freed a batch per device call; the checks of the requests given
   kv_cache_manager  `KVCacheManager`, a thin Python object around the jitted functions; `compile_allocate_slots`
 
 Deliberate differences from vLLM (each explained where it is made):

@@ -2,7 +2,7 @@
 
 It maps request ids to slots, keeps each request's computed-token count, pads every step's batch to
 ``max_num_seqs`` rows (one compiled shape) and each batch of added or freed requests to one of a few sizes
-(`BATCH_SIZES`), checks arguments, and returns Python lists where vLLM does. All the work happens in
+(`request_batches`), checks arguments, and returns Python lists where vLLM does. All the work happens in
 the jitted functions of `step` and `requests` (the step compiled with `compile_allocate_slots`, below, one task
 per memory-bound operation on a CPU); the state stays on the device.
 
@@ -19,56 +19,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..integers import INT32_MAX, check_bool, check_int
+from ..integers import check_bool, check_int
 from . import pool as pool_ops
 from . import requests as request_ops
 from . import step as step_ops
 from .columns import STAT_HITS, STAT_QUERIES, STAT_REQUESTS, RequestRows
 from .common_prefix import num_common_prefix_blocks
 from .config import AllocatorConfig
-from .hashing import NO_ADAPTER, cache_salt_words
+from .hashing import NO_ADAPTER
+from .request_batches import RequestBatches, check_new_requests, per_request, token_id_array
 from .state import AllocatorState, PrefixCacheStats, init_state
 from .xla_cpu import compile_single_task
 
-__all__ = ["BATCH_SIZES", "KVCacheManager", "compile_allocate_slots"]
-
-BATCH_SIZES = (1, 8, 64)
-"""Batch sizes (with ``max_num_seqs``, and below it) that `KVCacheManager.add_requests` and `free_requests` are
-compiled for; a batch is padded to the next one."""
-
-
-def _check_request_id(request_id) -> None:
-    try:
-        hash(request_id)
-    except TypeError as error:
-        raise TypeError(f"request_id={request_id!r} must be hashable") from error
-
-
-def _token_ids(name: str, token_ids) -> np.ndarray:
-    """Token ids as a flat int64 array; `ValueError` naming `name` for non-integers (floats, bools) or values
-    outside ``[0, 2**31)``."""
-    if isinstance(token_ids, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in token_ids):
-        raise ValueError(f"{name} must hold integer token ids, not bools")
-    try:
-        tokens = np.asarray(token_ids)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{name} must be a sequence of int token ids: {error}") from error
-    if tokens.ndim != 1:
-        raise ValueError(f"{name} must be a flat sequence of token ids, got shape {tokens.shape}")
-    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
-    if tokens.size and (tokens.min() < 0 or tokens.max() > INT32_MAX):
-        raise ValueError(f"{name} must hold token ids in [0, {INT32_MAX}], got [{tokens.min()}, {tokens.max()}]")
-    return tokens.astype(np.int64)
-
-
-def _per_request(name: str, values, default, num_requests: int, check) -> list:
-    """One checked value per request: `values` (a sequence of `num_requests`), or `default` for each if None."""
-    if values is None:
-        return [default] * num_requests
-    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != num_requests:
-        raise ValueError(f"{name}={values!r} must give one value per request ({num_requests})")
-    return [check(name, value) for value in values]
+__all__ = ["KVCacheManager", "compile_allocate_slots"]
 
 
 class KVCacheManager:
@@ -94,7 +57,7 @@ class KVCacheManager:
         self.reuse_output_buffers = bool(reuse_output_buffers)
         self._last_output: step_ops.StepOutput | None = None
         self._compiled_steps: dict[bool, jax.stages.Compiled] = {}  # by whether a previous output is reused
-        self._compiled_ops: dict[tuple[str, int], jax.stages.Compiled] = {}  # `compile`: add's and free's, by batch
+        self._batches = RequestBatches(config)  # add's and free's device calls
         self._slot_of: dict[Hashable, int] = {}
         self._free_slots = list(range(config.max_num_seqs - 1, -1, -1))
         self._num_computed: dict[Hashable, int] = {}
@@ -130,96 +93,24 @@ class KVCacheManager:
         """`add_request` for several requests in one device call (a scheduler admits a batch at once: one call
         costs about what one request does). Every request is checked, as `add_request` checks it, before anything
         changes; ids must also differ from each other. Returns their slots."""
-        if not isinstance(request_ids, Sequence) or isinstance(request_ids, (str, bytes)):
-            raise TypeError(f"request_ids={request_ids!r} must be a sequence of request ids")
-        single = len(request_ids) == 1
-
-        def name(base: str, i: int) -> str:
-            return base if single else f"{base}[{i}]"
-
-        num = len(request_ids)
-        if not isinstance(token_ids, Sequence) or len(token_ids) != num:
-            raise ValueError(f"token_ids must give one prompt per request ({num}), got {token_ids!r:.80}")
-        salts = _per_request("cache_salts", cache_salts, None, num, lambda _name, value: value)
-        adapters = _per_request("adapter_ids", adapter_ids, NO_ADAPTER, num, lambda _name, value: value)
-        prompts, words, adapter_values = [], [], []
-        for i, request_id in enumerate(request_ids):
-            _check_request_id(request_id)
-            if request_id in self._slot_of or request_id in request_ids[:i]:
-                raise ValueError(f"{name('request_id', i)}={request_id!r} is already added")
-            tokens = _token_ids(name("token_ids", i), token_ids[i])
-            if tokens.size == 0:
-                raise ValueError(f"{name('token_ids', i)}=[] must hold at least one token (a request without a "
-                                 "prompt never runs)")  # fmt: skip
-            if tokens.size > self.config.max_model_len:
-                raise ValueError(
-                    f"len({name('token_ids', i)})={tokens.size} exceeds max_model_len={self.config.max_model_len}"
-                )
-            adapter_values.append(check_int(name("adapter_id", i), adapters[i], minimum=0))
-            words.append(cache_salt_words(salts[i]))
-            prompts.append(tokens)
-        if num > len(self._free_slots):
-            raise ValueError(f"all max_num_seqs={self.config.max_num_seqs} request slots are in use" if single else
-                             f"{num} requests, {len(self._free_slots)} of max_num_seqs={self.config.max_num_seqs} "
-                             "request slots free")  # fmt: skip
-        slots = [self._free_slots.pop() for _ in range(num)]
-        for start in range(0, num, self._batch_sizes[-1]):
-            end = start + self._batch_sizes[-1]
-            self.state = self._add(self.state, slots[start:end], prompts[start:end], words[start:end],
-                                   adapter_values[start:end])  # fmt: skip
+        new = check_new_requests(request_ids, token_ids, cache_salts=cache_salts, adapter_ids=adapter_ids,
+                                 added=self._slot_of, max_model_len=self.config.max_model_len)  # fmt: skip
+        if len(request_ids) > len(self._free_slots):
+            raise ValueError(f"all max_num_seqs={self.config.max_num_seqs} request slots are in use"
+                             if len(request_ids) == 1 else f"{len(request_ids)} requests, {len(self._free_slots)} "
+                             f"of max_num_seqs={self.config.max_num_seqs} request slots free")  # fmt: skip
+        slots = [self._free_slots.pop() for _ in request_ids]
+        self.state = self._batches.add(self.state, slots, new)
         for request_id, slot in zip(request_ids, slots, strict=True):
             self._slot_of[request_id] = slot
             self._num_computed[request_id] = 0
         return slots
 
-    @functools.cached_property
-    def _batch_sizes(self) -> tuple[int, ...]:
-        """The batch sizes of the compiled `add_requests` and `free_requests` (`BATCH_SIZES`, and ``max_num_seqs``)."""
-        return tuple(sorted({b for b in BATCH_SIZES if b < self.config.max_num_seqs} | {self.config.max_num_seqs}))
-
-    def _padded(self, num: int) -> int:
-        return next(b for b in self._batch_sizes if b >= num)
-
-    def _add(self, state, slots: list[int], prompts: list[np.ndarray], salts: list[np.ndarray], adapters: list[int]):
-        """One device call for up to the largest batch size of requests (rows past them: slot -1, ignored)."""
-        size = self._padded(len(slots))
-        rows = np.zeros((size, self.config.max_model_len), np.int32)
-        for i, tokens in enumerate(prompts):
-            rows[i, : tokens.size] = tokens
-        pad = size - len(slots)
-        args = (np.array(slots + [-1] * pad, np.int32), rows,
-                np.array([t.size for t in prompts] + [0] * pad, np.int32),
-                np.concatenate([np.stack(salts), np.zeros((pad, 2), np.uint32)]),
-                np.array(adapters + [0] * pad, np.int32))  # fmt: skip
-        compiled = self._compiled_ops.get(("add", size))
-        if compiled is not None:
-            return compiled(state, *args)
-        return request_ops.add_requests(self.config, state, *args)
-
-    def _free(self, state, slots: list[int]):
-        """One device call for up to the largest batch size of requests' blocks."""
-        size = self._padded(len(slots))
-        padded = np.array(slots + [-1] * (size - len(slots)), np.int32)
-        compiled = self._compiled_ops.get(("free", size))
-        if compiled is not None:
-            return compiled(state, padded)
-        return step_ops.free(self.config, state, padded)
-
     def compile(self) -> None:
         """Compile `add_requests`' and `free_requests`' (and so `add_request`'s, `free`'s and `preempt`'s) device
         operations ahead of time for this configuration and state, for each batch size: a server calls it before
         serving, so that no request waits for a compile."""
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
-
-        def abstract(*shapes_and_dtypes):
-            return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes_and_dtypes]
-
-        for size in self._batch_sizes:
-            rows, ints = ((size, self.config.max_model_len), np.int32), ((size,), np.int32)
-            salts = ((size, 2), np.uint32)
-            self._compiled_ops["add", size] = request_ops.add_requests.lower(
-                self.config, state, *abstract(ints, rows, ints, salts, ints)).compile()  # fmt: skip
-            self._compiled_ops["free", size] = step_ops.free.lower(self.config, state, *abstract(ints)).compile()
+        self._batches.compile(self.state)
 
     def append_token_ids(self, request_id: Hashable, token_ids: Sequence[int]) -> None:
         """Append tokens (e.g. the one sampled this step) to a request.
@@ -227,7 +118,7 @@ class KVCacheManager:
         Checked first, on the host (a rejected call changes nothing): a known `request_id`; `token_ids` a flat
         sequence of integer ids in ``[0, 2**31)`` that keeps the request within ``max_model_len``."""
         slot = self._slot(request_id)
-        tokens = _token_ids("token_ids", token_ids).reshape(1, -1)
+        tokens = token_id_array("token_ids", token_ids).reshape(1, -1)
         length = self.num_tokens(request_id)
         if length + tokens.shape[1] > self.config.max_model_len:
             raise ValueError(
@@ -326,11 +217,11 @@ class KVCacheManager:
                 f"num_new_tokens={counts} sum to {sum(counts)}, more than max_num_batched_tokens="
                 f"{config.max_num_batched_tokens}"
             )
-        lookahead = _per_request(
+        lookahead = per_request(
             "num_lookahead_tokens", num_lookahead_tokens, 0, len(ids),
             lambda name, x: check_int(name, x, minimum=0, maximum=config.max_num_lookahead_tokens),
         )  # fmt: skip
-        must_fit = _per_request("full_sequence_must_fit", full_sequence_must_fit, False, len(ids), check_bool)
+        must_fit = per_request("full_sequence_must_fit", full_sequence_must_fit, False, len(ids), check_bool)
 
         pad = config.max_num_seqs - len(ids)
         slots = np.array([self._slot_of[i] for i in ids] + [-1] * pad, np.int32)
@@ -408,8 +299,7 @@ class KVCacheManager:
         self._num_computed[request_id] = 0
 
     def _release_blocks(self, slots: list[int]) -> None:
-        for start in range(0, len(slots), self._batch_sizes[-1]):
-            self.state = self._free(self.state, slots[start : start + self._batch_sizes[-1]])
+        self.state = self._batches.free(self.state, slots)
 
     # --------------------------------------------------------------------------------------- inspection
 
