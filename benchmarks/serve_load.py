@@ -11,8 +11,9 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serve_load.py [--t
   3. `--num-prompts` streaming requests (greedy, `--max-tokens` each, EOS ignored) are sent at `--request-rate`
      per second with Poisson arrivals (seeded), or all at once (``inf``, the default), at most
      `--max-concurrency` in flight, from `--client-processes` processes (one Python process cannot parse 256
-     streams as fast as the server sends them); each records its time to first token, the gaps between its
-     chunks and its end-to-end latency;
+     streams as fast as the server sends them), each request on a new connection (`--warm-connections`: on
+     connections each client opened before the clock started); each records its time to first token, the gaps
+     between its chunks and its end-to-end latency;
   4. the server's /metrics (preemptions, prefix-cache hit rate) is read and the server stopped;
   5. `Engine.generate` on the same prompts, with the same engine flags, in this process (a warm run after one
      that compiles); its greedy text is compared with the server's.
@@ -48,6 +49,7 @@ TINY_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-m
 HEALTH_TIMEOUT_S = 1800  # a cold compile on a busy machine
 HEALTH_POLL_S = 0.5
 CLIENT_START_S = 0.5  # from the client processes' import to the first request
+WARM_CLIENT_START_S = 3.0  # the same, opening every connection first (--warm-connections)
 DEFAULT_CLIENT_PROCESSES = 4
 REQUEST_TIMEOUT_S = 600
 STOP_TIMEOUT_S = 60
@@ -127,13 +129,18 @@ async def one_request(client, prompt: str, *, model: str, max_tokens: int) -> di
 
 
 async def _client(base: str, prompts: list[tuple[int, str, float]], *, model: str, max_tokens: int,
-                  max_concurrency: int | None, start_at: float) -> list[tuple[int, dict]]:  # fmt: skip
-    """One client process's share: each (index, prompt, send offset in s) sent at ``start_at + offset``."""
+                  max_concurrency: int | None, start_at: float,
+                  warm_connections: bool) -> list[tuple[int, dict]]:  # fmt: skip
+    """One client process's share: each (index, prompt, send offset in s) sent at ``start_at + offset``; with
+    `warm_connections`, over connections opened before (one ``GET /health`` each, kept alive)."""
     import httpx
 
-    limit = asyncio.Semaphore(max_concurrency or len(prompts) or 1)
-    limits = httpx.Limits(max_connections=max_concurrency or len(prompts) or 1, max_keepalive_connections=None)
+    connections = max_concurrency or len(prompts) or 1
+    limit = asyncio.Semaphore(connections)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+        if warm_connections:
+            await asyncio.gather(*(client.get("/health") for _ in range(min(connections, len(prompts)))))
 
         async def send(index, prompt, offset):
             await asyncio.sleep(max(0.0, start_at + offset - time.perf_counter()))
@@ -152,7 +159,8 @@ def _ready() -> None:
 
 
 def run_load(base: str, prompts: list[str], *, model: str, max_tokens: int, rate: float,
-             max_concurrency: int | None, seed: int, processes: int) -> tuple[list[dict], float, float]:  # fmt: skip
+             max_concurrency: int | None, seed: int, processes: int,
+             warm_connections: bool = False) -> tuple[list[dict], float, float]:  # fmt: skip
     """Send every prompt (Poisson arrivals at `rate` per second, or all at once for inf) from `processes` client
     processes (prompt i from process i mod `processes`), so that parsing the streams is not the bottleneck;
     (results in prompt order, wall seconds from the first send to the last response's end, the first send's
@@ -168,8 +176,9 @@ def run_load(base: str, prompts: list[str], *, model: str, max_tokens: int, rate
     with concurrent.futures.ProcessPoolExecutor(processes, mp_context=context) as pool:
         for future in [pool.submit(_ready) for _ in range(processes)]:
             future.result()
-        start_at = time.perf_counter() + CLIENT_START_S
-        kwargs = {"model": model, "max_tokens": max_tokens, "max_concurrency": per_process, "start_at": start_at}
+        start_at = time.perf_counter() + (WARM_CLIENT_START_S if warm_connections else CLIENT_START_S)
+        kwargs = {"model": model, "max_tokens": max_tokens, "max_concurrency": per_process, "start_at": start_at,
+                  "warm_connections": warm_connections}  # fmt: skip
         futures = [pool.submit(_client_process, base, share, kwargs) for share in shares if share]
         results = dict(item for future in futures for item in future.result())
     ends = [r["end"] for r in results.values() if "end" in r]
@@ -363,6 +372,9 @@ def main() -> None:
     parser.add_argument("--compilation-cache", metavar="DIR", help="passed to the server and to the engine")
     parser.add_argument("--profile-server", action="store_true",
                         help="run the server's process under cProfile; print its 30 costliest functions")  # fmt: skip
+    parser.add_argument("--warm-connections", action="store_true",
+                        help="each client opens its connections before the clock starts (kept alive, as a "
+                             "server's clients usually hold them); default: each request opens one in the load")  # fmt: skip
     parser.add_argument("--trace", action="store_true",
                         help="run the server through serve_trace.py; print each load's timeline")  # fmt: skip
     parser.add_argument("--engine-flags", default=None,
@@ -407,7 +419,8 @@ def main() -> None:
                 results, wall, start_at = run_load(base, prompts, model=Path(model_dir).resolve().name,
                                                    max_tokens=max_tokens, rate=args.request_rate,
                                                    max_concurrency=args.max_concurrency, seed=args.seed,
-                                                   processes=args.client_processes)  # fmt: skip
+                                                   processes=args.client_processes,
+                                                   warm_connections=args.warm_connections)  # fmt: skip
                 measured[label] = (results, wall, before, scrape(base))
                 starts[label] = start_at
         finally:
@@ -422,8 +435,9 @@ def main() -> None:
         no_http = engine_process(model_dir, flags, rounds["second load"], max_tokens=max_tokens)
         direct = engine_generate(model_dir, flags, rounds["second load"], max_tokens=max_tokens)
     record(f"load | {num_prompts} requests at rate {args.request_rate}/s (max concurrency "
-           f"{args.max_concurrency or 'none'}) from {args.client_processes} client processes, {max_tokens} greedy "
-           "tokens each, twice")  # fmt: skip
+           f"{args.max_concurrency or 'none'}) from {args.client_processes} client processes"
+           f"{' over connections opened before' if args.warm_connections else ''}, {max_tokens} greedy tokens each, "
+           "twice")  # fmt: skip
     for label, (results, wall, before, after) in measured.items():
         report(label, results, wall, before, after, direct, record)
     direct_output = direct["output_tokens"] / direct["seconds"]
