@@ -217,7 +217,8 @@ def parity(rows: list) -> None:
         rows.append(("parity", line))
 
 
-def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: dict) -> None:
+def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: dict,
+               decode_steps: tuple[int, ...] = (1,)) -> None:  # fmt: skip
     import torch
     import transformers
 
@@ -225,6 +226,7 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
     prompts = [rng.integers(1, shape["vocab_size"], int(n)).tolist() for n in rng.integers(128, 1025, num_prompts)]
     prompt_tokens = sum(map(len, prompts))
     max_tokens = 64
+    summaries = []
     with tempfile.TemporaryDirectory() as directory:
         torch.manual_seed(0)
         hf_config = transformers.Gemma3TextConfig(**{k: v for k, v in shape.items() if k != "model_type"})
@@ -249,13 +251,21 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
             results["transformers generate_batch paged|sdpa"] = (hf_tokens, seconds)
             del hf_model, out
             torch.cuda.empty_cache()
-        engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
-                                                    max_model_len=2048))  # fmt: skip
-        results["ours, cold (compiles included)"] = greedy(engine, prompts, max_tokens)
-        stats_cold = engine.stats
-        engine.reset()
-        results["ours, warm"] = greedy(engine, prompts, max_tokens)
-        stats = engine.stats
+        for steps in decode_steps:
+            engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
+                                                        max_model_len=2048, decode_steps=steps))  # fmt: skip
+            label = "ours" if decode_steps == (1,) else f"ours, {steps} decode steps per call"
+            results[f"{label}, cold (compiles included)"] = greedy(engine, prompts, max_tokens)
+            stats_cold = engine.stats
+            engine.reset()
+            results[f"{label}, warm"] = greedy(engine, prompts, max_tokens)
+            stats = engine.stats
+            line = (f"{label} warm: {stats.steps} steps in {stats.steps - stats.multi_step_calls * (steps - 1)} calls, "
+                    f"prefill {stats.prefill_tokens_per_s or 0:,.0f} tok/s, decode {stats.decode_tokens_per_s or 0:,.0f}"
+                    f" tok/s; cold run compiled {stats_cold.compiled_executables} executables in "
+                    f"{stats_cold.compile_time:.0f} s")  # fmt: skip
+            print("throughput", line, flush=True)
+            summaries.append(("throughput", line))
     reference = results.get("transformers generate_batch paged|sdpa", (None, None))[0]
     for name, (tokens, seconds) in results.items():
         output = sum(map(len, tokens))
@@ -264,11 +274,7 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
                 f"output {output / seconds:,.0f} tok/s{agree}")  # fmt: skip
         print("throughput", line, flush=True)
         rows.append(("throughput", line))
-    line = (f"ours warm: {stats.steps} steps, prefill {stats.prefill_tokens_per_s or 0:,.0f} tok/s, decode "
-            f"{stats.decode_tokens_per_s or 0:,.0f} tok/s; cold run compiled {stats_cold.compiled_executables} executables in "
-            f"{stats_cold.compile_time:.0f} s")  # fmt: skip
-    print("throughput", line, flush=True)
-    rows.append(("throughput", line))
+    rows.extend(summaries)
 
 
 def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None) -> None:
@@ -443,6 +449,8 @@ def main():
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--trace", metavar="DIR", help="busy: also profile a few steps into DIR (Perfetto traces)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 1B shape (a dry run on a CPU)")
+    parser.add_argument("--decode-steps", default="1",
+                        help="throughput: ours with each of these EngineConfig.decode_steps, e.g. 1,8 (default: 1)")  # fmt: skip
     args = parser.parse_args()
     rows: list = []
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
@@ -461,7 +469,8 @@ def main():
             tensor_parallel(rows, shape=TINY if args.tiny else GEMMA3_1B, num_prompts=8 if args.tiny else 64)
         elif section == "throughput":
             shape = TINY if args.tiny else GEMMA3_1B
-            throughput(rows, num_prompts=args.num_prompts, transformers_too=not args.no_transformers, shape=shape)
+            throughput(rows, num_prompts=args.num_prompts, transformers_too=not args.no_transformers, shape=shape,
+                       decode_steps=tuple(int(k) for k in args.decode_steps.split(",")))  # fmt: skip
         else:
             raise SystemExit(f"unknown section {section!r}")
         print(f"{section}: {time.perf_counter() - started:.0f} s", flush=True)

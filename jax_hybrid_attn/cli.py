@@ -76,6 +76,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and cache (default: bfloat16 on a GPU, float32 elsewhere)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--decode-steps", type=int, default=1, metavar="K",
+                   help="decode steps per device call when every request decodes (default: 1)")  # fmt: skip
     g.add_argument("--compilation-cache", metavar="DIR",
                    help="keep compiled steps in DIR (JAX's persistent compilation cache, every entry and XLA's GPU "
                         "autotuning kept): later runs start faster")  # fmt: skip
@@ -89,7 +91,7 @@ def make_engine_config(args):
         block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
         kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
-        seed=args.seed, tensor_parallel=args.tensor_parallel,
+        seed=args.seed, tensor_parallel=args.tensor_parallel, decode_steps=args.decode_steps,
         compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
     )  # fmt: skip
 

@@ -6,6 +6,7 @@ causal layers never look at the padding), with no cache, allocator or metadata: 
 engine but the model's weights.
 """
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -101,6 +102,32 @@ def test_engine_greedy_equals_the_dense_forward_through_chunks_hits_and_preempti
     assert not engine.has_unfinished_requests() and engine.manager.num_free_blocks == engine.layout.num_blocks - 1
 
 
+@pytest.mark.parametrize("family", ["gemma3_text", "llama4_text"])
+def test_calls_of_several_decode_steps_give_the_one_step_engines_tokens(family):
+    """`EngineConfig.decode_steps=4`: greedy tokens equal to the dense forward's through chunks, prefix hits and
+    preemption (a pool as tight as the one-step test's); seeded samples equal to the one-step engine's, with
+    max_tokens that are no multiple of 4 and a stop token met mid-call (the call's later tokens dropped)."""
+    config, model = tiny_model(family)
+    want = [dense_greedy(model, p, MAX_TOKENS + 4) for p in PROMPTS]
+    tight = tightest_engine(model, config, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
+                            decode_steps=4)  # fmt: skip
+    got = tight.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS + 4, temperature=0.0))
+    assert [o.output_token_ids for o in got] == want
+    assert tight.stats.multi_step_calls > 0 and tight.stats.preemptions > 0 and tight.stats.cached_prompt_tokens > 0
+    assert not tight.has_unfinished_requests() and tight.manager.num_free_blocks == tight.layout.num_blocks - 1
+
+    sizes = dict(block_size=4, max_num_seqs=5, max_num_batched_tokens=64, max_model_len=64)
+    sampled = [SamplingParams(max_tokens=n, temperature=0.8, top_k=20, top_p=0.9) for n in (5, 11, 14, 9, 13)]
+    one = Engine(model, config, EngineConfig(**sizes)).generate(PROMPTS, sampled)
+    stop = one[2].output_token_ids[6]  # met mid-call by the request it ends (maybe by others too)
+    sampled = [dataclasses.replace(s, stop_token_ids=(stop,)) for s in sampled]
+    one = Engine(model, config, EngineConfig(**sizes)).generate(PROMPTS, sampled)
+    several = Engine(model, config, EngineConfig(**sizes, decode_steps=4))
+    got = several.generate(PROMPTS, sampled)
+    assert [(o.output_token_ids, o.finish_reason) for o in got] == [(o.output_token_ids, o.finish_reason) for o in one]
+    assert one[2].finish_reason == "stop" and several.stats.multi_step_calls > 0
+
+
 def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_tokens():
     """Decode steps let the allocator defer the rows its vectorised path cannot serve at once: here decodes that
     reach a new 16-token chunk and free the last chunk's four blocks (and the rows after them)."""
@@ -117,15 +144,16 @@ def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_toke
 @pytest.mark.parametrize("greedy_only", [True, False])
 def test_a_decode_step_has_no_loop_or_branch_on_device_values(greedy_only):
     """On a GPU, XLA reads such a predicate back before it launches what follows: with none in a decode step's
-    three calls (the layers' scans have static trip counts), the host sends the next step while this one runs."""
+    three calls, nor in a call of several decode steps (the scans have static trip counts), the host sends the next
+    call while this one runs."""
     from jax_hybrid_attn.testing import device_dependent_control_flow
 
     config, model = tiny_model("gemma3_text")
     engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
-                                                max_model_len=64))  # fmt: skip
+                                                max_model_len=64, decode_steps=3))  # fmt: skip
     runner = engine.runner
     decode = next(shape for shape in runner.shapes if shape.decode_only)
-    for key in (("allocate", True), ("forward", decode), ("sample", greedy_only)):
+    for key in (("allocate", True), ("forward", decode), ("sample", greedy_only), ("decode_steps", (3, greedy_only))):
         jaxpr = runner.trace(key).jaxpr.jaxpr
         assert device_dependent_control_flow(jaxpr) == [], key
 

@@ -44,6 +44,9 @@ class EngineConfig:
         XLA's executables too, point JAX's persistent cache there first: `step_cache.use_compilation_cache`).
       compile_workers: processes that lower the step functions in parallel before serving (None: 8 on a GPU,
         none elsewhere; 0: lower in this process).
+      decode_steps: when every scheduled request decodes and none could reach a length limit sooner, one device
+        call runs this many decode steps, each feeding its tokens to the next (`device_step.decode_steps`); 1:
+        one step per call.
     """
 
     block_size: int | None = None
@@ -62,12 +65,13 @@ class EngineConfig:
     tensor_parallel: int = 1
     compilation_cache: str | None = None
     compile_workers: int | None = None
+    decode_steps: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", check_int("tensor_parallel", self.tensor_parallel))
         if self.compile_workers is not None:
             object.__setattr__(self, "compile_workers", check_int("compile_workers", self.compile_workers, minimum=0))
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "decode_steps"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, check_int(name, getattr(self, name)))
         for name in ("max_model_len", "num_blocks", "kv_memory"):
@@ -114,6 +118,7 @@ class EngineStats:
     prompt_tokens: int = 0
     preemptions: int = 0
     deferred_rows: int = 0  # rows a decode step's allocator left for the next step (they computed nothing)
+    multi_step_calls: int = 0  # device calls of several decode steps (`EngineConfig.decode_steps`)
     compiled_executables: int = 0  # by `Engine.compile`, before the first step
     compile_time: float = 0.0  # spent in `Engine.compile`
     blocks_in_use: int = 0  # after the last step read back

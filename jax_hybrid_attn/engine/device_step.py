@@ -3,6 +3,9 @@
 (sampling, the sampled tokens back into the allocator). Only `forward` depends on the step's shape: the other two
 compile once per allocator configuration (and `allocate`'s `defer_rest`, `sample`'s `greedy_only`).
 
+`decode_steps` runs several decode steps in one call (a scan of the three): the tokens each samples go into the
+allocator's state, whence the next takes its inputs.
+
 Everything a step needs from the steps before it stays on the device: the allocator's state (the known tokens
 of each request, their block tables), the KV caches and each request's count of computed tokens. The host sends
 only its plan (which requests, at most how many tokens each, their sampling values), so it can send step n+1
@@ -12,6 +15,7 @@ blocks), step n+1 computes from what step n really did.
 Shape letters: R rows (request slots, ``max_num_seqs``) · T tokens of the step · V vocabulary.
 """
 
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -30,7 +34,7 @@ from .kv_layout import KVCacheLayout
 from .paged_cache import PagedCache
 from .sampling import sample_tokens
 
-__all__ = ["NO_SLOT", "StepPlan", "StepResult", "allocate", "forward", "sample"]
+__all__ = ["NO_SLOT", "StepPlan", "StepResult", "allocate", "decode_steps", "forward", "sample"]
 
 NO_SLOT = -1
 """`StepPlan.slots` of a padding row."""
@@ -176,3 +180,41 @@ def sample(
         num_scheduled=out.num_scheduled_tokens, sampled=sampled, tokens=tokens, num_free_blocks=allocator.pool.num_free,
     )  # fmt: skip
     return allocator, num_computed, result
+
+
+def decode_steps(
+    allocator_config: AllocatorConfig,
+    run_forward: Callable,
+    allocator: AllocatorState,
+    num_computed: Int[Array, "R"],
+    model: ScannedDecoder,
+    kv_cache: Array,
+    plan: StepPlan,
+    row_steps: Int[Array, "R"],
+    *,
+    num_steps: int,
+    num_tokens: int,
+    greedy_only: bool,
+) -> tuple[AllocatorState, Int[Array, "R"], Array, StepResult]:
+    """`num_steps` decode steps in one call (jit it with the keywords static, `allocator`, `num_computed` and
+    `kv_cache` donated): each is `allocate` (rows it cannot serve at once deferred: nothing makes the host wait),
+    `run_forward` (`forward` with its static configuration bound) at the decode shape of T = `num_tokens`, and
+    `sample`; the tokens one step samples are the next one's inputs. `plan` is every step's (one new token per
+    row); row r takes part in the first `row_steps[r]` steps only (then computes nothing: a request that would
+    reach its length limit). Returns (the allocator's state, the computed counts, the cache, each step's
+    `StepResult` stacked on a leading axis of `num_steps`)."""
+
+    def one(carry, index):
+        allocator, num_computed, kv_cache = carry
+        step_plan = plan._replace(max_new_tokens=jnp.where(index < row_steps, plan.max_new_tokens, 0))
+        allocator, out, known = allocate(allocator_config, allocator, num_computed, step_plan, defer_rest=True)
+        kv_cache, logits = run_forward(model, kv_cache, out, num_tokens=num_tokens, max_query_len=1)
+        allocator, num_computed, result = sample(
+            allocator_config, allocator, num_computed, out, known, step_plan, logits, greedy_only=greedy_only
+        )
+        return (allocator, num_computed, kv_cache), result
+
+    (allocator, num_computed, kv_cache), results = jax.lax.scan(
+        one, (allocator, num_computed, kv_cache), jnp.arange(num_steps, dtype=jnp.int32)
+    )
+    return allocator, num_computed, kv_cache, results

@@ -24,6 +24,13 @@ reach, a request that does not fit, the pool due for maintenance): they compute 
 without deferral, serves them. Such a step has no loop or branch on device values, so on a GPU the host queues
 it without waiting for the step before it.
 
+With ``EngineConfig.decode_steps`` K > 1, when every planned row decodes (and none for the first time after its
+prompt) and the last step read back deferred none, one device call runs K decode steps
+(`device_step.decode_steps`), each request in as many as it has tokens left before its length limits (at least
+one request in all K): the host plans, sends and reads the call as K steps (their results come back together),
+and what a request computed past its stop token in the call is dropped as above. Requests that arrive meanwhile
+wait for the call.
+
 Everything that reads or writes the device state (the allocator's state and the caches: sending a step, adding,
 freeing and preempting requests) runs in order on one worker thread. On a GPU, XLA reads each data-dependent
 loop's condition back to the host before it launches what follows, so sending a step waits for the step before
@@ -208,14 +215,16 @@ class Engine:
             self.compile()
         rows = self.scheduler.schedule()
         if rows:
-            self._in_flight.append(self._send(rows))
+            self._in_flight.extend(self._send(rows, row_steps=self._decode_row_steps(rows)))
         elif not self._in_flight:
             if self.has_unfinished_requests():  # every request left is either running or waiting
                 raise RuntimeError(f"no step to run for {self.num_unfinished_requests} unfinished requests")
             return []
         finished = []
-        if len(self._in_flight) > STEPS_IN_FLIGHT or not rows:
+        if not rows:
             finished = self._read(self._in_flight.popleft(), on_token)
+        while len({id(sent.call) for sent in self._in_flight}) > STEPS_IN_FLIGHT:  # device calls, not steps
+            finished += self._read(self._in_flight.popleft(), on_token)
         while self._in_flight and not self.has_unfinished_requests():
             self._read(self._in_flight.popleft(), on_token)  # only tokens past a stop token: nothing to keep
         return finished
@@ -261,14 +270,39 @@ class Engine:
         self._device_calls.append(call)
         return call
 
-    def _send(self, rows: list[tuple[Request, InFlightWork]]) -> "_SentStep":
-        """Send one step's plan to the device (through the worker; nothing is read back here)."""
-        columns = []  # per row: tokens, prompt length, seed, temperature, top-k, top-p
+    def _decode_row_steps(self, rows: list[tuple[Request, InFlightWork]]) -> list[int] | None:
+        """Each row's steps in a call of ``decode_steps`` decode steps (at most the tokens its request has left
+        before ``max_tokens`` or ``max_model_len``), or None for a call of one step: when some row does not decode
+        (one token, then a draw), or has no decode read back yet (its first one frees every block its prompt left
+        behind the window: the allocator's sync-free path defers it, and the rows after it, to the call's end),
+        when the last step read back deferred rows, or when no row would take every step."""
+        steps = self.config.decode_steps
+        if steps == 1 or self._deferred_rows:
+            return None
+        row_steps = []
         for request, work in rows:
+            if work.num_tokens != 1 or not work.samples:
+                return None
+            if request.num_computed_tokens <= len(request.prompt_token_ids):  # no decode of it read back yet
+                return None
+            outputs = request.expected_num_outputs  # before this call's
+            room = min(request.sampling.max_tokens, self.max_model_len - len(request.prompt_token_ids)) - outputs
+            row_steps.append(min(steps, room))
+        return row_steps if max(row_steps) == steps else None
+
+    def _send(self, rows: list[tuple[Request, InFlightWork]], *, row_steps: list[int] | None = None
+              ) -> list["_SentStep"]:  # fmt: skip
+        """Send one device call of the rows' plan (through the worker; nothing is read back here): one step, or,
+        with `row_steps`, ``decode_steps`` decode steps, row i in the first ``row_steps[i]``; one `_SentStep` per
+        step (its rows: None for a row not in it)."""
+        columns = []  # per row: tokens, prompt length, seed, temperature, top-k, top-p
+        for i, (request, work) in enumerate(rows):
             s = request.sampling
             columns.append((work.num_tokens, len(request.prompt_token_ids), request.seed, s.temperature, s.top_k,
                             s.top_p))  # fmt: skip
             request.in_flight.append(work)
+            if row_steps is not None:
+                request.in_flight.extend(InFlightWork(1, samples=True) for _ in range(row_steps[i] - 1))
         needs, prompt_lens, seeds, temperature, top_k, top_p = zip(*columns)
         pad = self.config.max_num_seqs - len(rows)
 
@@ -280,30 +314,49 @@ class Engine:
             temperature=column(temperature, np.float32, 0), top_k=column(top_k, np.int32, 0),
             top_p=column(top_p, np.float32, 1), seeds=column(seeds, np.uint32, 0),
         )  # fmt: skip
+        greedy_only = not bool((plan.temperature > 0).any())
+        ids = [request.request_id for request, _ in rows]
+        sent_rows = [(request, request.num_preemptions) for request, _ in rows]
+        sent_at = time.perf_counter()
+        if row_steps is not None:  # each step defers the rows it cannot serve at once (it never makes the host wait)
+            self.stats.multi_step_calls += 1
+            steps = column(row_steps, np.int32, 0)
+            stacked = _StackedResults(self._on_device(self._dispatch_steps, ids, plan, steps, greedy_only))
+            return [_SentStep([row if n > j else None for row, n in zip(sent_rows, row_steps, strict=True)],
+                              stacked, sent_at, index=j) for j in range(self.config.decode_steps)]  # fmt: skip
         # The shape bounds what the device computes: prefix hits and earlier failures only lower it
         shape = select_step_shape(self.runner.shapes, sum(needs), decode_only=max(needs) == 1)
-        greedy_only = not bool((plan.temperature > 0).any())
         # A decode step lets the allocator defer the rows it cannot serve at once (then nothing in the step makes
         # the host wait for the device); the step after one that deferred rows serves every row.
         defer_rest = shape.decode_only and not self._deferred_rows
         self._deferred_rows = False
-        ids = [request.request_id for request, _ in rows]
-        sent_at = time.perf_counter()
         call = self._on_device(self._dispatch, ids, plan, shape, defer_rest, greedy_only)
-        return _SentStep([(request, request.num_preemptions) for request, _ in rows], call, sent_at)
+        return [_SentStep(sent_rows, call, sent_at)]
+
+    def _with_slots(self, plan: StepPlan, request_ids: list[Hashable]) -> StepPlan:
+        """(On the device worker.) The plan with its requests' allocator slots (known once they are added)."""
+        slots = [self.manager.slot(request_id) for request_id in request_ids]
+        pad = self.config.max_num_seqs - len(slots)
+        return plan._replace(slots=np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=NO_SLOT))
 
     def _dispatch(
         self, request_ids: list[Hashable], plan: StepPlan, shape: StepShape, defer_rest: bool, greedy_only: bool
     ) -> StepResult:
         """(On the device worker.) Send the step's calls through the model runner."""
-        slots = [self.manager.slot(request_id) for request_id in request_ids]
-        pad = self.config.max_num_seqs - len(slots)
-        plan = plan._replace(slots=np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=NO_SLOT))
+        plan = self._with_slots(plan, request_ids)
         return self.runner.run_step(plan, shape, defer_rest=defer_rest, greedy_only=greedy_only)
+
+    def _dispatch_steps(
+        self, request_ids: list[Hashable], plan: StepPlan, row_steps: np.ndarray, greedy_only: bool
+    ) -> StepResult:
+        """(On the device worker.) Send a call of ``decode_steps`` decode steps through the model runner."""
+        plan = self._with_slots(plan, request_ids)
+        return self.runner.run_decode_steps(plan, row_steps, num_steps=self.config.decode_steps,
+                                            greedy_only=greedy_only)  # fmt: skip
 
     def _read(self, sent: "_SentStep", on_token) -> list[RequestOutput]:
         """Read a step back: its tokens, finished requests, preemptions and counters."""
-        result = StepResult(*jax.device_get(tuple(sent.call.result())))
+        result = sent.result()
         self._raise_device_errors()
         now = time.perf_counter()
         seconds = now - max(self._last_read, sent.sent_at)
@@ -336,11 +389,32 @@ class Engine:
         self._device_calls = pending
 
 
+class _StackedResults:
+    """The `StepResult`s of a call of several decode steps, stacked on the device: read back once, for all."""
+
+    def __init__(self, call: Future):
+        self.call = call
+        self._host: StepResult | None = None
+
+    def step(self, index: int) -> StepResult:
+        if self._host is None:
+            self._host = StepResult(*jax.device_get(tuple(self.call.result())))
+        return StepResult(*(values[index] for values in self._host))
+
+
 @dataclasses.dataclass
 class _SentStep:
     """A step handed to the device worker: its rows (each request with its preemption count when sent), the
-    worker's call (its `StepResult` on the device), and when it was handed over."""
+    worker's call (its `StepResult` on the device; for a step of a call of several, the call's `_StackedResults`
+    and the step's `index` in it), and when it was handed over."""
 
-    rows: list[tuple[Request, int]]
-    call: Future
+    rows: list[tuple[Request, int] | None]
+    call: Future | _StackedResults
     sent_at: float
+    index: int | None = None
+
+    def result(self) -> StepResult:
+        """The step's results on the host (waits for the device)."""
+        if self.index is None:
+            return StepResult(*jax.device_get(tuple(self.call.result())))
+        return self.call.step(self.index)

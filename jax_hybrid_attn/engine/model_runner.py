@@ -3,7 +3,8 @@
 It holds the weights (laid out for scans over the layers, `ScannedDecoder`), the KV cache (every tensor of the
 `KVCacheLayout` in one array), the allocator (`KVCacheManager`, whose state is the allocator's) and each request
 slot's count of computed tokens; and the executables of a step's three calls (`device_step`): `allocate` and
-`sample` (two variants each) and `forward` for every shape of `step_shapes`. `compile` builds all of them ahead of
+`sample` (two variants each) and `forward` for every shape of `step_shapes`; with ``decode_steps`` > 1, also
+`decode_steps` (greedy or not) for calls of several decode steps. `compile` builds all of them ahead of
 time: the calls are lowered one after another (lowering holds Python's lock), or come lowered from a
 `step_cache.StepLowering` (worker processes, the cache), while XLA compiles the ones that are ready in a thread
 pool. After it, serving compiles nothing.
@@ -31,7 +32,7 @@ from ..models.layer_scan import ScannedDecoder
 from ..models.partitioning import shard_model
 from ..sharding import TENSOR_AXIS, kv_cache_spec, tensor_parallel_mesh
 from .config import EngineConfig
-from .device_step import StepPlan, StepResult, allocate, forward, sample
+from .device_step import StepPlan, StepResult, allocate, decode_steps, forward, sample
 from .kv_layout import KVCacheLayout
 from .step_cache import StepLowering, flat_positions, load_step
 from .step_shapes import StepShape, step_shapes
@@ -42,11 +43,13 @@ MAX_COMPILE_THREADS = 16
 """Executables XLA compiles at once in `ModelRunner.compile` (at most the host's cores)."""
 
 
-def executable_keys(shapes: tuple[StepShape, ...]) -> list[tuple]:
+def executable_keys(shapes: tuple[StepShape, ...], *, num_decode_steps: int = 1) -> list[tuple]:
     """Every executable of a step with these forward shapes, in compile order: ("allocate", defer_rest),
-    ("forward", shape) per shape, ("sample", greedy_only)."""
+    ("forward", shape) per shape, ("sample", greedy_only), and with `num_decode_steps` > 1 ("decode_steps",
+    (num_decode_steps, greedy_only))."""
+    several = [("decode_steps", (num_decode_steps, greedy)) for greedy in (True, False)] if num_decode_steps > 1 else []
     return [("allocate", False), ("allocate", True), *(("forward", s) for s in shapes),
-            ("sample", True), ("sample", False)]  # fmt: skip
+            ("sample", True), ("sample", False), *several]  # fmt: skip
 
 
 def _stack_abstract(states):
@@ -117,12 +120,13 @@ class ModelRunner:
         self.num_computed = jax.device_put(jnp.zeros(config.max_num_seqs, jnp.int32), self._replicated)
         self.shapes = step_shapes(max_num_seqs=config.max_num_seqs,
                                   max_num_batched_tokens=config.max_num_batched_tokens)  # fmt: skip
-        self._forward = jax.jit(
-            partial(forward, self.layout, self.allocator_config, config.implementation, config.interpret,
-                    mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS),  # fmt: skip
-            static_argnames=("num_tokens", "max_query_len"),
-            donate_argnames=("kv_cache",),
-        )
+        run_forward = partial(forward, self.layout, self.allocator_config, config.implementation, config.interpret,
+                              mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS)  # fmt: skip
+        self._forward = jax.jit(run_forward, static_argnames=("num_tokens", "max_query_len"),
+                                donate_argnames=("kv_cache",))  # fmt: skip
+        self._decode_steps = jax.jit(partial(decode_steps, self.allocator_config, run_forward),
+                                     static_argnames=("num_steps", "num_tokens", "greedy_only"),
+                                     donate_argnames=("allocator", "num_computed", "kv_cache"))  # fmt: skip
         self._executables: dict[tuple, jax.stages.Compiled] = {}
         self._inputs: dict | None = None  # abstract inputs of the step's calls (`trace`)
 
@@ -142,8 +146,8 @@ class ModelRunner:
         return bool(self._executables)
 
     def executable_keys(self) -> list[tuple]:
-        """`executable_keys` of this runner's shapes."""
-        return executable_keys(self.shapes)
+        """`executable_keys` of this runner's shapes and ``decode_steps``."""
+        return executable_keys(self.shapes, num_decode_steps=self.config.decode_steps)
 
     def call(self, key: tuple) -> tuple[Callable, tuple, tuple[int, ...]]:
         """Executable `key` (`executable_keys`) as (its function of the dynamic arguments, those arguments as
@@ -157,6 +161,12 @@ class ModelRunner:
         if kind == "forward":
             return (partial(self._forward, num_tokens=variant.num_tokens, max_query_len=variant.max_query_len),
                     (inputs["model"], inputs["kv_cache"], inputs["out"]), (1,))  # fmt: skip
+        if kind == "decode_steps":
+            num_steps, greedy_only = variant
+            return (partial(self._decode_steps, num_steps=num_steps, num_tokens=self.shapes[0].num_tokens,
+                            greedy_only=greedy_only),
+                    (inputs["allocator"], inputs["num_computed"], inputs["model"], inputs["kv_cache"],
+                     inputs["plan"], inputs["plan"].slots), (0, 1, 3))  # fmt: skip
         return (partial(sample, config, greedy_only=variant),
                 (inputs["allocator"], inputs["num_computed"], inputs["out"], inputs["known"], inputs["plan"],
                  inputs["logits"]), (0, 1))  # fmt: skip
@@ -260,6 +270,20 @@ class ModelRunner:
         )
         return result
 
+    def run_decode_steps(self, plan: StepPlan, row_steps: np.ndarray, *, num_steps: int,
+                         greedy_only: bool) -> StepResult:  # fmt: skip
+        """Send one call of `num_steps` decode steps, row r in the first `row_steps[r]` ([R]) of them
+        (`device_step.decode_steps`; nothing is read back). The state becomes its outputs; returns the steps'
+        `StepResult`s stacked on a leading axis (device arrays)."""
+        if ("decode_steps", (num_steps, greedy_only)) not in self._executables:
+            raise RuntimeError(f"no executable of {num_steps} decode steps (EngineConfig.decode_steps="
+                               f"{self.config.decode_steps})")  # fmt: skip
+        plan, row_steps = jax.device_put((plan, row_steps), self._default_sharding())
+        self.manager.state, self.num_computed, self.kv_cache, results = self._executables[
+            "decode_steps", (num_steps, greedy_only)
+        ](self.manager.state, self.num_computed, self.model, self.kv_cache, plan, row_steps)
+        return results
+
 
 class _FlatCall:
     """A compiled step function of flat arguments (`step_cache`), called as the function it was exported from."""
@@ -275,4 +299,7 @@ def _name(key: tuple) -> str:
     kind, variant = key
     labels = {"allocate": {False: "allocate", True: "allocate (defer rest)"},
               "sample": {True: "sample (greedy)", False: "sample"}}  # fmt: skip
+    if kind == "decode_steps":
+        num_steps, greedy_only = variant
+        return f"{num_steps} decode steps{' (greedy)' if greedy_only else ''}"
     return f"forward {variant}" if kind == "forward" else labels[kind][variant]

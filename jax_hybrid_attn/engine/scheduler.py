@@ -147,7 +147,7 @@ class Scheduler:
 
     def postprocess(
         self,
-        rows: list[tuple[Request, int]],
+        rows: list[tuple[Request, int] | None],
         result: StepResult,
         *,
         now: float,
@@ -157,7 +157,10 @@ class Scheduler:
         `result` the step's `StepResult` (host arrays). Each sampled token is appended (``on_token(request_id,
         token)``), and a request that reaches a stop token or its length finishes and frees its blocks."""
         outcome = StepOutcome()
-        for i, (request, preemptions) in enumerate(rows):
+        for i, row in enumerate(rows):
+            if row is None:  # not in this step (a step of a call of several, past the row's last)
+                continue
+            request, preemptions = row
             request.in_flight.popleft()
             if request.finished:  # it stopped in an earlier step: this one computed past its stop token
                 continue

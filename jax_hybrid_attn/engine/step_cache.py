@@ -101,8 +101,8 @@ class RunnerSpec:
         from .step_shapes import step_shapes
 
         config = self.engine_config
-        return executable_keys(step_shapes(max_num_seqs=config.max_num_seqs,
-                                           max_num_batched_tokens=config.max_num_batched_tokens))  # fmt: skip
+        shapes = step_shapes(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+        return executable_keys(shapes, num_decode_steps=config.decode_steps)
 
     def fingerprint(self, key: tuple, *, platform: str, device_kind: str) -> str:
         """The cache key of executable `key` of this spec on a device of `device_kind`."""
@@ -182,8 +182,9 @@ class StepLowering:
         self._expected = cached + (len(missing) if workers > 0 else 0)
         self._here = [] if workers > 0 else missing  # lowered by `results`' runner
         if workers > 0 and missing:
-            forwards = [key for key in missing if key[0] == "forward"]
-            rest = [key for key in missing if key[0] != "forward"]
+            whole_model = ("forward", "decode_steps")  # a lowering each; the small calls share one
+            forwards = [key for key in missing if key[0] in whole_model]
+            rest = [key for key in missing if key[0] not in whole_model]
             shares = [[key] for key in forwards] + ([rest] if rest else [])
             merged = [sum(shares[i::workers], []) for i in range(min(workers, len(shares)))]
             threading.Thread(target=self._from_workers, args=(merged, platform), daemon=True,
