@@ -103,10 +103,9 @@ def test_engine_greedy_equals_the_dense_forward_through_chunks_hits_and_preempti
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "llama4_text"])
-def test_calls_of_several_decode_steps_give_the_one_step_engines_tokens(family):
-    """`EngineConfig.decode_steps=4`: greedy tokens equal to the dense forward's through chunks, prefix hits and
-    preemption (a pool as tight as the one-step test's); seeded samples equal to the one-step engine's, with
-    max_tokens that are no multiple of 4 and a stop token met mid-call (the call's later tokens dropped)."""
+def test_calls_of_several_decode_steps_give_the_dense_forwards_greedy_tokens(family):
+    """`EngineConfig.decode_steps=4` through chunks, prefix hits and preemption (a pool as tight as the one-step
+    test's), windows or chunks: greedy tokens equal to the dense forward's, every block back in the pool."""
     config, model = tiny_model(family)
     want = [dense_greedy(model, p, MAX_TOKENS + 4) for p in PROMPTS]
     tight = tightest_engine(model, config, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
@@ -116,12 +115,19 @@ def test_calls_of_several_decode_steps_give_the_one_step_engines_tokens(family):
     assert tight.stats.multi_step_calls > 0 and tight.stats.preemptions > 0 and tight.stats.cached_prompt_tokens > 0
     assert not tight.has_unfinished_requests() and tight.manager.num_free_blocks == tight.layout.num_blocks - 1
 
+
+def test_calls_of_several_decode_steps_give_the_one_step_engines_samples():
+    """Seeded samples equal to the one-step engine's, with max_tokens that are no multiple of the 4 steps per call
+    (each row bounded within a call) and a stop token met mid-call (the call's later tokens dropped)."""
+    config, model = tiny_model("gemma3_text")
     sizes = dict(block_size=4, max_num_seqs=5, max_num_batched_tokens=64, max_model_len=64)
-    sampled = [SamplingParams(max_tokens=n, temperature=0.8, top_k=20, top_p=0.9) for n in (5, 11, 14, 9, 13)]
-    one = Engine(model, config, EngineConfig(**sizes)).generate(PROMPTS, sampled)
-    stop = one[2].output_token_ids[6]  # met mid-call by the request it ends (maybe by others too)
+    sampled = [SamplingParams(max_tokens=n, temperature=0.8, top_k=20, top_p=0.9, seed=7 + i)
+               for i, n in enumerate((5, 11, 14, 9, 13))]  # seeds of their own: the engine runs twice  # fmt: skip
+    one_step = Engine(model, config, EngineConfig(**sizes))
+    stop = one_step.generate(PROMPTS, sampled)[2].output_token_ids[6]  # met mid-call by the request it ends
     sampled = [dataclasses.replace(s, stop_token_ids=(stop,)) for s in sampled]
-    one = Engine(model, config, EngineConfig(**sizes)).generate(PROMPTS, sampled)
+    one_step.reset()
+    one = one_step.generate(PROMPTS, sampled)
     several = Engine(model, config, EngineConfig(**sizes, decode_steps=4))
     got = several.generate(PROMPTS, sampled)
     assert [(o.output_token_ids, o.finish_reason) for o in got] == [(o.output_token_ids, o.finish_reason) for o in one]
