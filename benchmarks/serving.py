@@ -266,6 +266,14 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
                     f"{stats_cold.compile_time:.0f} s")  # fmt: skip
             print("throughput", line, flush=True)
             summaries.append(("throughput", line))
+    one_step = results.get("ours, 1 decode steps per call, warm", (None,))[0]
+    for steps in decode_steps:
+        if steps != 1 and one_step is not None:
+            tokens = results[f"ours, {steps} decode steps per call, warm"][0]
+            line = (f"ours, {steps} decode steps per call: greedy tokens equal to one step per call's "
+                    f"{np.mean([a == b for x, y in zip(tokens, one_step) for a, b in zip(x, y)]):.1%}")  # fmt: skip
+            print("throughput", line, flush=True)
+            summaries.append(("throughput", line))
     reference = results.get("transformers generate_batch paged|sdpa", (None, None))[0]
     for name, (tokens, seconds) in results.items():
         output = sum(map(len, tokens))
@@ -405,7 +413,8 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> tuple[str, dict]
             f"({busy / steps:.2f} ms of kernels and copies per step, {engine_trace.gpu_ops / steps:.0f} of them); "
             f"the step's calls replayed back to back {replay_time:.2f} ms, GPU busy "
             f"{replay_trace.gpu_busy_ms / replay_trace.gpu_span_ms:.0%}; the engine's thread per step: {phases}; "
-            "host per engine step by profiler event: " + "; ".join(engine_trace.host_lines(per=steps, top=8)),
+            "host per engine step by profiler event: " + "; ".join(engine_trace.host_lines(per=steps, top=8)) +
+            "; GPU per engine step by kind of kernel: " + "; ".join(engine_trace.kernel_lines(per=steps, top=20)),
             figures)  # fmt: skip
 
 

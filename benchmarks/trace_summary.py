@@ -1,7 +1,7 @@
 """What a `jax.profiler` trace says about a run: the GPU's busy time, and where the host spent its time.
 
     summary = profiled(directory, run)    # run() under the profiler (Python tracer off), then `summarize`
-    summary.gpu_busy_ms, summary.gpu_span_ms, summary.gpu_ops, summary.host_ms_by_name
+    summary.gpu_busy_ms, summary.gpu_span_ms, summary.gpu_ops, summary.host_ms_by_name, summary.gpu_by_kind
 
 Shared by the benchmarks in this folder; it reads the Perfetto trace (``*.trace.json.gz``) that
 ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes.
@@ -12,6 +12,7 @@ import dataclasses
 import glob
 import gzip
 import json
+import re
 from collections.abc import Callable
 
 import jax
@@ -21,17 +22,31 @@ import jax
 class TraceSummary:
     """gpu_busy_ms: time in which some GPU stream runs a kernel or a copy; gpu_span_ms: from the first of them to
     the last; gpu_ops: how many ran; host_ms_by_name: total duration of each host event name (its own time and
-    the time of what it calls, so nested names overlap), largest first. NaN and zero counts where the trace has
-    no GPU (a CPU dry run)."""
+    the time of what it calls, so nested names overlap), largest first; gpu_by_kind: kernels and copies grouped by
+    `kernel_kind`, each (count, ms), largest time first. NaN and zero counts where the trace has no GPU (a CPU dry
+    run)."""
 
     gpu_busy_ms: float
     gpu_span_ms: float
     gpu_ops: int
     host_ms_by_name: dict[str, float]
+    gpu_by_kind: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
     def host_lines(self, *, per: int = 1, top: int = 12) -> list[str]:
         """The `top` host event names, each as "name: ms" divided by `per` (e.g. per call)."""
         return [f"{name}: {ms / per:.3f} ms" for name, ms in list(self.host_ms_by_name.items())[:top]]
+
+    def kernel_lines(self, *, per: int = 1, top: int = 12) -> list[str]:
+        """The `top` kinds of GPU operation, each as "kind: count x, ms" divided by `per` (e.g. per step)."""
+        return [f"{kind}: {count / per:.0f}x {ms / per:.3f} ms"
+                for kind, (count, ms) in list(self.gpu_by_kind.items())[:top]]  # fmt: skip
+
+
+def kernel_kind(name: str) -> str:
+    """A GPU operation's name without what numbers its instances (``loop_add_fusion_12`` -> ``loop_add_fusion``;
+    template arguments and Mosaic's suffixes dropped), so that one kind of kernel is counted together."""
+    name = name.split("<", 1)[0].split("(", 1)[0]
+    return re.sub(r"(_\d+)+$|\.\d+$", "", name) or name
 
 
 def load_events(directory: str) -> list[dict]:
@@ -51,7 +66,14 @@ def summarize(events: list[dict]) -> TraceSummary:
     streams = {(pid, tid) for (pid, tid, kind), name in names.items()  # kernels and copies, not module or op lines
                if pid in gpu_pids and kind == "thread_name" and name.startswith("Stream")}  # fmt: skip
     complete = [e for e in events if e.get("ph") == "X"]
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in complete if (e["pid"], e["tid"]) in streams)
+    gpu_events = [e for e in complete if (e["pid"], e["tid"]) in streams]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu_events)
+    kinds = collections.defaultdict(lambda: [0, 0.0])
+    for e in gpu_events:
+        kind = kinds[kernel_kind(e["name"])]
+        kind[0] += 1
+        kind[1] += e["dur"] / 1e3
+    by_kind = {name: (count, ms) for name, (count, ms) in sorted(kinds.items(), key=lambda item: -item[1][1])}
     host = collections.Counter()
     for e in complete:
         if e["pid"] in host_pids:
@@ -63,7 +85,7 @@ def summarize(events: list[dict]) -> TraceSummary:
     for start, stop in spans:
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
-    return TraceSummary(busy / 1e3, (end - spans[0][0]) / 1e3, len(spans), host_ms)
+    return TraceSummary(busy / 1e3, (end - spans[0][0]) / 1e3, len(spans), host_ms, by_kind)
 
 
 def profiled(directory: str, run: Callable[[], None]) -> TraceSummary:
