@@ -6,6 +6,7 @@ pool · S block_size · P max blocks per request. Window convention: see `jax_hy
 
 from . import allocator, masks, reference
 from .attention import layer_attention, paged_attention
+from .cascade import cascade_attention
 from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from .kv_cache import write_kv
 from .layout import KV_LAYOUTS, get_kv_cache_shape
@@ -30,6 +31,7 @@ __all__ = [
     "KV_LAYOUTS",
     "AttentionMetadata",
     "allocator",
+    "cascade_attention",
     "AttentionSpec",
     "ChunkedLocalAttentionSpec",
     "FullAttentionSpec",

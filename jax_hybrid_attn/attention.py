@@ -17,26 +17,15 @@ from jaxtyping import Array, Float
 
 from . import reference
 from ._compat import plgpu, resolve_interpret
+from .cascade import cascade_attention
 from .kernels.mixed_batch import paged_attention_kernels
 from .kv_cache import write_kv
 from .layout import KVCache, KVLayout
 from .metadata import AttentionMetadata
 from .params import CAUSAL, LayerAttentionParams
-from .validation import check_paged_attention_args
+from .validation import IMPLEMENTATIONS, check_paged_attention_args, resolve_implementation
 
 __all__ = ["IMPLEMENTATIONS", "layer_attention", "paged_attention"]
-
-IMPLEMENTATIONS = ("kernel", "reference")
-
-
-def _resolve_implementation(implementation: str | None, interpret) -> str:
-    if implementation is None:
-        on_kernel = resolve_interpret(interpret) is not None or jax.default_backend() == "gpu"
-        return "kernel" if on_kernel else "reference"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
-    return implementation
-
 
 def paged_attention(
     q: Float[Array, "T N H"],
@@ -63,7 +52,10 @@ def paged_attention(
       NotImplementedError: the kernels do not support this combination (named in the message).
     """
     options = dict(params=params, sinks=sinks, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale, checked=checked)
-    if _resolve_implementation(implementation, interpret) == "reference":
+    if isinstance(metadata, AttentionMetadata) and metadata.num_common_prefix_blocks is not None:
+        return cascade_attention(q, kv_cache, metadata, num_common_prefix_blocks=metadata.num_common_prefix_blocks,
+                                 implementation=implementation, interpret=interpret, **options)  # fmt: skip
+    if resolve_implementation(implementation, interpret) == "reference":
         return reference.paged_attention(q, kv_cache, metadata, **options)
     return paged_attention_kernels(q, kv_cache, metadata, interpret=interpret, **options)
 
@@ -105,7 +97,7 @@ def layer_attention(
     )  # fmt: skip
     if (k is None) != (v is None):
         raise ValueError("k and v must both be given, or both be None (a layer that reads another layer's cache)")
-    implementation = _resolve_implementation(implementation, interpret)
+    implementation = resolve_implementation(implementation, interpret)
     return _layer_attention(
         q, k, v, kv_cache, metadata, sinks, k_scale, v_scale,
         params=params, kv_layout=kv_layout, implementation=implementation, interpret=interpret,

@@ -70,8 +70,8 @@ def allowed_key_range(q_pos, seq_len, *, params: LayerAttentionParams = CAUSAL, 
     window = _window(params, sliding_window)
     first = jnp.zeros_like(q_pos)
     last = q_pos if params.causal else jnp.broadcast_to(seq_len - 1, jnp.shape(q_pos))
-    if window is not None:
-        first = jnp.maximum(first, q_pos - window + 1)
+    if window is not None:  # compared before subtracting: a negative q_pos minus a huge window overflows int32
+        first = jnp.where(q_pos >= window, q_pos - window + 1, first)
     if params.attention_chunk_size is not None:
         chunk = params.attention_chunk_size
         chunk_start = (q_pos // chunk) * chunk

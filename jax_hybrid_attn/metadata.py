@@ -58,6 +58,9 @@ class AttentionMetadata:
       token_budget: static; the most tokens (T, padding included) of any step that shares these kernels, e.g.
         an engine's ``max_num_batched_tokens``, or None for T. The kernels size their query-tile tables for it,
         so steps of several T compile one kernel; the results do not depend on it.
+      num_common_prefix_blocks: [] int32, or None: the leading block-table entries that every request holds
+        alike; given, `attention.paged_attention` computes the step as cascade attention (`cascade`: the shared
+        prefix once for every query, each request's suffix, merged).
     """
 
     query_start_loc: Int[Array, "R+1"]
@@ -69,6 +72,7 @@ class AttentionMetadata:
     max_seq_len: int
     causal: bool = True
     token_budget: int | None = None
+    num_common_prefix_blocks: Int[Array, ""] | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -90,7 +94,8 @@ class AttentionMetadata:
 
 register_pytree_dataclass(
     AttentionMetadata,
-    data_fields=["query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_actual_tokens"],
+    data_fields=["query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_actual_tokens",
+                 "num_common_prefix_blocks"],
     meta_fields=["max_query_len", "max_seq_len", "causal", "token_budget"],
 )
 

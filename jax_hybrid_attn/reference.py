@@ -10,12 +10,13 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from .layout import KVCache, KVLayout, kv_halves_nhd
 from .masks import attention_mask
 from .metadata import AttentionMetadata, token_requests
 from .params import CAUSAL, LayerAttentionParams
+from .softmax_merge import merge_splits
 from .validation import check_paged_attention_args, unservable_requests
 
 __all__ = ["paged_attention"]
@@ -69,9 +70,36 @@ def paged_attention(
 
 @partial(jax.jit, static_argnames=("params", "kv_layout"))
 def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, kv_layout):
+    num_blocks, block_size = kv_halves_nhd(kv_cache, kv_layout)[0].shape[:2]
+    out, lse = attention_parts(q, kv_cache, metadata, k_scale, v_scale, params=params, kv_layout=kv_layout)
+    out = merge_splits(out[:, :, None], lse[:, :, None], None if sinks is None else sinks.astype(jnp.float32))
+    request = token_requests(metadata.query_start_loc, jnp.arange(q.shape[0]))
+    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)[request]
+    out = jnp.where(unservable[:, None, None], jnp.nan, out)  # flagged, never a wrong number
+    is_query = jnp.arange(q.shape[0]) < metadata.query_start_loc[-1]
+    return jnp.where(is_query[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def attention_parts(
+    q: Float[Array, "T N H"],
+    kv_cache: KVCache,
+    metadata: AttentionMetadata,
+    k_scale: Float[Array, ""],
+    v_scale: Float[Array, ""],
+    *,
+    params: LayerAttentionParams,
+    kv_layout: KVLayout,
+    keys_from: Int[Array, ""] | int = 0,
+    keys_before: Int[Array, ""] | int | None = None,
+) -> tuple[Float[Array, "T N H"], Float[Array, "T N"]]:
+    """Each query token's attention, without sinks, over the keys its mask allows at positions in
+    ``[keys_from, keys_before)`` (`keys_before` None: no end), in float32 with `params` and the scales resolved
+    (`check_paged_attention_args`): (the output normalized over those keys, 0 where there is none [T, N, H]; the
+    log-sum-exp of their logits, -inf where there is none [T, N]), the parts that `softmax_merge.merge_splits`
+    combines. Padding tokens and unservable requests are not marked."""
     num_tokens, num_q_heads, head_dim = q.shape
     k_cache, v_cache = kv_halves_nhd(kv_cache, kv_layout)
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_q_heads // num_kv_heads
     num_reqs, max_blocks = metadata.block_tables.shape
 
@@ -79,33 +107,42 @@ def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, 
     keys = k_cache[metadata.block_tables].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
     values = v_cache[metadata.block_tables].reshape(num_reqs, max_blocks * block_size, num_kv_heads, head_dim)
     key_positions = jnp.arange(max_blocks * block_size)
-    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)
     query_lens = metadata.query_lens
 
     def attend(token):
         request = token_requests(metadata.query_start_loc, token)
         seq_len = metadata.seq_lens[request]
         q_pos = seq_len - query_lens[request] + token - metadata.query_start_loc[request]
-        allowed = attention_mask(q_pos, key_positions, seq_len, params=params)  # [P*S]
+        allowed = attention_mask(q_pos, key_positions, seq_len, params=params) & (key_positions >= keys_from)
+        if keys_before is not None:
+            allowed &= key_positions < keys_before
         k = keys[request].astype(jnp.float32) * k_scale  # [P*S, K, H]
         v = jnp.where(allowed[:, None, None], values[request].astype(jnp.float32) * v_scale, 0.0)
         q_t = q[token].astype(jnp.float32).reshape(num_kv_heads, group_size, head_dim)
-        logits = jnp.einsum("kgh,pkh->kgp", q_t, k, precision=EXACT) * params.sm_scale
-        if params.logits_soft_cap is not None:
-            logits = params.logits_soft_cap * jnp.tanh(logits / params.logits_soft_cap)
-        logits = jnp.where(allowed, logits, -jnp.inf)
-        row_max = logits.max(axis=-1)
-        if sinks is not None:
-            sink = sinks.astype(jnp.float32).reshape(num_kv_heads, group_size)
-            row_max = jnp.maximum(row_max, sink)
-        weights = jnp.exp(logits - row_max[..., None])
-        denominator = weights.sum(axis=-1)
-        if sinks is not None:
-            denominator = denominator + jnp.exp(sink - row_max)
-        out = jnp.einsum("kgp,pkh->kgh", weights, v, precision=EXACT) / denominator[..., None]
-        is_query = token < metadata.query_start_loc[-1]
-        out = jnp.where(unservable[request], jnp.nan, out)  # flagged, never a wrong number
-        return jnp.where(is_query, out, 0.0).reshape(num_q_heads, head_dim)
+        return softmax_part(jnp.einsum("kgh,pkh->kgp", q_t, k, precision=EXACT), allowed, v, params=params)
 
-    out = jax.lax.map(attend, jnp.arange(num_tokens), batch_size=TOKENS_PER_MAP_STEP)
-    return out.astype(q.dtype)
+    out, lse = jax.lax.map(attend, jnp.arange(num_tokens), batch_size=TOKENS_PER_MAP_STEP)
+    return out.reshape(num_tokens, num_q_heads, head_dim), lse.reshape(num_tokens, num_q_heads)
+
+
+def softmax_part(
+    products: Float[Array, "K G P"],
+    allowed: Bool[Array, "P"],
+    v: Float[Array, "P K H"],
+    *,
+    params: LayerAttentionParams,
+) -> tuple[Float[Array, "K G H"], Float[Array, "K G"]]:
+    """One query token's attention over the `allowed` of P keys, from its q·k products (unscaled) and the values
+    (zero where not allowed): (the output normalized over them, 0 where none is allowed; their log-sum-exp, -inf
+    where none is)."""
+    logits = products * params.sm_scale
+    if params.logits_soft_cap is not None:
+        logits = params.logits_soft_cap * jnp.tanh(logits / params.logits_soft_cap)
+    logits = jnp.where(allowed, logits, -jnp.inf)
+    row_max = logits.max(axis=-1)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    weights = jnp.exp(logits - row_max[..., None])
+    denominator = weights.sum(axis=-1)
+    out = jnp.einsum("kgp,pkh->kgh", weights, v, precision=EXACT)
+    out = out / jnp.where(denominator > 0, denominator, 1.0)[..., None]
+    return out, jnp.where(denominator > 0, row_max + jnp.log(denominator), -jnp.inf)

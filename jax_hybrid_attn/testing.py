@@ -60,6 +60,7 @@ def random_paged_inputs(
     causal: bool = True,
     null_unreachable_for: dict | None = None,
     kv_pair: bool = False,
+    shared_prefix_len: int = 0,
 ) -> PagedInputs:
     """Random q, cache and metadata for requests with the given query and sequence lengths.
 
@@ -69,6 +70,8 @@ def random_paged_inputs(
       spare_blocks: extra unused (NaN) blocks in the pool besides the null block.
       null_unreachable_for: ``dict(sliding_window=..., attention_chunk_size=...)``: blocks that no query
         of the request can attend to are replaced by `NULL_BLOCK_ID`, as the hybrid allocator does.
+      shared_prefix_len: every request's first this many keys and values are the first request's, and the
+        blocks they fill are the first request's blocks (a prefix cached once, as prefix caching shares it).
     """
     rng = np.random.default_rng(seed)
     query_lens = np.asarray(query_lens, np.int64)
@@ -82,13 +85,17 @@ def random_paged_inputs(
             kv = kv * 8 * np.array([k_scale, v_scale])[:, None, None, None]
         keys.append(kv[0])
         values.append(kv[1])
+    if shared_prefix_len > min(map(int, seq_lens)):
+        raise ValueError(f"{shared_prefix_len=} is longer than a request's seq_lens={list(map(int, seq_lens))}")
+    for k, v in zip(keys[1:], values[1:]):
+        k[:shared_prefix_len], v[:shared_prefix_len] = keys[0][:shared_prefix_len], values[0][:shared_prefix_len]
     q = rng.standard_normal((int(query_lens.sum()), num_q_heads, head_dim))
     sinks = rng.uniform(-1.0, 3.0, num_q_heads) if with_sinks else None
     return pack_paged_inputs(
         rng, q, keys, values, query_lens,
         block_size=block_size, dtype=dtype, kv_dtype=kv_dtype, kv_layout=kv_layout, k_scale=k_scale,
         v_scale=v_scale, spare_blocks=spare_blocks, sinks=sinks, causal=causal,
-        null_unreachable_for=null_unreachable_for, kv_pair=kv_pair,
+        null_unreachable_for=null_unreachable_for, kv_pair=kv_pair, shared_blocks=shared_prefix_len // block_size,
     )  # fmt: skip
 
 
@@ -110,8 +117,11 @@ def pack_paged_inputs(
     causal: bool = True,
     null_unreachable_for: dict | None = None,
     kv_pair: bool = False,
+    shared_blocks: int = 0,
 ) -> PagedInputs:
-    """Store given per-request K/V ([seq_len, K, H] each) in randomly placed blocks of a NaN-filled pool."""
+    """Store given per-request K/V ([seq_len, K, H] each) in randomly placed blocks of a NaN-filled pool; the
+    first `shared_blocks` entries of every block table are the first request's (their K/V must be equal), and
+    the blocks they replace stay NaN."""
     query_lens = np.asarray(query_lens, np.int64)
     seq_lens = np.array([len(k) for k in keys], np.int64)
     num_kv_heads, head_dim = keys[0].shape[1:]
@@ -122,6 +132,7 @@ def pack_paged_inputs(
     pool_ids = rng.permutation(np.arange(1, num_blocks))
     block_tables = np.full((len(seq_lens), max_blocks), NULL_BLOCK_ID, np.int64)
     block_tables[np.arange(max_blocks)[None, :] < blocks_per_request[:, None]] = pool_ids[: blocks_per_request.sum()]
+    block_tables[:, :shared_blocks] = block_tables[:1, :shared_blocks]
 
     fp8 = kv_dtype == FP8_DTYPE
     scales = np.array([k_scale, v_scale] if fp8 else [1.0, 1.0])[:, None, None, None]

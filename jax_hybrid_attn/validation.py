@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._compat import resolve_interpret
 from .constants import PAD_SLOT_ID
 from .integers import INT32_MAX, check_bool
 from .layout import FP8_DTYPE, KV_CACHE_DTYPES, check_kv_layout, is_kv_pair, kv_cache_dims, kv_cache_dtype
@@ -42,6 +43,19 @@ def _check_index_array(name: str, x, *, ndim: int) -> None:
         )
 
 
+IMPLEMENTATIONS = ("kernel", "reference")
+
+
+def resolve_implementation(implementation: str | None, interpret) -> str:
+    """`paged_attention`'s implementation: the kernels on a GPU or with `interpret`, else the reference."""
+    if implementation is None:
+        on_kernel = resolve_interpret(interpret) is not None or jax.default_backend() == "gpu"
+        return "kernel" if on_kernel else "reference"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
+    return implementation
+
+
 def check_metadata(metadata) -> None:
     """Types, ranks, dtypes and mutual shapes of an `AttentionMetadata`."""
     if not isinstance(metadata, AttentionMetadata):
@@ -51,6 +65,8 @@ def check_metadata(metadata) -> None:
     _check_index_array("metadata.block_tables", metadata.block_tables, ndim=2)
     _check_index_array("metadata.slot_mapping", metadata.slot_mapping, ndim=1)
     _check_index_array("metadata.num_actual_tokens", metadata.num_actual_tokens, ndim=0)
+    if metadata.num_common_prefix_blocks is not None:
+        _check_index_array("metadata.num_common_prefix_blocks", metadata.num_common_prefix_blocks, ndim=0)
     num_reqs = metadata.seq_lens.shape[0]
     if metadata.query_start_loc.shape != (num_reqs + 1,):
         raise ValueError(

@@ -15,7 +15,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from .._compat import check_interpret_threads, plgpu, resolve_interpret
 from ..layout import FP8_DTYPE, KVCache, KVLayout, is_kv_pair, kv_cache_dims, kv_cache_dtype
@@ -26,7 +26,10 @@ from . import tiles as query_tiles
 from .config import SMEM_BUDGET_BYTES, default_config
 from .launch import direct_io_supported, launch_attention
 
-__all__ = ["KERNEL_DTYPES", "check_kernel_support", "decode_splits", "kernel_configs", "paged_attention_kernels"]
+__all__ = [
+    "KERNEL_DTYPES", "check_kernel_support", "decode_splits", "kernel_configs", "paged_attention_kernels",
+    "paged_attention_parts_kernels",
+]  # fmt: skip
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 NUM_SMS = 132  # the H200's streaming multiprocessors: one wave of CTAs
@@ -135,8 +138,33 @@ def check_kernel_support(q, kv_cache, kv_layout) -> None:
         )
 
 
-@partial(jax.jit, static_argnames=("params", "kv_layout", "interpret"))
-def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, kv_layout, interpret):
+def paged_attention_parts_kernels(
+    q: Float[Array, "T N H"],
+    kv_cache: KVCache,
+    metadata: AttentionMetadata,
+    k_scale: Float[Array, ""],
+    v_scale: Float[Array, ""],
+    flagged: Bool[Array, "R"],
+    *,
+    params: LayerAttentionParams,
+    kv_layout: KVLayout,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> tuple[Float[Array, "T N H"], Float[Array, "T N"]]:
+    """`reference.attention_parts` on the kernels, arguments checked by the caller: each token's output without
+    sinks and the log-sum-exp of its logits (`tiles.token_parts`), for `softmax_merge.merge_splits`. The requests
+    of `flagged` (and no others: the caller decides what it cannot serve) get NaN; a query may be longer than its
+    request's keys (a non-causal layer's queries over keys they are not among)."""
+    check_kernel_support(q, kv_cache, kv_layout)
+    if resolve_interpret(interpret) is not None:
+        check_interpret_threads()
+    return _paged_attention_kernels(q, kv_cache, metadata, None, k_scale, v_scale, flagged, params=params,
+                                    kv_layout=kv_layout, interpret=interpret, parts=True)  # fmt: skip
+
+
+@partial(jax.jit, static_argnames=("params", "kv_layout", "interpret", "parts"))
+def _paged_attention_kernels(
+    q, kv_cache, metadata, sinks, k_scale, v_scale, flagged=None, *, params, kv_layout, interpret, parts=False
+):
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = kv_cache_dims(kv_cache, kv_layout)
     group_size = num_q_heads // num_kv_heads
@@ -148,7 +176,7 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
         compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q)
     # the kernels' scalars: logit scale (sm_scale * k_scale, over q's scale), v scale, q scale
     scales = jnp.stack([params.sm_scale * k_scale / q_scale, v_scale, q_scale]).astype(jnp.float32)
-    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)
+    unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks) if flagged is None else flagged
     block_tables = jnp.clip(metadata.block_tables, 0, num_blocks - 1)  # never a page outside the pool
     # K and V come from one array [B, 2, ...] (passed twice, indexed on axis 1) or from the pair's two arrays
     stacked = not is_kv_pair(kv_cache)
@@ -197,6 +225,15 @@ def _paged_attention_kernels(q, kv_cache, metadata, sinks, k_scale, v_scale, *, 
 
     is_decode = query_lens <= query_tiles.tokens_per_tile(group_size)
     prefill_launch = metadata.max_query_len > query_tiles.tokens_per_tile(group_size)  # static
+    if parts:  # each launch's partial outputs and log-sum-exps, gathered per token
+        decode = run(query_tiles.decode_tiles(query_lens, group_size), decode_config, requests)
+        prefill = None
+        if prefill_launch:
+            table_tokens = metadata.token_budget or num_tokens
+            tiles = query_tiles.prefill_tiles(query_lens, group_size, table_tokens, rows=prefill_config.rows)
+            prefill = run(tiles, prefill_config, requests)
+        return query_tiles.token_parts(decode, prefill, requests, metadata.num_actual_tokens, v_scale,
+                                       group_size=group_size, num_tokens=num_tokens)  # fmt: skip
     if not prefill_launch and writes_tokens(decode_config):  # decodes only, unsplit: the one launch writes it all
         return all_tokens(decode_config, jnp.ones_like(is_decode))
     decode = run(query_tiles.decode_tiles(query_lens, group_size), decode_config, requests)

@@ -17,6 +17,7 @@ from jaxtyping import Array, Bool, Float, Int
 from .._compat import register_pytree_dataclass
 from ..integers import cdiv
 from ..metadata import token_requests
+from ..softmax_merge import merge_splits
 from .config import ROWS
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "merge_splits",
     "prefill_token_rows",
     "token_outputs",
+    "token_parts",
 ]
 
 
@@ -124,23 +126,6 @@ def pack_query_rows(q: Float[Array, "T N H"], tokens, heads) -> Float[Array, "NT
     return q.at[tokens[:, None, :], heads[None, :, :]].get(mode="fill", fill_value=0)
 
 
-def merge_splits(partial_out, lse, sinks):
-    """Combine splits: [..., splits, H] with lse [..., splits] -> [..., H] float32.
-
-    `sinks` (broadcastable to lse's leading axes, or None) adds one unscaled logit per head to the softmax
-    denominator only."""
-    lse_max = lse.max(axis=-1)
-    if sinks is not None:
-        lse_max = jnp.maximum(lse_max, sinks)
-    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    weights = jnp.exp(lse - lse_max[..., None])  # [..., splits]
-    denominator = weights.sum(axis=-1)
-    if sinks is not None:
-        denominator = denominator + jnp.exp(sinks - lse_max)
-    out = (weights[..., None] * partial_out.astype(jnp.float32)).sum(axis=-2)
-    return out / jnp.where(denominator > 0, denominator, 1.0)[..., None]
-
-
 def _token_states(requests: Requests, num_actual_tokens, num_tokens: int):
     """Each token's request [T] and offset in its request's query [T], whether its request's tile holds it (a
     request that is not flagged) [T], and the value of a token no tile holds [T]: NaN before `num_actual_tokens`,
@@ -232,3 +217,50 @@ def token_outputs(
     values = jnp.where((token < num_actual_tokens)[..., None, None], values, 0.0).astype(dtype)
     target = jnp.where(is_decode[:, None] & (j[None, :] < query_lens[:, None]), token, num_tokens)  # T: dropped
     return prefill_rows.at[target.reshape(-1)].set(values.reshape(-1, *prefill_rows.shape[1:]), mode="drop")
+
+
+def token_parts(
+    decode: tuple[Float[Array, "R K S rows H"], Float[Array, "R K S rows"]],
+    prefill: tuple[Float[Array, "NT K 1 rows H"], Float[Array, "NT K 1 rows"]] | None,
+    requests: Requests,
+    num_actual_tokens: Int[Array, ""],
+    v_scale: Float[Array, ""],
+    *,
+    group_size: int,
+    num_tokens: int,
+) -> tuple[Float[Array, "T N H"], Float[Array, "T N"]]:
+    """Each token's attention as a part to merge (`softmax_merge.merge_splits`), without sinks: (its output over
+    the keys it saw, v scale applied, float32; the log-sum-exp of their logits, -inf where none). From the decode
+    tiles (their splits merged) for decode requests, from the prefill tiles (one split) for the others. NaN for
+    the tokens of flagged requests and those no tile holds; padding tokens get output 0 and log-sum-exp -inf."""
+    decode_out, decode_lse = decode
+    num_kv_heads = decode_out.shape[1]
+    per_block = ROWS // group_size
+    head = jnp.arange(num_kv_heads * group_size)
+    request, offset, held, fill = _token_states(requests, num_actual_tokens, num_tokens)
+    is_decode = requests.query_lens[request] <= per_block
+
+    lse_max = jnp.max(decode_lse, axis=2)  # over the splits: [R, K, rows]
+    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    weights = jnp.exp(decode_lse - lse_max[:, :, None])
+    total = weights.sum(axis=2)
+    rows_lse = jnp.where(total > 0, lse_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    rows_out = merge_splits(jnp.moveaxis(decode_out, 2, -2), jnp.moveaxis(decode_lse, 2, -1), None)  # [R, K, rows, H]
+    rows = head % group_size * per_block + jnp.where(is_decode, offset, 0)[:, None]  # [T, N]
+    out = rows_out[request[:, None], head // group_size, rows]
+    lse = rows_lse[request[:, None], head // group_size, rows]
+    if prefill is not None:
+        partial_out, partial_lse = prefill
+        per_tile = tokens_per_tile(group_size, partial_out.shape[3])
+        tiles_per_request = prefill_tiles_per_request(requests.query_lens, group_size, rows=partial_out.shape[3])
+        first_tile = jnp.cumsum(tiles_per_request) - tiles_per_request
+        tile = jnp.clip(first_tile[request] + offset // per_tile, 0, partial_out.shape[0] - 1)
+        in_tile = offset % per_tile
+        row = (in_tile // per_block * ROWS + in_tile % per_block)[:, None] + (head % group_size * per_block)[None, :]
+        index = (tile[:, None], (head // group_size)[None, :], 0, row)  # -> [T, N, ...]
+        out = jnp.where(is_decode[:, None, None], out, partial_out[index].astype(jnp.float32))
+        lse = jnp.where(is_decode[:, None], lse, partial_lse[index])
+    held &= is_decode | (prefill is not None)
+    out = jnp.where(held[:, None, None], out * v_scale, fill[:, None, None])
+    lse = jnp.where(held[:, None], lse, jnp.where(jnp.isnan(fill), jnp.nan, -jnp.inf)[:, None])
+    return out, lse

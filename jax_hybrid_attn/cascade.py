@@ -1,0 +1,194 @@
+"""Cascade attention: a prefix that every request of a step shares, attended once for all of the step's queries,
+and each request's own keys after it, merged by log-sum-exp (`softmax_merge`).
+
+With prefix caching, requests behind one system prompt or document hold the same leading blocks (the allocator
+reports how many per KV-cache group: `KVCacheManager.get_num_common_prefix_blocks`, as vLLM's does). Attention
+then splits exactly at the prefix's end ``L = num_common_prefix_blocks * S``::
+
+    out = merge(attention of every query over keys [0, L) of the shared blocks,
+                attention of each query over its own request's keys [L, seq_len))
+
+with the sinks entering the merged denominator once. `paged_attention` takes this path when the metadata holds
+``num_common_prefix_blocks``; `cascade_attention` is the same with the count as an argument.
+
+The split serves a request when its leading blocks are the first request's, its query starts after the prefix
+(``seq_len - query_len >= L``), and, on a sliding-window or chunked layer with a prefix, its keys lie inside the
+window or the first chunk (``seq_len <= W`` or ``<= C``): the prefix part attends without a mask, and the
+suffix part's masks must not change when its positions shift by L. Other requests get NaN output, never a wrong
+number (``checked=True`` raises instead; `split_violations`). A window or chunk layer gains from the split only
+in that case anyway: otherwise its kernels already skip the prefix's blocks. vLLM turns cascade attention off
+for sliding-window layers altogether.
+
+On the kernels, the prefix part is one non-causal request holding every query token, over the shared blocks:
+each of its query tiles (128 / G tokens) reads them once, where plain attention reads them once per request.
+The reference twin computes both parts at the keys' true positions.
+
+Shape letters as `paged_attention`: T tokens · N query heads · K KV heads · H head dim · R requests · P blocks per
+request · S tokens per block.
+"""
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from . import reference
+from ._compat import plgpu
+from .constants import NULL_BLOCK_ID
+from .kernels.mixed_batch import check_kernel_support, paged_attention_parts_kernels
+from .layout import KVCache, KVLayout, kv_cache_dims
+from .metadata import AttentionMetadata, token_requests
+from .params import CAUSAL, LayerAttentionParams
+from .softmax_merge import merge_splits
+from .validation import check_paged_attention_args, resolve_implementation, unservable_requests
+
+__all__ = ["cascade_attention", "split_violations"]
+
+
+def cascade_attention(
+    q: Float[Array, "T N H"],
+    kv_cache: KVCache,
+    metadata: AttentionMetadata,
+    *,
+    num_common_prefix_blocks: int | Int[Array, ""],
+    params: LayerAttentionParams = CAUSAL,
+    sinks: Float[Array, "N"] | None = None,
+    kv_layout: KVLayout = "NHD",
+    k_scale: float | None = None,
+    v_scale: float | None = None,
+    checked: bool = False,
+    implementation: str | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
+) -> Float[Array, "T N H"]:
+    """`paged_attention` computed as a shared prefix and per-request suffixes (arguments as there).
+
+    Args:
+      num_common_prefix_blocks: the leading entries of the block table that every request holds alike (an int,
+        or a traced int32 scalar); 0 gives plain attention.
+      checked: also validate the metadata's values and the split (`split_violations`); needs concrete arrays.
+
+    Returns:
+      [T, N, H] in ``q.dtype``; the tokens of a request that breaks the split are NaN.
+
+    Raises:
+      NotImplementedError: the kernels do not support this combination (named in the message).
+    """
+    params, k_scale, v_scale = check_paged_attention_args(
+        q, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
+        checked=checked,
+    )  # fmt: skip
+    max_blocks = metadata.block_tables.shape[1]
+    if not isinstance(num_common_prefix_blocks, jax.core.Tracer) and not 0 <= num_common_prefix_blocks <= max_blocks:
+        raise ValueError(f"{num_common_prefix_blocks=} must be in [0, {max_blocks}] (the block tables' width)")
+    if checked:
+        _, block_size, _, _ = kv_cache_dims(kv_cache, kv_layout)
+        broken = split_violations(metadata, num_common_prefix_blocks, block_size=block_size, params=params)
+        if np.asarray(broken).any():
+            raise ValueError(
+                f"{num_common_prefix_blocks=} does not split requests {np.flatnonzero(broken).tolist()}: their "
+                "leading blocks differ from the first request's, their query starts inside the prefix, or their "
+                f"keys reach past the layer's window or first chunk ({params.sliding_window=}, "
+                f"{params.attention_chunk_size=})"
+            )
+    num_common_prefix_blocks = jnp.asarray(num_common_prefix_blocks, jnp.int32)
+    if resolve_implementation(implementation, interpret) == "reference":
+        return _cascade_reference(q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale,
+                                  params=params, kv_layout=kv_layout)  # fmt: skip
+    check_kernel_support(q, kv_cache, kv_layout)
+    return _cascade_kernels(q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale,
+                            params=params, kv_layout=kv_layout, interpret=interpret)  # fmt: skip
+
+
+def split_violations(
+    metadata: AttentionMetadata,
+    num_common_prefix_blocks: int | Int[Array, ""],
+    *,
+    block_size: int,
+    params: LayerAttentionParams = CAUSAL,
+) -> Bool[Array, "R"]:
+    """[R] bool: the requests that a split after `num_common_prefix_blocks` blocks cannot serve: a leading block
+    other than the first request's, a query that starts inside the prefix, or (with a prefix) keys past the
+    layer's window or first chunk (the prefix part attends without them: every query must see the whole prefix,
+    and a chunked layer's suffix its whole chunk). Requests without queries never break it."""
+    tables, seq_lens, query_lens = metadata.block_tables, metadata.seq_lens, metadata.query_lens
+    leading = jnp.arange(tables.shape[1]) < num_common_prefix_blocks
+    broken = jnp.any(leading & (tables != tables[:1]), axis=1)
+    broken |= seq_lens - query_lens < num_common_prefix_blocks * block_size
+    for reach in (params.sliding_window, params.attention_chunk_size):
+        if reach is not None:
+            broken |= (num_common_prefix_blocks > 0) & (seq_lens > reach)
+    return broken & (query_lens > 0)
+
+
+@partial(jax.jit, static_argnames=("params", "kv_layout"))
+def _cascade_reference(q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale, *, params, kv_layout):
+    """The two parts at the keys' true positions and masks, the prefix read from the first request's blocks."""
+    _, block_size, _, _ = kv_cache_dims(kv_cache, kv_layout)
+    prefix_len = num_common_prefix_blocks * block_size
+    shared = metadata.replace(block_tables=jnp.broadcast_to(metadata.block_tables[:1], metadata.block_tables.shape))
+    options = dict(params=params, kv_layout=kv_layout)
+    prefix = reference.attention_parts(q, kv_cache, shared, k_scale, v_scale, keys_before=prefix_len, **options)
+    suffix = reference.attention_parts(q, kv_cache, metadata, k_scale, v_scale, keys_from=prefix_len, **options)
+    return _merged(q, kv_cache, metadata, num_common_prefix_blocks, prefix, suffix, sinks, params=params,
+                   kv_layout=kv_layout)  # fmt: skip
+
+
+@partial(jax.jit, static_argnames=("params", "kv_layout", "interpret"))
+def _cascade_kernels(
+    q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale, *, params, kv_layout, interpret
+):
+    """The prefix part as one non-causal request holding every query token, over the first request's leading
+    blocks (each prefill tile of the kernels reads them once for its 128 / G tokens); the suffix part as the
+    requests with their tables and lengths shifted past the prefix (masks that only compare positions are
+    unchanged by the shift; a chunk is the whole request's, as `split_violations` requires)."""
+    num_tokens = q.shape[0]
+    _, block_size, _, _ = kv_cache_dims(kv_cache, kv_layout)
+    prefix_len = num_common_prefix_blocks * block_size
+    tables = metadata.block_tables
+    prefix_metadata = metadata.replace(
+        query_start_loc=jnp.stack([0, metadata.num_actual_tokens]).astype(jnp.int32),
+        seq_lens=prefix_len[None].astype(jnp.int32), block_tables=tables[:1], max_query_len=num_tokens,
+        causal=False,
+    )  # fmt: skip
+    prefix_params = dataclasses.replace(params, causal=False, sliding_window=None, attention_chunk_size=None)
+    prefix = paged_attention_parts_kernels(
+        q, kv_cache, prefix_metadata, k_scale, v_scale, jnp.zeros(1, bool), params=prefix_params,
+        kv_layout=kv_layout, interpret=interpret,
+    )  # fmt: skip
+    shifted = jnp.arange(tables.shape[1]) + num_common_prefix_blocks
+    suffix_metadata = metadata.replace(
+        block_tables=jnp.where(shifted < tables.shape[1], tables[:, jnp.minimum(shifted, tables.shape[1] - 1)],
+                               NULL_BLOCK_ID),
+        seq_lens=jnp.maximum(metadata.seq_lens - prefix_len, 0),  # below 0: a broken request, flagged
+    )  # fmt: skip
+    suffix = paged_attention_parts_kernels(
+        q, kv_cache, suffix_metadata, k_scale, v_scale, _broken(metadata, num_common_prefix_blocks, kv_cache,
+                                                                kv_layout=kv_layout, params=params),
+        params=dataclasses.replace(params, attention_chunk_size=None), kv_layout=kv_layout, interpret=interpret,
+    )  # fmt: skip
+    return _merged(q, kv_cache, metadata, num_common_prefix_blocks, prefix, suffix, sinks, params=params,
+                   kv_layout=kv_layout)  # fmt: skip
+
+
+def _broken(metadata, num_common_prefix_blocks, kv_cache, *, kv_layout, params) -> Bool[Array, "R"]:
+    """The requests whose tokens come out NaN: those the metadata or the split cannot serve."""
+    num_blocks, block_size, _, _ = kv_cache_dims(kv_cache, kv_layout)
+    broken = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)
+    return broken | split_violations(metadata, num_common_prefix_blocks, block_size=block_size, params=params)
+
+
+def _merged(q, kv_cache, metadata, num_common_prefix_blocks, prefix, suffix, sinks, *, params, kv_layout):
+    """The two parts merged with the sinks, in q's dtype; NaN for the tokens of `_broken` requests, 0 for
+    padding."""
+    out = merge_splits(
+        jnp.stack([prefix[0], suffix[0]], axis=2), jnp.stack([prefix[1], suffix[1]], axis=-1),
+        None if sinks is None else sinks.astype(jnp.float32),
+    )  # fmt: skip
+    token = jnp.arange(q.shape[0])
+    request = token_requests(metadata.query_start_loc, token)
+    broken = _broken(metadata, num_common_prefix_blocks, kv_cache, kv_layout=kv_layout, params=params)
+    out = jnp.where(broken[request][:, None, None], jnp.nan, out)
+    return jnp.where((token < metadata.query_start_loc[-1])[:, None, None], out, 0.0).astype(q.dtype)
