@@ -132,8 +132,8 @@ def _cascade_reference(q, kv_cache, metadata, num_common_prefix_blocks, sinks, k
     options = dict(params=params, kv_layout=kv_layout)
     prefix = reference.attention_parts(q, kv_cache, shared, k_scale, v_scale, keys_before=prefix_len, **options)
     suffix = reference.attention_parts(q, kv_cache, metadata, k_scale, v_scale, keys_from=prefix_len, **options)
-    return _merged(q, kv_cache, metadata, num_common_prefix_blocks, prefix, suffix, sinks, params=params,
-                   kv_layout=kv_layout)  # fmt: skip
+    broken = _broken(metadata, num_common_prefix_blocks, kv_cache, kv_layout=kv_layout, params=params)
+    return _merged(q, metadata, prefix, suffix, sinks, broken)
 
 
 @partial(jax.jit, static_argnames=("params", "kv_layout", "interpret"))
@@ -141,7 +141,7 @@ def _cascade_kernels(
     q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale, *, params, kv_layout, interpret
 ):
     """The prefix part as one non-causal request holding every query token, over the first request's leading
-    blocks (each prefill tile of the kernels reads them once for its 128 / G tokens); the suffix part as the
+    blocks (each of its query tiles reads them once); the suffix part as the
     requests with their tables and lengths shifted past the prefix (masks that only compare positions are
     unchanged by the shift; a chunk is the whole request's, as `split_violations` requires)."""
     num_tokens = q.shape[0]
@@ -164,13 +164,12 @@ def _cascade_kernels(
                                NULL_BLOCK_ID),
         seq_lens=jnp.maximum(metadata.seq_lens - prefix_len, 0),  # below 0: a broken request, flagged
     )  # fmt: skip
+    broken = _broken(metadata, num_common_prefix_blocks, kv_cache, kv_layout=kv_layout, params=params)
     suffix = paged_attention_parts_kernels(
-        q, kv_cache, suffix_metadata, k_scale, v_scale, _broken(metadata, num_common_prefix_blocks, kv_cache,
-                                                                kv_layout=kv_layout, params=params),
+        q, kv_cache, suffix_metadata, k_scale, v_scale, broken,
         params=dataclasses.replace(params, attention_chunk_size=None), kv_layout=kv_layout, interpret=interpret,
     )  # fmt: skip
-    return _merged(q, kv_cache, metadata, num_common_prefix_blocks, prefix, suffix, sinks, params=params,
-                   kv_layout=kv_layout)  # fmt: skip
+    return _merged(q, metadata, prefix, suffix, sinks, broken)
 
 
 def _broken(metadata, num_common_prefix_blocks, kv_cache, *, kv_layout, params) -> Bool[Array, "R"]:
@@ -180,8 +179,8 @@ def _broken(metadata, num_common_prefix_blocks, kv_cache, *, kv_layout, params) 
     return broken | split_violations(metadata, num_common_prefix_blocks, block_size=block_size, params=params)
 
 
-def _merged(q, kv_cache, metadata, num_common_prefix_blocks, prefix, suffix, sinks, *, params, kv_layout):
-    """The two parts merged with the sinks, in q's dtype; NaN for the tokens of `_broken` requests, 0 for
+def _merged(q, metadata, prefix, suffix, sinks, broken):
+    """The two parts merged with the sinks, in q's dtype; NaN for the tokens of the `broken` requests, 0 for
     padding."""
     out = merge_splits(
         jnp.stack([prefix[0], suffix[0]], axis=2), jnp.stack([prefix[1], suffix[1]], axis=-1),
@@ -189,6 +188,5 @@ def _merged(q, kv_cache, metadata, num_common_prefix_blocks, prefix, suffix, sin
     )  # fmt: skip
     token = jnp.arange(q.shape[0])
     request = token_requests(metadata.query_start_loc, token)
-    broken = _broken(metadata, num_common_prefix_blocks, kv_cache, kv_layout=kv_layout, params=params)
     out = jnp.where(broken[request][:, None, None], jnp.nan, out)
     return jnp.where((token < metadata.query_start_loc[-1])[:, None, None], out, 0.0).astype(q.dtype)
