@@ -40,7 +40,7 @@ import dataclasses
 import functools
 import math
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 
 import jax
@@ -220,6 +220,7 @@ class PagedAttentionBackend:
         max_seq_len: int | None = None,
         causal: bool = True,
         checked: bool = False,
+        num_common_prefix_blocks: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         """Take this step's metadata (vLLM's `CommonAttentionMetadata` fields) for every following `run`.
 
@@ -231,6 +232,9 @@ class PagedAttentionBackend:
           max_query_len, max_seq_len: host-side upper bounds (vLLM's); if None they are read from the tensors,
             which waits for them. Both are rounded up to a power of two to limit recompiles.
           causal: whether the layers attend causally.
+          num_common_prefix_blocks: per KV-cache group, the leading block-table entries every request holds alike
+            (vLLM's common prefix, in blocks): the layers then run as cascade attention (`jax_hybrid_attn.cascade`;
+            a request the split cannot serve gets NaN). None: plain attention.
           checked: also read the tensors' values (a copy to the host, which waits for them) and raise
             `ValueError` for what the kernels cannot serve: `query_start_loc` not starting at 0 or decreasing,
             query lengths above `seq_lens`, sequences beyond their block table, negative block ids, slots outside
@@ -253,7 +257,7 @@ class PagedAttentionBackend:
         packed, layout, needed_blocks = pack_plan(
             query_start_loc, seq_lens, block_tables, slot_mapping, num_groups=self.num_kv_cache_groups,
             block_size=self.block_size, max_query_len=max_query_len, max_seq_len=max_seq_len, causal=causal,
-            checked=checked, padding=self._padding,
+            checked=checked, padding=self._padding, num_common_prefix_blocks=num_common_prefix_blocks,
         )  # fmt: skip
         self._packed = to_jax(packed, name="packed metadata")
         self._layout, self._needed_blocks, self._plan_device = layout, needed_blocks, device

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from jax_hybrid_attn import PAD_SLOT_ID, AttentionMetadata, check_metadata_values
+from jax_hybrid_attn.cascade import split_violations
 from jax_hybrid_attn.integers import cdiv, check_bool, check_int, next_power_of_two
 
 __all__ = ["PACKED_FIELD_ALIGNMENT", "PlanLayout", "pack_plan"]
@@ -36,7 +37,8 @@ class PlanLayout:
     """Where each field lies in the packed int32 metadata buffer (static under jit).
 
     The buffer holds ``query_start_loc`` (R+1), ``seq_lens`` (R), then each group's block table (R*P) and each
-    group's slot mapping (T), every field starting at a multiple of `PACKED_FIELD_ALIGNMENT` bytes.
+    group's slot mapping (T), and with `cascade` each group's count of common prefix blocks (G), every field
+    starting at a multiple of `PACKED_FIELD_ALIGNMENT` bytes.
     """
 
     num_reqs: int
@@ -46,11 +48,12 @@ class PlanLayout:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
+    cascade: bool = False
 
     @property
     def field_sizes(self) -> tuple[int, ...]:
         r, t, g, p = self.num_reqs, self.num_tokens, self.num_groups, self.blocks_per_req
-        return (r + 1, r) + (r * p,) * g + (t,) * g
+        return (r + 1, r) + (r * p,) * g + (t,) * g + ((g,) if self.cascade else ())
 
     @property
     def field_offsets(self) -> tuple[int, ...]:
@@ -77,6 +80,7 @@ class PlanLayout:
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
             causal=self.causal,
+            num_common_prefix_blocks=field(2 + 2 * self.num_groups)[group] if self.cascade else None,
         )
 
 
@@ -131,8 +135,12 @@ def _check_int64_range(**tensors: torch.Tensor) -> None:
 
 def _check_values(fields: list[torch.Tensor], layout: PlanLayout, *, block_size: int) -> tuple[int, ...]:
     """The checked mode: every group's metadata, copied to the host, through `check_metadata_values` (the pool
-    size is not known yet). Returns per group the number of cache blocks its ids and slots need."""
-    query_start_loc, seq_lens, block_tables, slot_mapping = (field.cpu().numpy().astype(np.int32) for field in fields)
+    size is not known yet), and its common prefix through `cascade.split_violations` (the parts that do not
+    depend on a layer's window or chunk). Returns per group the number of cache blocks its ids and slots need."""
+    query_start_loc, seq_lens, block_tables, slot_mapping = (
+        field.cpu().numpy().astype(np.int32) for field in fields[:4]
+    )
+    common = fields[4].cpu().numpy().astype(np.int32) if layout.cascade else None
     needed = []
     for group in range(layout.num_groups):
         metadata = AttentionMetadata(
@@ -146,6 +154,14 @@ def _check_values(fields: list[torch.Tensor], layout: PlanLayout, *, block_size:
             causal=layout.causal,
         )
         check_metadata_values(metadata, num_blocks=None, block_size=block_size)
+        if common is not None:
+            broken = np.asarray(split_violations(metadata, int(common[group]), block_size=block_size))
+            if broken.any():
+                raise ValueError(
+                    f"num_common_prefix_blocks={common.tolist()} does not split group {group}'s requests "
+                    f"{np.flatnonzero(broken).tolist()}: their leading blocks differ from the first request's, or "
+                    "their query starts inside the prefix"
+                )
         highest_slot = int(slot_mapping[group].max(initial=PAD_SLOT_ID))
         needed.append(max(int(block_tables[group].max(initial=0)), highest_slot // block_size) + 1)
     return tuple(needed)
@@ -164,6 +180,7 @@ def pack_plan(
     causal: bool,
     checked: bool,
     padding: torch.Tensor,
+    num_common_prefix_blocks=None,
 ) -> tuple[torch.Tensor, PlanLayout, tuple[int, ...] | None]:
     """Check one step's metadata and pack it into one int32 tensor on its device (see `PagedAttentionBackend.plan`
     for the arguments; `padding` is a zero int32 tensor of at least one alignment's elements on that device).
@@ -202,8 +219,11 @@ def pack_plan(
         max_query_len=next_power_of_two(check_int("max_query_len", max_query_len, minimum=0)),
         max_seq_len=next_power_of_two(check_int("max_seq_len", max_seq_len, minimum=0)),
         causal=causal,
+        cascade=num_common_prefix_blocks is not None,
     )
-    fields = [query_start_loc, seq_lens, block_tables, slot_mapping]
+    common = _common_prefix_blocks(num_common_prefix_blocks, num_groups=num_groups, blocks_per_req=layout.blocks_per_req,
+                                   device=query_start_loc.device)  # fmt: skip
+    fields = [query_start_loc, seq_lens, block_tables, slot_mapping] + ([common] if layout.cascade else [])
     needed_blocks = _check_values(fields, layout, block_size=block_size) if checked else None
     # Counts rounded up to powers of two, so that a serving loop's varying batches compile a few shapes only:
     # padding requests are empty (their query and sequence lengths 0), padding tokens write nowhere
@@ -218,4 +238,21 @@ def pack_plan(
     slot_mapping = torch.nn.functional.pad(
         slot_mapping, (0, layout.num_tokens - slot_mapping.shape[1]), value=PAD_SLOT_ID
     )
-    return _pack([query_start_loc, seq_lens, *block_tables, *slot_mapping], padding), layout, needed_blocks
+    cascade = [common] if layout.cascade else []
+    return _pack([query_start_loc, seq_lens, *block_tables, *slot_mapping, *cascade], padding), layout, needed_blocks
+
+
+def _common_prefix_blocks(counts, *, num_groups: int, blocks_per_req: int, device) -> torch.Tensor | None:
+    """`plan`'s ``num_common_prefix_blocks`` (None, or G ints in [0, P]) as an int32 tensor [G] on `device`."""
+    if counts is None:
+        return None
+    values = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    if (
+        not isinstance(values, (list, tuple)) or len(values) != num_groups
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= blocks_per_req for v in values)
+    ):  # fmt: skip
+        raise ValueError(
+            f"num_common_prefix_blocks={counts!r} must be {num_groups} ints (one per KV-cache group) in "
+            f"[0, {blocks_per_req}] (the block tables' width)"
+        )
+    return torch.tensor(values, dtype=torch.int32, device=device)

@@ -411,3 +411,28 @@ def test_steps_of_other_token_and_request_counts_in_one_bucket_compile_once():
     assert backend_module._layer_step._cache_size() == compiled, "both steps are 16 tokens of 8 requests"
     assert_close(out, wanted[:-1])
     torch.testing.assert_close(cache, wanted_cache, equal_nan=True, atol=0, rtol=0)
+
+
+def test_plan_with_a_common_prefix_runs_cascade_attention():
+    """Requests 0 and 2 share their first block (request 0's); requests 1 and 3 have queries inside it: the
+    split serves them NaN, a checked plan refuses it, and the others equal the torch reference."""
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sinks=SINKS)
+    step, (cache,), q, k, v = make_step()
+    tables = step["block_tables"].clone()
+    tables[:4, 0] = tables[0, 0]
+    step = dict(step, block_tables=tables)
+    wanted, _ = expected(layer, step, cache, q, k, v)
+    backend = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **ON_CPU)
+    with pytest.raises(ValueError, match=r"num_common_prefix_blocks=\[1\] does not split group 0's requests \[1, 3\]"):
+        backend.plan(**step, num_common_prefix_blocks=[1], checked=True)
+    with pytest.raises(ValueError, match=r"num_common_prefix_blocks=\[1, 1\] must be 1 ints"):
+        backend.plan(**step, num_common_prefix_blocks=[1, 1])
+    backend.plan(**step, num_common_prefix_blocks=[1])
+    out = backend.run("layer", q, k, v, cache.clone())
+    starts = step["query_start_loc"].tolist()
+    for r, served in enumerate([True, False, True, False]):
+        rows = out[starts[r] : starts[r + 1]]
+        if served:
+            torch.testing.assert_close(rows, wanted[starts[r] : starts[r + 1]], atol=2e-5, rtol=2e-5)
+        else:
+            assert rows.isnan().all()
