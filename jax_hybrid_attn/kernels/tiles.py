@@ -11,6 +11,7 @@ so building them needs no host round trip; unused tiles have length 0.
 import dataclasses
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
@@ -154,16 +155,23 @@ def prefill_token_rows(
     (`token_outputs` writes them)."""
     partial_out, lse = prefill
     request, offset, held, fill = _token_states(requests, num_actual_tokens, num_tokens)
-    head = jnp.arange(partial_out.shape[1] * group_size)
-    per_block, per_tile = ROWS // group_size, tokens_per_tile(group_size, partial_out.shape[3])
-    tiles_per_request = prefill_tiles_per_request(requests.query_lens, group_size, rows=partial_out.shape[3])
-    first_tile = jnp.cumsum(tiles_per_request) - tiles_per_request
-    tile = jnp.clip(first_tile[request] + offset // per_tile, 0, partial_out.shape[0] - 1)
-    in_tile = offset % per_tile
-    row = (in_tile // per_block * ROWS + in_tile % per_block)[:, None] + (head % group_size * per_block)[None, :]
-    index = (tile[:, None], (head // group_size)[None, :], slice(None), row)  # -> [T, N, 1, ...]
+    index = _prefill_rows_index(partial_out.shape, requests, request, offset, group_size=group_size)
     out = merge_splits(partial_out[index], lse[index], sinks) * v_scale
     return jnp.where(held[:, None, None], out, fill[:, None, None]).astype(dtype)
+
+
+def _prefill_rows_index(shape, requests: Requests, request, offset, *, group_size: int) -> tuple:
+    """The index that takes each token's rows [T, N, splits, ...] out of a prefill launch's partials of `shape`
+    [NT, K, splits, rows, H], from the tokens' requests [T] and offsets in their queries [T]."""
+    num_tiles, num_kv_heads, _, rows = shape[:4]
+    head = jnp.arange(num_kv_heads * group_size)
+    per_block, per_tile = ROWS // group_size, tokens_per_tile(group_size, rows)
+    tiles_per_request = prefill_tiles_per_request(requests.query_lens, group_size, rows=rows)
+    first_tile = jnp.cumsum(tiles_per_request) - tiles_per_request
+    tile = jnp.clip(first_tile[request] + offset // per_tile, 0, num_tiles - 1)
+    in_tile = offset % per_tile
+    row = (in_tile // per_block * ROWS + in_tile % per_block)[:, None] + (head % group_size * per_block)[None, :]
+    return tile[:, None], (head // group_size)[None, :], slice(None), row
 
 
 def token_outputs(
@@ -240,26 +248,16 @@ def token_parts(
     request, offset, held, fill = _token_states(requests, num_actual_tokens, num_tokens)
     is_decode = requests.query_lens[request] <= per_block
 
-    lse_max = jnp.max(decode_lse, axis=2)  # over the splits: [R, K, rows]
-    lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-    weights = jnp.exp(decode_lse - lse_max[:, :, None])
-    total = weights.sum(axis=2)
-    rows_lse = jnp.where(total > 0, lse_max + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+    rows_lse = jax.nn.logsumexp(decode_lse, axis=2)  # over the splits: [R, K, rows]; -inf where none saw a key
     rows_out = merge_splits(jnp.moveaxis(decode_out, 2, -2), jnp.moveaxis(decode_lse, 2, -1), None)  # [R, K, rows, H]
     rows = head % group_size * per_block + jnp.where(is_decode, offset, 0)[:, None]  # [T, N]
     out = rows_out[request[:, None], head // group_size, rows]
     lse = rows_lse[request[:, None], head // group_size, rows]
     if prefill is not None:
         partial_out, partial_lse = prefill
-        per_tile = tokens_per_tile(group_size, partial_out.shape[3])
-        tiles_per_request = prefill_tiles_per_request(requests.query_lens, group_size, rows=partial_out.shape[3])
-        first_tile = jnp.cumsum(tiles_per_request) - tiles_per_request
-        tile = jnp.clip(first_tile[request] + offset // per_tile, 0, partial_out.shape[0] - 1)
-        in_tile = offset % per_tile
-        row = (in_tile // per_block * ROWS + in_tile % per_block)[:, None] + (head % group_size * per_block)[None, :]
-        index = (tile[:, None], (head // group_size)[None, :], 0, row)  # -> [T, N, ...]
-        out = jnp.where(is_decode[:, None, None], out, partial_out[index].astype(jnp.float32))
-        lse = jnp.where(is_decode[:, None], lse, partial_lse[index])
+        index = _prefill_rows_index(partial_out.shape, requests, request, offset, group_size=group_size)
+        out = jnp.where(is_decode[:, None, None], out, partial_out[index][:, :, 0].astype(jnp.float32))  # one split
+        lse = jnp.where(is_decode[:, None], lse, partial_lse[index][:, :, 0])
     held &= is_decode | (prefill is not None)
     out = jnp.where(held[:, None, None], out * v_scale, fill[:, None, None])
     lse = jnp.where(held[:, None], lse, jnp.where(jnp.isnan(fill), jnp.nan, -jnp.inf)[:, None])
