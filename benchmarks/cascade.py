@@ -8,7 +8,9 @@ Per head shape (Gemma-3-1B's 4 query / 1 KV heads of 256; 32 / 8 heads of 128) a
 decodes behind a 4,096-token prefix with 128 tokens of their own; 256 with no prefix in common), bf16, blocks of
 16: first each call's output against the call without the split (and, on the smallest batch, the reference),
 then both timed as a user calls them: the jitted call back to back (wall per call), with its kernels' time
-(CUPTI) beside it. A table last.
+(CUPTI) beside it, and which of the two the cost rule (`cascade.cascade_pays`) picks; the cascade call's
+kernels for the largest batch. A table last. ``--sections grid`` times both over more batches and prefixes
+(kernel time only): the data the rule's constants come from.
 """
 
 import argparse
@@ -19,14 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_hybrid_attn import make_attention_metadata, paged_attention, reference
+from jax_hybrid_attn.cascade import cascade_pays
 from jax_hybrid_attn.testing import TOLERANCES
-from paged_attention_h200 import kernel_ms
+from paged_attention_h200 import kernel_breakdown, kernel_ms
 
 BLOCK_SIZE = 16
 SHAPES = {"4/1 heads, D256": (4, 1, 256), "32/8 heads, D128": (32, 8, 128)}
 BATCHES = [(16, 4096), (64, 4096), (256, 4096), (256, 0)]  # (requests, tokens of the prefix they share)
 OWN_TOKENS = 128
-TINY = {"shapes": {"4/1 heads, D64": (4, 1, 64)}, "batches": [(4, 64), (4, 0)], "own": 16}
+GRID_REQUESTS = (8, 16, 32, 64, 128, 256)
+GRID_PREFIXES = (256, 1024, 4096)
+TINY = {"shapes": {"4/1 heads, D64": (4, 1, 64)}, "batches": [(4, 64), (4, 0)], "own": 16,
+        "grid": ((4, 20), (64,))}  # fmt: skip
 CALLS = 50
 
 
@@ -57,13 +63,16 @@ def wall_ms(fn, *args, calls=CALLS) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="small shapes in interpret mode (CPU)")
+    parser.add_argument("--sections", default="check", help="comma-separated: check (the table), grid "
+                        "(plain against cascade over requests x prefix lengths, kernel time)")
     args = parser.parse_args()
     shapes, batches, own = (TINY["shapes"], TINY["batches"], TINY["own"]) if args.tiny else (SHAPES, BATCHES, OWN_TOKENS)
     options = {"interpret": True} if args.tiny else {}
     attend = jax.jit(lambda q, cache, metadata: paged_attention(q, cache, metadata, **options))
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
+    sections = args.sections.split(",")
     rows = []
-    for shape_name, (num_q_heads, num_kv_heads, head_dim) in shapes.items():
+    for shape_name, (num_q_heads, num_kv_heads, head_dim) in shapes.items() if "check" in sections else ():
         for num_reqs, prefix_len in batches:
             q, cache, plain, shared = shared_prefix_batch(0, num_reqs=num_reqs, prefix_len=prefix_len, own_len=own,
                                                           num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
@@ -78,15 +87,50 @@ def main() -> None:
                 ok &= np.allclose(out.astype(jnp.float32), oracle, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
             timed = {name: (wall_ms(attend, q, cache, m), float("nan") if args.tiny else kernel_ms(attend, q, cache, m))
                      for name, m in (("plain", plain), ("cascade", split))}  # fmt: skip
+            pick = cascade_pays(num_reqs=num_reqs, num_query_tokens=num_reqs, prefix_len=prefix_len,
+                                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, kv_itemsize=2)
             row = (shape_name, num_reqs, prefix_len, *timed["plain"], *timed["cascade"],
-                   timed["plain"][0] / timed["cascade"][0], error, "PASS" if ok else "FAIL")  # fmt: skip
+                   timed["plain"][0] / timed["cascade"][0], "cascade" if pick else "plain",
+                   timed["plain"][0] / timed["cascade" if pick else "plain"][0], error,
+                   "PASS" if ok else "FAIL")  # fmt: skip
             print(" | ".join(map(str, row)), flush=True)
             rows.append(row)
+            if not args.tiny and num_reqs == max(b for b, _ in batches) and prefix_len:
+                for name, ms in kernel_breakdown(attend, q, cache, split):
+                    print(f"  cascade kernel {ms * 1e3:8.1f} us  {name[:100]}", flush=True)
+    grid = grid_timings(attend, shapes, *(TINY["grid"] if args.tiny else (GRID_REQUESTS, GRID_PREFIXES)), own,
+                        timer=wall_ms if args.tiny else kernel_ms) if "grid" in sections else []  # fmt: skip
     print("\n| heads | decodes | shared prefix | plain: wall / kernels ms | cascade: wall / kernels ms | plain / cascade "
-          "(wall) | max abs diff | check |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
-    for shape_name, num_reqs, prefix_len, plain_wall, plain_kernels, wall, kernels, ratio, error, verdict in rows:
+          "(wall) | rule picks | plain / picked (wall) | max abs diff | check |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for (shape_name, num_reqs, prefix_len, plain_wall, plain_kernels, wall, kernels, ratio, pick, gain, error,
+         verdict) in rows:  # fmt: skip
         print(f"| {shape_name} | {num_reqs} | {prefix_len:,} + {own} own | {plain_wall:.3f} / {plain_kernels:.3f} | "
-              f"{wall:.3f} / {kernels:.3f} | {ratio:.2f}x | {error:.3g} | {verdict} |")  # fmt: skip
+              f"{wall:.3f} / {kernels:.3f} | {ratio:.2f}x | {pick} | {gain:.2f}x | {error:.3g} | {verdict} |")  # fmt: skip
+
+
+    if grid:
+        print("\n| heads | decodes | shared prefix | plain kernels ms | cascade kernels ms | plain / cascade |\n"
+              "|---|---|---|---|---|---|")  # fmt: skip
+        for shape_name, num_reqs, prefix_len, plain_ms, cascade_ms in grid:
+            print(f"| {shape_name} | {num_reqs} | {prefix_len:,} | {plain_ms:.4f} | {cascade_ms:.4f} | "
+                  f"{plain_ms / cascade_ms:.2f}x |")
+
+
+def grid_timings(attend, shapes, requests, prefixes, own, *, timer):
+    """(heads, requests, prefix, plain ms, cascade ms) over the grid: the data the cost rule is set from."""
+    grid = []
+    for shape_name, (num_q_heads, num_kv_heads, head_dim) in shapes.items():
+        for num_reqs in requests:
+            for prefix_len in prefixes:
+                q, cache, plain, shared = shared_prefix_batch(1, num_reqs=num_reqs, prefix_len=prefix_len,
+                                                              own_len=own, num_q_heads=num_q_heads,
+                                                              num_kv_heads=num_kv_heads, head_dim=head_dim)  # fmt: skip
+                split = plain.replace(num_common_prefix_blocks=jnp.int32(shared))
+                grid.append((shape_name, num_reqs, prefix_len, timer(attend, q, cache, plain),
+                             timer(attend, q, cache, split)))  # fmt: skip
+                print("grid |", " | ".join(map(str, grid[-1])), flush=True)
+    return grid
 
 
 if __name__ == "__main__":

@@ -15,7 +15,11 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
               K/V each layer's window, chunk or context covers), the time they take at the read ceiling
               measured in the same run, the engine's wall time, the kernel time, kernels per layer and the
               share of the wall time the GPU runs kernels or copies (CUPTI profile); and the engine's step
-              time against its jitted calls replayed back to back.
+              time against its jitted calls replayed back to back;
+  shared-prefix (GPU) the Gemma-3-1B shape, 256 prompts of one 4,096-token system prompt (in the prefix cache
+              from an earlier request) and 64-512 tokens of their own, 64 greedy tokens: the engine with cascade
+              attention on (the cost rule picks per step) and off, a cold and a warm run each; decode step time
+              and tokens equal.
 
 Prints one line per measurement and a summary table last.
 """
@@ -285,6 +289,50 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
     rows.extend(summaries)
 
 
+def shared_prefix(rows: list, *, shape: dict, num_prompts: int, prefix_len: int = 4096,
+                  own_lens: tuple[int, int] = (64, 512)) -> None:  # fmt: skip
+    config = ModelConfig.from_hf(shape)
+    model = random_model(config, seed=0, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    system = rng.integers(1, config.vocab_size, prefix_len).tolist()
+    prompts = [system + rng.integers(1, config.vocab_size, int(n)).tolist()
+               for n in rng.integers(own_lens[0], own_lens[1] + 1, num_prompts)]  # fmt: skip
+    sizes = dict(block_size=16, max_num_seqs=num_prompts, max_num_batched_tokens=8192,
+                 max_model_len=prefix_len + own_lens[1] + 64)  # fmt: skip
+    tokens = {}
+    for mode in ("auto", "off"):
+        engine = Engine(model, config, EngineConfig(**sizes, cascade_attention=mode))
+        decisions = []  # (rows, shared prefix tokens) of each decode step the rule looked at
+        rule = engine._cascade
+        engine._cascade = lambda rows, rule=rule, engine=engine: (
+            decisions.append((len(rows), engine._common_prefix_tokens)) or rule(rows))  # fmt: skip
+        for run in ("cold", "warm"):
+            if run == "warm":
+                engine.reset()
+            started = time.perf_counter()
+            greedy(engine, [system], 1)  # the system prompt in the prefix cache, as earlier traffic leaves it
+            tokens[mode], seconds = greedy(engine, prompts, 64)
+            seconds = time.perf_counter() - started
+            stats = engine.stats
+            step_ms = stats.decode_time / stats.num_decode_steps * 1e3
+            line = (f"cascade {mode}, {run}: {seconds:.1f} s; decode {step_ms:.2f} ms per step "
+                    f"({stats.num_decode_steps} steps, {stats.cascade_steps} with cascade), decode "
+                    f"{stats.decode_tokens_per_s:,.0f} tok/s, prefill {stats.prefill_tokens_per_s:,.0f} tok/s, "
+                    f"shared prefix up to {stats.peak_common_prefix_tokens} tokens, cached prompt tokens "
+                    f"{stats.cached_prompt_tokens:,}")  # fmt: skip
+            print("shared-prefix", line, flush=True)
+            rows.append(("shared-prefix", line))
+            if decisions:
+                counts, prefixes = np.array(decisions).T
+                print(f"shared-prefix   decode steps seen by the rule: {len(decisions)}, rows min/median/max "
+                      f"{counts.min()}/{np.median(counts):.0f}/{counts.max()}, prefix tokens min/max "
+                      f"{prefixes.min()}/{prefixes.max()}; steps with >= 128 rows: {(counts >= 128).sum()}", flush=True)
+                decisions.clear()
+    same = np.mean([a == b for x, y in zip(tokens["auto"], tokens["off"]) for a, b in zip(x, y)])
+    rows.append(("shared-prefix", f"greedy tokens equal, cascade auto against off: {same:.1%}"))
+    print("shared-prefix", rows[-1][1], flush=True)
+
+
 def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None) -> None:
     """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together.
     Timed: the engine's steps (wall), and the same step's jitted calls replayed back to back on copies of its
@@ -472,6 +520,11 @@ def main():
         elif section == "busy":
             busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256,
                        trace=args.trace)  # fmt: skip
+        elif section == "shared-prefix":
+            if args.tiny:
+                shared_prefix(rows, shape=TINY, num_prompts=4, prefix_len=64, own_lens=(8, 24))
+            else:
+                shared_prefix(rows, shape=GEMMA3_1B, num_prompts=256)
         elif section == "tp-capacity":
             tensor_parallel_capacity(rows)
         elif section == "tp":

@@ -11,13 +11,13 @@ then splits exactly at the prefix's end ``L = num_common_prefix_blocks * S``::
 with the sinks entering the merged denominator once. `paged_attention` takes this path when the metadata holds
 ``num_common_prefix_blocks``; `cascade_attention` is the same with the count as an argument.
 
-The split serves a request when its leading blocks are the first request's, its query starts after the prefix
-(``seq_len - query_len >= L``), and, on a sliding-window or chunked layer with a prefix, its keys lie inside the
-window or the first chunk (``seq_len <= W`` or ``<= C``): the prefix part attends without a mask, and the
-suffix part's masks must not change when its positions shift by L. Other requests get NaN output, never a wrong
-number (``checked=True`` raises instead; `split_violations`). A window or chunk layer gains from the split only
-in that case anyway: otherwise its kernels already skip the prefix's blocks. vLLM turns cascade attention off
-for sliding-window layers altogether.
+The split serves a request when its leading blocks are the first request's (the first with a query), its query
+starts after the prefix (``seq_len - query_len >= L``), and, on a sliding-window or chunked layer with a prefix,
+its keys lie inside the window or the first chunk (``seq_len <= W`` or ``<= C``): the prefix part attends without a
+mask, and the suffix part's masks must not change when its positions shift by L. Other requests get NaN output,
+never a wrong number (``checked=True`` raises instead; `split_violations`). A window or chunk layer gains from the
+split only in that case anyway: otherwise its kernels already skip the prefix's blocks. vLLM turns cascade
+attention off for sliding-window layers altogether.
 
 On the kernels, the prefix part is one non-causal request holding every query token, over the shared blocks:
 each of its query tiles (128 / G tokens) reads them once, where plain attention reads them once per request.
@@ -45,7 +45,19 @@ from .params import CAUSAL, LayerAttentionParams
 from .softmax_merge import merge_splits
 from .validation import check_paged_attention_args, resolve_implementation, unservable_requests
 
-__all__ = ["cascade_attention", "split_violations"]
+# The cost rule's figures, from `benchmarks/cascade.py` on the H200 (kernel time of the whole call):
+PLAIN_PREFIX_BYTES_PER_US = 6.5e6
+"""Bytes per microsecond at which plain decodes read a prefix they share (mostly from L2: above HBM's rate)."""
+CASCADE_FIXED_US = 20.0
+"""What the split adds whatever the prefix: its extra launches, the query packing and the merge per token ..."""
+CASCADE_PER_REQUEST_US = 0.1
+"""... and per request."""
+CASCADE_FLOPS_PER_US = 3.5e8
+"""The prefix part's rate (350 TFLOP/s): all of the step's queries against the prefix, few key steps per CTA."""
+CASCADE_MARGIN = 2.0
+"""The split is taken only where the estimate says it saves this factor of its cost: never slower in doubt."""
+
+__all__ = ["cascade_attention", "cascade_pays", "split_violations"]
 
 
 def cascade_attention(
@@ -110,12 +122,12 @@ def split_violations(
     params: LayerAttentionParams = CAUSAL,
 ) -> Bool[Array, "R"]:
     """[R] bool: the requests that a split after `num_common_prefix_blocks` blocks cannot serve: a leading block
-    other than the first request's, a query that starts inside the prefix, or (with a prefix) keys past the
-    layer's window or first chunk (the prefix part attends without them: every query must see the whole prefix,
-    and a chunked layer's suffix its whole chunk). Requests without queries never break it."""
+    other than the first request's (the first with a query), a query that starts inside the prefix, or (with a
+    prefix) keys past the layer's window or first chunk (the prefix part attends without them: every query must
+    see the whole prefix, and a chunked layer's suffix its whole chunk). Requests without queries never break it."""
     tables, seq_lens, query_lens = metadata.block_tables, metadata.seq_lens, metadata.query_lens
     leading = jnp.arange(tables.shape[1]) < num_common_prefix_blocks
-    broken = jnp.any(leading & (tables != tables[:1]), axis=1)
+    broken = jnp.any(leading & (tables != _prefix_table(metadata)), axis=1)
     broken |= seq_lens - query_lens < num_common_prefix_blocks * block_size
     for reach in (params.sliding_window, params.attention_chunk_size):
         if reach is not None:
@@ -123,12 +135,32 @@ def split_violations(
     return broken & (query_lens > 0)
 
 
+def cascade_pays(
+    *, num_reqs: int, num_query_tokens: int, prefix_len: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+    kv_itemsize: int,
+) -> bool:
+    """Whether a step should split off a prefix of `prefix_len` tokens that `num_reqs` requests with
+    `num_query_tokens` query tokens share, on the kernels: the host-side cost rule, as vLLM's
+    ``use_cascade_attention`` (which compares CTA waves of FlashAttention's two paths).
+
+    Plain attention reads the prefix once per request; the split reads it once, but adds launches and a merge
+    and computes every query against it at the prefix part's (compute-bound) rate. Measured, not modelled: the
+    constants above come from `benchmarks/cascade.py`, and `CASCADE_MARGIN` leaves the close cases (a few
+    requests, a short prefix) to plain attention."""
+    if num_reqs < 2 or prefix_len <= 0:
+        return False
+    plain_us = num_reqs * prefix_len * num_kv_heads * head_dim * 2 * kv_itemsize / PLAIN_PREFIX_BYTES_PER_US
+    prefix_flops = 4 * num_query_tokens * num_q_heads * prefix_len * head_dim
+    cascade_us = CASCADE_FIXED_US + CASCADE_PER_REQUEST_US * num_reqs + prefix_flops / CASCADE_FLOPS_PER_US
+    return plain_us > CASCADE_MARGIN * cascade_us
+
+
 @partial(jax.jit, static_argnames=("params", "kv_layout"))
 def _cascade_reference(q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale, *, params, kv_layout):
     """The two parts at the keys' true positions and masks, the prefix read from the first request's blocks."""
     _, block_size, _, _ = kv_cache_dims(kv_cache, kv_layout)
     prefix_len = num_common_prefix_blocks * block_size
-    shared = metadata.replace(block_tables=jnp.broadcast_to(metadata.block_tables[:1], metadata.block_tables.shape))
+    shared = metadata.replace(block_tables=jnp.broadcast_to(_prefix_table(metadata), metadata.block_tables.shape))
     options = dict(params=params, kv_layout=kv_layout)
     prefix = reference.attention_parts(q, kv_cache, shared, k_scale, v_scale, keys_before=prefix_len, **options)
     suffix = reference.attention_parts(q, kv_cache, metadata, k_scale, v_scale, keys_from=prefix_len, **options)
@@ -150,7 +182,7 @@ def _cascade_kernels(
     tables = metadata.block_tables
     prefix_metadata = metadata.replace(
         query_start_loc=jnp.stack([0, metadata.num_actual_tokens]).astype(jnp.int32),
-        seq_lens=prefix_len[None].astype(jnp.int32), block_tables=tables[:1], max_query_len=num_tokens,
+        seq_lens=prefix_len[None].astype(jnp.int32), block_tables=_prefix_table(metadata), max_query_len=num_tokens,
         causal=False,
     )  # fmt: skip
     prefix_params = dataclasses.replace(params, causal=False, sliding_window=None, attention_chunk_size=None)
@@ -170,6 +202,13 @@ def _cascade_kernels(
         params=dataclasses.replace(params, attention_chunk_size=None), kv_layout=kv_layout, interpret=interpret,
     )  # fmt: skip
     return _merged(q, metadata, prefix, suffix, sinks, broken)
+
+
+def _prefix_table(metadata: AttentionMetadata) -> Int[Array, "1 P"]:
+    """The block table the prefix is read from: the first request's with a query (padding rows and requests
+    without tokens in the step hold no prefix)."""
+    lead = jnp.argmax(metadata.query_lens > 0)
+    return jax.lax.dynamic_slice_in_dim(metadata.block_tables, lead, 1)
 
 
 def _broken(metadata, num_common_prefix_blocks, kv_cache, *, kv_layout, params) -> Bool[Array, "R"]:

@@ -78,6 +78,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--decode-steps", type=int, default=1, metavar="K",
                    help="decode steps per device call when every request decodes (default: 1)")  # fmt: skip
+    g.add_argument("--cascade-attention", choices=("auto", "always", "off"), default="auto",
+                   help="a prompt prefix every decode shares, read once per step (default: auto, where it pays)")  # fmt: skip
     g.add_argument("--compilation-cache", metavar="DIR",
                    help="keep compiled steps in DIR (JAX's persistent compilation cache, every entry and XLA's GPU "
                         "autotuning kept): later runs start faster")  # fmt: skip
@@ -92,6 +94,7 @@ def make_engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
         kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed, tensor_parallel=args.tensor_parallel, decode_steps=args.decode_steps,
+        cascade_attention=args.cascade_attention,
         compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
     )  # fmt: skip
 

@@ -11,6 +11,8 @@ import pytest
 import jax_hybrid_attn
 from jax_hybrid_attn import LayerAttentionParams, reference
 from jax_hybrid_attn.cascade import cascade_attention, split_violations
+from jax_hybrid_attn.kernels.mixed_batch import decode_splits, kernel_configs
+from jax_hybrid_attn.kernels.tiles import tokens_per_tile
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
 from .oracle import attention_float64
@@ -179,6 +181,20 @@ def test_cascade_kernels_match_the_reference_twin(case):
     twin = np.asarray(attend(inputs, case, cascade_blocks=case["blocks"], implementation="reference").astype(jnp.float32))
     np.testing.assert_array_equal(np.isnan(out), np.isnan(twin))
     assert np.isfinite(out[: int(inputs.metadata.query_lens[0])]).all()
+    np.testing.assert_allclose(out, twin, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+
+
+def test_a_long_prefix_is_split_over_ctas_on_the_kernels():
+    """More queries than one decode tile holds make the prefix part a prefill tile; with few tiles its keys are
+    split across CTAs (merged per token), and the result stays the reference's."""
+    case = dict(CASE, dtype=jnp.bfloat16, block_size=16, head_dim=64, query_lens=[1] * 20,
+                seq_lens=[384 + 1 + i % 7 for i in range(20)], shared=384)  # fmt: skip
+    inputs = inputs_of(case)
+    config = kernel_configs(64, jnp.bfloat16, jnp.bfloat16)[1]
+    assert 20 > tokens_per_tile(4) and decode_splits(1, max_key_steps=-(-391 // config.block_kv)) > 1
+    out = np.asarray(attend(inputs, case, cascade_blocks=24, interpret=True).astype(jnp.float32))
+    twin = np.asarray(attend(inputs, case, cascade_blocks=24, implementation="reference").astype(jnp.float32))
+    assert np.isfinite(out).all()
     np.testing.assert_allclose(out, twin, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
 
 

@@ -134,6 +134,36 @@ def test_calls_of_several_decode_steps_give_the_one_step_engines_samples():
     assert one[2].finish_reason == "stop" and several.stats.multi_step_calls > 0
 
 
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
+def test_cascade_decode_steps_give_the_same_greedy_tokens(family):
+    """Decode steps with cascade attention on the full-attention layers (``cascade_attention="always"``): requests
+    behind one prompt prefix (hit from the prefix cache) give the dense forward's greedy tokens, as with it off."""
+    config, model = tiny_model(family)
+    prompts = [SHARED + [11 + i, 30 + 2 * i, 50 - i][: 1 + i % 3] for i in range(4)]
+    want = [dense_greedy(model, p, MAX_TOKENS) for p in prompts]
+    sizes = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    engines = {mode: Engine(model, config, EngineConfig(**sizes, cascade_attention=mode)) for mode in ("always", "off")}
+    got = {mode: [o.output_token_ids for o in engine.generate(prompts, sampling)] for mode, engine in engines.items()}
+    assert got["always"] == got["off"] == want
+    cascade, plain = engines["always"].stats, engines["off"].stats
+    assert cascade.cascade_steps > 0 and plain.cascade_steps == 0
+    assert cascade.peak_common_prefix_tokens >= len(SHARED) - sizes["block_size"], "the rows shared no prefix"
+    assert cascade.cached_prompt_tokens > 0
+    for engine in engines.values():
+        assert not engine.has_unfinished_requests() and engine.manager.num_free_blocks == engine.layout.num_blocks - 1
+
+
+def test_cascade_attention_modes():
+    assert not EngineConfig(cascade_attention="auto", implementation="reference").cascade_step
+    assert EngineConfig(cascade_attention="auto", implementation="kernel").cascade_step
+    assert not EngineConfig(cascade_attention="auto", implementation="kernel", interpret=True).cascade_step
+    with pytest.raises(ValueError, match="cascade_attention='on' must be one of"):
+        EngineConfig(cascade_attention="on")
+    with pytest.raises(NotImplementedError, match="cascade_attention='always' with tensor_parallel=2"):
+        EngineConfig(cascade_attention="always", tensor_parallel=2)
+
+
 def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_tokens():
     """Decode steps let the allocator defer the rows its vectorised path cannot serve at once: here decodes that
     reach a new 16-token chunk and free the last chunk's four blocks (and the rows after them)."""

@@ -44,7 +44,7 @@ Deliberate differences from vLLM (each explained where it is made):
     sizes of one attention type through `UniformTypeKVCacheSpecs`.
 """
 
-from .common_prefix import num_common_prefix_blocks
+from .common_prefix import num_common_prefix_blocks, step_common_prefix_blocks
 from .config import (
     AllocatorConfig,
     KVCacheConfig,
@@ -96,6 +96,7 @@ __all__ = [
     "init_state",
     "max_concurrency",
     "num_common_prefix_blocks",
+    "step_common_prefix_blocks",
     "reset_prefix_cache",
     "unify_page_sizes",
     "usage",

@@ -1,4 +1,5 @@
-"""The running requests' common prefix per KV-cache group, for cascade attention (`num_common_prefix_blocks`)."""
+"""The common prefix per KV-cache group, for cascade attention: of the running requests
+(`num_common_prefix_blocks`), and of one step's scheduled rows (`step_common_prefix_blocks`)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,8 +7,9 @@ from jaxtyping import Array, Int
 
 from ..constants import NULL_BLOCK_ID
 from .state import AllocatorState
+from .step import StepOutput
 
-__all__ = ["num_common_prefix_blocks"]
+__all__ = ["num_common_prefix_blocks", "step_common_prefix_blocks"]
 
 
 @jax.jit
@@ -30,3 +32,19 @@ def num_common_prefix_blocks(state: AllocatorState) -> Int[Array, "G"]:
     shared = held & (tables != NULL_BLOCK_ID) & (state.pool.ref_counts[tables] == num_running)
     leading = jnp.sum(jnp.cumprod(shared.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
     return jnp.where(num_running > 0, leading, 0)
+
+
+def step_common_prefix_blocks(step: StepOutput, block_sizes: tuple[int, ...]) -> Int[Array, "G"]:
+    """Per KV-cache group, the leading block-table entries that every row scheduled in `step` holds alike (not
+    the null block), cut to the blocks before the earliest query: what cascade attention may split off for this
+    step (`cascade.split_violations` holds for every row by construction, windows and chunks apart). 0 unless
+    two rows or more are scheduled (one row's blocks are no common prefix). `block_sizes`: S of each group."""
+    scheduled = step.num_scheduled_tokens > 0
+    lead = jnp.argmax(scheduled)
+    tables = step.block_tables  # [G, R, P_max]
+    first = tables[:, lead, :]  # [G, P_max]
+    shared = jnp.all((tables == first[:, None, :]) | ~scheduled[None, :, None], axis=1) & (first != NULL_BLOCK_ID)
+    leading = jnp.sum(jnp.cumprod(shared.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+    before_queries = jnp.min(jnp.where(scheduled, step.num_computed_tokens, jnp.iinfo(jnp.int32).max))
+    leading = jnp.minimum(leading, before_queries // jnp.asarray(block_sizes, jnp.int32))
+    return jnp.where(jnp.sum(scheduled) >= 2, leading, 0)

@@ -13,6 +13,8 @@ DEFAULT_SIZES = {"gpu": (256, 8192), "other": (16, 512)}
 ones elsewhere (a CPU runs tests and the embedded demo)."""
 DEFAULT_BLOCK_SIZE = 16
 """``block_size`` when none is given, halved until it divides every chunk of the model."""
+CASCADE_MODES = ("auto", "always", "off")
+"""`EngineConfig.cascade_attention`'s values."""
 DEFAULT_COMPILE_WORKERS = 8
 """``compile_workers`` on a GPU when none is given (lowering the kernels is most of a step's compile time)."""
 
@@ -47,6 +49,10 @@ class EngineConfig:
       decode_steps: when every scheduled request decodes and none could reach a length limit sooner, one device
         call runs this many decode steps, each feeding its tokens to the next (`device_step.decode_steps`); 1:
         one step per call.
+      cascade_attention: decode steps whose requests share a prompt prefix compute it as cascade attention
+        (`cascade`: the prefix's blocks read once per step, not once per request) on full-attention layers:
+        "auto" where the cost rule (`cascade.cascade_pays`) says it pays, on the kernels of one device (one more
+        decode step compiled); "always" for every decode step (tests, measurements); "off".
     """
 
     block_size: int | None = None
@@ -66,6 +72,7 @@ class EngineConfig:
     compilation_cache: str | None = None
     compile_workers: int | None = None
     decode_steps: int = 1
+    cascade_attention: str = "auto"
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", check_int("tensor_parallel", self.tensor_parallel))
@@ -82,6 +89,17 @@ class EngineConfig:
         for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, maximum=2**32 - 1))
+        if self.cascade_attention not in CASCADE_MODES:
+            raise ValueError(f"cascade_attention={self.cascade_attention!r} must be one of {CASCADE_MODES}")
+        if self.cascade_attention == "always" and self.tensor_parallel > 1:
+            raise NotImplementedError(f"cascade_attention='always' with tensor_parallel={self.tensor_parallel}")
+
+    @property
+    def cascade_step(self) -> bool:
+        """Whether the engine compiles a decode step with cascade attention (a resolved config)."""
+        if self.cascade_attention == "auto":
+            return self.implementation == "kernel" and not self.interpret and self.tensor_parallel == 1
+        return self.cascade_attention == "always"
 
     def resolved(self, *, platform: str, chunk_sizes: tuple[int, ...] = ()) -> "EngineConfig":
         """This config with its None sizes chosen: `DEFAULT_SIZES` of `platform` ("gpu" or another), and a block
@@ -110,6 +128,7 @@ class EngineStats:
     """Counters since the engine started (host wall time of whole steps, in seconds)."""
 
     steps: int = 0
+    num_decode_steps: int = 0  # steps that computed decodes only
     prefill_tokens: int = 0
     decode_tokens: int = 0
     prefill_time: float = 0.0
@@ -119,6 +138,8 @@ class EngineStats:
     preemptions: int = 0
     deferred_rows: int = 0  # rows a decode step's allocator left for the next step (they computed nothing)
     multi_step_calls: int = 0  # device calls of several decode steps (`EngineConfig.decode_steps`)
+    cascade_steps: int = 0  # decode steps sent with cascade attention (`EngineConfig.cascade_attention`)
+    peak_common_prefix_tokens: int = 0  # the longest prefix a step's rows shared on full-attention layers
     compiled_executables: int = 0  # by `Engine.compile`, before the first step
     compile_time: float = 0.0  # spent in `Engine.compile`
     blocks_in_use: int = 0  # after the last step read back
@@ -138,6 +159,7 @@ class EngineStats:
             self.prefill_time += seconds
         else:
             self.decode_time += seconds
+            self.num_decode_steps += 1
         self.blocks_in_use = blocks_in_use
         self.peak_blocks_in_use = max(self.peak_blocks_in_use, blocks_in_use)
         self.peak_blocks_full_attention = max(self.peak_blocks_full_attention, full_attention_blocks)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from ..allocator import AllocatorConfig, AllocatorState, StepOutput
+from ..allocator import AllocatorConfig, AllocatorState, StepOutput, step_common_prefix_blocks
 from ..allocator import requests as request_ops
 from ..allocator import step as step_ops
 from ..allocator.columns import RequestRows
@@ -72,6 +72,8 @@ class StepResult(NamedTuple):
       sampled: [R] the row drew a token (its sequence now covers every known token).
       tokens: [R] the token drawn (where `sampled`).
       num_free_blocks: [] the allocator's free blocks after the step.
+      common_prefix_blocks: [G] per KV-cache group, the leading blocks every scheduled row held alike, before
+        every query (`step_common_prefix_blocks`): what the engine's cost rule for cascade attention reads.
     """
 
     success: Bool[Array, "R"]
@@ -82,6 +84,7 @@ class StepResult(NamedTuple):
     sampled: Bool[Array, "R"]
     tokens: Int[Array, "R"]
     num_free_blocks: Int[Array, ""]
+    common_prefix_blocks: Int[Array, "G"]
 
 
 @partial(jax.jit, static_argnames=("allocator_config", "defer_rest"), donate_argnames=("allocator",))
@@ -125,13 +128,16 @@ def forward(
     *,
     num_tokens: int,
     max_query_len: int,
+    cascade: bool = False,
     mesh: Mesh | None = None,
     axis: str | None = None,
 ) -> tuple[Array, Float[Array, "R V"]]:
-    """The model's forward over the first T = `num_tokens` tokens of `out` (jit it with `num_tokens` and
-    `max_query_len` static, `kv_cache` donated): T bounds the step's tokens, `max_query_len` each row's (1 for a
-    decode-only step). Each layer writes its K/V into `kv_cache` ([num_tensors, B, 2, S, K, H]) and attends
-    (`PagedCache`). Returns (the cache, float32 logits of each row's last token).
+    """The model's forward over the first T = `num_tokens` tokens of `out` (jit it with `num_tokens`,
+    `max_query_len` and `cascade` static, `kv_cache` donated): T bounds the step's tokens, `max_query_len` each
+    row's (1 for a decode-only step). Each layer writes its K/V into `kv_cache` ([num_tensors, B, 2, S, K, H]) and
+    attends (`PagedCache`). With `cascade`, the full-attention layers split off the blocks that every scheduled
+    row's table starts with (`step_common_prefix_blocks`) as cascade attention. Returns (the cache, float32
+    logits of each row's last token).
 
     Nothing in it makes the host wait for the device: the scans over layers have static trip counts and no
     branch depends on device values. With a `mesh`, attention runs per device over `axis`."""
@@ -141,6 +147,7 @@ def forward(
         max_query_len=max_query_len, max_seq_len=allocator_config.max_model_len,
         token_budget=allocator_config.max_num_batched_tokens, implementation=implementation,
         interpret=interpret, mesh=mesh, axis=axis,
+        common_prefix_blocks=step_common_prefix_blocks(out, allocator_config.block_sizes) if cascade else None,
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
     logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token)
@@ -178,6 +185,7 @@ def sample(
     result = StepResult(
         success=out.success, deferred=out.deferred, seq_lens=out.seq_lens, num_hits=out.num_new_computed_tokens,
         num_scheduled=out.num_scheduled_tokens, sampled=sampled, tokens=tokens, num_free_blocks=allocator.pool.num_free,
+        common_prefix_blocks=step_common_prefix_blocks(out, allocator_config.block_sizes),
     )  # fmt: skip
     return allocator, num_computed, result
 

@@ -49,6 +49,8 @@ import jax
 import numpy as np
 
 from ..allocator import KVCacheManager
+from ..allocator.config import FULL
+from ..cascade import cascade_pays
 from ..integers import cdiv, check_int
 from ..models.config import ModelConfig
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineStats
@@ -143,6 +145,7 @@ class Engine:
         self._device_calls: list[Future] = []  # calls on the worker whose errors are not yet looked at
         self._in_flight: collections.deque[_SentStep] = collections.deque()  # sent, not yet read back, oldest first
         self._deferred_rows = False  # the last step read back deferred rows: the next one serves every row
+        self._common_prefix_tokens = 0  # the full-attention layers' shared prefix in the last step read back
         self._last_read = time.perf_counter()
         self.scheduler = Scheduler(config, max_model_len=max_model_len, manager=self.manager,
                                    on_device=self._on_device, eos_token_ids=self.eos_token_ids)  # fmt: skip
@@ -277,7 +280,7 @@ class Engine:
         behind the window: the allocator's sync-free path defers it, and the rows after it, to the call's end),
         when the last step read back deferred rows, or when no row would take every step."""
         steps = self.config.decode_steps
-        if steps == 1 or self._deferred_rows:
+        if steps == 1 or self._deferred_rows or self._cascade(rows):
             return None
         row_steps = []
         for request, work in rows:
@@ -325,13 +328,31 @@ class Engine:
             return [_SentStep([row if n > j else None for row, n in zip(sent_rows, row_steps, strict=True)],
                               stacked, sent_at, index=j) for j in range(self.config.decode_steps)]  # fmt: skip
         # The shape bounds what the device computes: prefix hits and earlier failures only lower it
-        shape = select_step_shape(self.runner.shapes, sum(needs), decode_only=max(needs) == 1)
+        decode_only = max(needs) == 1
+        shape = select_step_shape(self.runner.shapes, sum(needs), decode_only=decode_only,
+                                  cascade=decode_only and self._cascade(rows))  # fmt: skip
         # A decode step lets the allocator defer the rows it cannot serve at once (then nothing in the step makes
         # the host wait for the device); the step after one that deferred rows serves every row.
         defer_rest = shape.decode_only and not self._deferred_rows
+        self.stats.cascade_steps += shape.cascade
         self._deferred_rows = False
         call = self._on_device(self._dispatch, ids, plan, shape, defer_rest, greedy_only)
         return [_SentStep(sent_rows, call, sent_at)]
+
+    def _cascade(self, rows: list[tuple[Request, InFlightWork]]) -> bool:
+        """Whether a decode step of `rows` takes the cascade shape (`EngineConfig.cascade_attention`): its
+        full-attention layers split off the prefix the rows share, which the last step read back measured (the
+        device computes this step's own)."""
+        if not self.config.cascade_step:
+            return False
+        if self.config.cascade_attention == "always":
+            return True
+        model = self.model_config
+        return cascade_pays(
+            num_reqs=len(rows), num_query_tokens=len(rows), prefix_len=self._common_prefix_tokens,
+            num_q_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+            kv_itemsize=self.layout.dtype.itemsize,
+        )  # fmt: skip
 
     def _with_slots(self, plan: StepPlan, request_ids: list[Hashable]) -> StepPlan:
         """(On the device worker.) The plan with its requests' allocator slots (known once they are added)."""
@@ -376,6 +397,13 @@ class Engine:
             full_attention_blocks=full_attention_blocks,
         )  # fmt: skip
         self.stats.preemptions += self.scheduler.preempt(outcome.failed)
+        config = self.allocator_config
+        self._common_prefix_tokens = max(
+            (int(blocks) * size for blocks, size, kind in
+             zip(result.common_prefix_blocks, config.block_sizes, config.kinds, strict=True) if kind == FULL),
+            default=0,
+        )  # fmt: skip
+        self.stats.peak_common_prefix_tokens = max(self.stats.peak_common_prefix_tokens, self._common_prefix_tokens)
         return outcome.finished
 
     def _raise_device_errors(self) -> None:

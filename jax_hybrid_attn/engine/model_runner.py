@@ -118,11 +118,13 @@ class ModelRunner:
                 None if self.mesh is None else NamedSharding(self.mesh, P(None, *kv_cache_spec(TENSOR_AXIS)))
             )
         self.num_computed = jax.device_put(jnp.zeros(config.max_num_seqs, jnp.int32), self._replicated)
-        self.shapes = step_shapes(max_num_seqs=config.max_num_seqs,
-                                  max_num_batched_tokens=config.max_num_batched_tokens)  # fmt: skip
+        self.shapes = step_shapes(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            cascade=config.cascade_step,
+        )  # fmt: skip
         run_forward = partial(forward, self.layout, self.allocator_config, config.implementation, config.interpret,
                               mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS)  # fmt: skip
-        self._forward = jax.jit(run_forward, static_argnames=("num_tokens", "max_query_len"),
+        self._forward = jax.jit(run_forward, static_argnames=("num_tokens", "max_query_len", "cascade"),
                                 donate_argnames=("kv_cache",))  # fmt: skip
         self._decode_steps = jax.jit(partial(decode_steps, self.allocator_config, run_forward),
                                      static_argnames=("num_steps", "num_tokens", "greedy_only"),
@@ -159,7 +161,8 @@ class ModelRunner:
             return (partial(allocate, config, defer_rest=variant),
                     (inputs["allocator"], inputs["num_computed"], inputs["plan"]), (0,))  # fmt: skip
         if kind == "forward":
-            return (partial(self._forward, num_tokens=variant.num_tokens, max_query_len=variant.max_query_len),
+            return (partial(self._forward, num_tokens=variant.num_tokens, max_query_len=variant.max_query_len,
+                            cascade=variant.cascade),
                     (inputs["model"], inputs["kv_cache"], inputs["out"]), (1,))  # fmt: skip
         if kind == "decode_steps":
             num_steps, greedy_only = variant

@@ -47,6 +47,9 @@ class PagedCache:
       implementation, interpret: as `paged_attention` (static).
       mesh, axis: with a mesh, each layer's heads are split over its `axis` (`sharded_layer_attention`; the
         tensors split the same way); None: one device.
+      common_prefix_blocks: [G] per group, the leading blocks every row shares, or None: with them, the layers
+        without a window or chunk attend as cascade attention (`cascade`). Windowed and chunked layers do not:
+        their kernels already skip a prefix that lies outside every query's window or chunk.
     """
 
     kv: jax.Array
@@ -63,6 +66,7 @@ class PagedCache:
     interpret: bool = False
     mesh: Mesh | None = None
     axis: str | None = None
+    common_prefix_blocks: Int[Array, "G"] | None = None
 
     def at_layer(self, layer) -> "PagedCache":
         return dataclasses.replace(self, layer=layer)
@@ -94,6 +98,10 @@ class PagedCache:
         """Write the layer's k/v into its tensor at its group's slots, then attend (`layer_attention`)."""
         where = layer if self.layer is None else self.layer
         metadata = self.metadata(where, layer)
+        windowed = params.sliding_window is not None or params.attention_chunk_size is not None
+        if self.common_prefix_blocks is not None and not windowed:
+            group = self.layer_group[where] if isinstance(where, int) else jnp.asarray(self.layer_group)[where]
+            metadata = metadata.replace(num_common_prefix_blocks=self.common_prefix_blocks[group])
         pool = self.kv.reshape(-1, *self.kv.shape[2:])  # [num_tensors * B, 2, S, K, H]: a view
         options = dict(params=params, sinks=sinks, implementation=self.implementation, interpret=self.interpret)
         if self.mesh is None:
@@ -105,7 +113,7 @@ class PagedCache:
 
 register_pytree_dataclass(
     PagedCache,
-    data_fields=["kv", "step", "positions", "layer"],
+    data_fields=["kv", "step", "positions", "layer", "common_prefix_blocks"],
     meta_fields=["layer_group", "layer_tensor", "blocks_per_row", "max_query_len", "max_seq_len",
                  "token_budget", "implementation", "interpret", "mesh", "axis"],
 )  # fmt: skip

@@ -101,7 +101,8 @@ class RunnerSpec:
         from .step_shapes import step_shapes
 
         config = self.engine_config
-        shapes = step_shapes(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens)
+        shapes = step_shapes(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                             cascade=config.cascade_step)  # fmt: skip
         return executable_keys(shapes, num_decode_steps=config.decode_steps)
 
     def fingerprint(self, key: tuple, *, platform: str, device_kind: str) -> str:

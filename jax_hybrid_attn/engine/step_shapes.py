@@ -7,7 +7,9 @@ chosen from its sizes alone, and compiles every one before it admits a request (
     to a power of two. A decode step reads every weight once whatever its row count, so padding rows cost a GPU
     almost nothing, and the attention kernels skip them;
   * mixed steps (prompt chunks, with or without decodes): powers of two from `MIN_MIXED_TOKENS` up to the token
-    budget (the budget itself last), so a step computes at most twice its tokens.
+    budget (the budget itself last), so a step computes at most twice its tokens;
+  * with `EngineConfig.cascade_step`, the decode shape again with cascade attention on its full-attention layers
+    (the engine picks it per step).
 """
 
 import dataclasses
@@ -24,21 +26,24 @@ MIN_MIXED_TOKENS = 256
 
 @dataclasses.dataclass(frozen=True, order=True)
 class StepShape:
-    """One compiled step shape: `num_tokens` (T) and `max_query_len` (1: decode-only; else T)."""
+    """One compiled step shape: `num_tokens` (T), `max_query_len` (1: decode-only; else T) and `cascade` (the
+    full-attention layers split off the prefix every request shares: `device_step.forward`)."""
 
     num_tokens: int
     max_query_len: int
+    cascade: bool = False
 
     @property
     def decode_only(self) -> bool:
         return self.max_query_len == 1
 
     def __str__(self) -> str:
-        return f"{self.num_tokens}{' decode' if self.decode_only else ''}"
+        return f"{self.num_tokens}{' decode' if self.decode_only else ''}{' cascade' if self.cascade else ''}"
 
 
-def step_shapes(*, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[StepShape, ...]:
-    """The step shapes of an engine with these sizes: the decode shape first, then the mixed ones, ascending."""
+def step_shapes(*, max_num_seqs: int, max_num_batched_tokens: int, cascade: bool = False) -> tuple[StepShape, ...]:
+    """The step shapes of an engine with these sizes: the decode shape first, then the mixed ones, ascending; with
+    `cascade`, the decode shape with cascade attention last."""
     check_int("max_num_seqs", max_num_seqs)
     budget = check_int("max_num_batched_tokens", max_num_batched_tokens)
     decode = min(next_power_of_two(max_num_seqs, minimum=MIN_DECODE_TOKENS), budget)
@@ -47,12 +52,17 @@ def step_shapes(*, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[Step
         mixed.append(tokens)
         tokens *= 2
     mixed.append(budget)
-    return (StepShape(decode, 1), *(StepShape(t, t) for t in mixed))
+    cascade_shapes = (StepShape(decode, 1, cascade=True),) if cascade else ()
+    return (StepShape(decode, 1), *(StepShape(t, t) for t in mixed), *cascade_shapes)
 
 
-def select_step_shape(shapes: tuple[StepShape, ...], num_tokens: int, *, decode_only: bool) -> StepShape:
-    """The smallest shape of `shapes` for a step of `num_tokens` tokens (`decode_only`: one token per row)."""
+def select_step_shape(
+    shapes: tuple[StepShape, ...], num_tokens: int, *, decode_only: bool, cascade: bool = False
+) -> StepShape:
+    """The smallest shape of `shapes` for a step of `num_tokens` tokens (`decode_only`: one token per row; `cascade`:
+    the decode shape with cascade attention)."""
     for shape in sorted(shapes):
-        if shape.decode_only == decode_only and shape.num_tokens >= num_tokens:
+        if shape.decode_only == decode_only and shape.cascade == cascade and shape.num_tokens >= num_tokens:
             return shape
-    raise ValueError(f"no step shape holds {num_tokens=} ({decode_only=}); the shapes: {', '.join(map(str, shapes))}")
+    raise ValueError(f"no step shape holds {num_tokens=} ({decode_only=}, {cascade=}); the shapes: "
+                     f"{', '.join(map(str, shapes))}")  # fmt: skip

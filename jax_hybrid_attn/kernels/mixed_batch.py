@@ -231,7 +231,10 @@ def _paged_attention_kernels(
         if prefill_launch:
             table_tokens = metadata.token_budget or num_tokens
             tiles = query_tiles.prefill_tiles(query_lens, group_size, table_tokens, rows=prefill_config.rows)
-            prefill = run(tiles, prefill_config, requests)
+            # the parts are merged per token anyway: a launch of few tiles (a shared prefix) splits its keys too
+            splits = decode_splits(tiles.request.shape[0] * num_kv_heads,
+                                   max_key_steps=math.ceil(metadata.max_seq_len / prefill_config.block_kv))
+            prefill = run(tiles, dataclasses.replace(prefill_config, num_splits=splits), requests)
         return query_tiles.token_parts(decode, prefill, requests, metadata.num_actual_tokens, v_scale,
                                        group_size=group_size, num_tokens=num_tokens)  # fmt: skip
     if not prefill_launch and writes_tokens(decode_config):  # decodes only, unsplit: the one launch writes it all

@@ -229,7 +229,7 @@ def token_outputs(
 
 def token_parts(
     decode: tuple[Float[Array, "R K S rows H"], Float[Array, "R K S rows"]],
-    prefill: tuple[Float[Array, "NT K 1 rows H"], Float[Array, "NT K 1 rows"]] | None,
+    prefill: tuple[Float[Array, "NT K S rows H"], Float[Array, "NT K S rows"]] | None,
     requests: Requests,
     num_actual_tokens: Int[Array, ""],
     v_scale: Float[Array, ""],
@@ -239,7 +239,7 @@ def token_parts(
 ) -> tuple[Float[Array, "T N H"], Float[Array, "T N"]]:
     """Each token's attention as a part to merge (`softmax_merge.merge_splits`), without sinks: (its output over
     the keys it saw, v scale applied, float32; the log-sum-exp of their logits, -inf where none). From the decode
-    tiles (their splits merged) for decode requests, from the prefill tiles (one split) for the others. NaN for
+    tiles for decode requests, from the prefill tiles for the others (each with its key splits merged). NaN for
     the tokens of flagged requests and those no tile holds; padding tokens get output 0 and log-sum-exp -inf."""
     decode_out, decode_lse = decode
     num_kv_heads = decode_out.shape[1]
@@ -256,8 +256,9 @@ def token_parts(
     if prefill is not None:
         partial_out, partial_lse = prefill
         index = _prefill_rows_index(partial_out.shape, requests, request, offset, group_size=group_size)
-        out = jnp.where(is_decode[:, None, None], out, partial_out[index][:, :, 0].astype(jnp.float32))  # one split
-        lse = jnp.where(is_decode[:, None], lse, partial_lse[index][:, :, 0])
+        token_out, token_lse = partial_out[index], partial_lse[index]  # [T, N, splits, H], [T, N, splits]
+        out = jnp.where(is_decode[:, None, None], out, merge_splits(token_out, token_lse, None))
+        lse = jnp.where(is_decode[:, None], lse, jax.nn.logsumexp(token_lse, axis=-1))
     held &= is_decode | (prefill is not None)
     out = jnp.where(held[:, None, None], out * v_scale, fill[:, None, None])
     lse = jnp.where(held[:, None], lse, jnp.where(jnp.isnan(fill), jnp.nan, -jnp.inf)[:, None])
