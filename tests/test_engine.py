@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 
 from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
-from jax_hybrid_attn.engine.prefix_estimate import CachedPrefixes
 from jax_hybrid_attn.models import Decoder, DenseAttention, ModelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -163,34 +162,6 @@ def test_cascade_attention_modes():
         EngineConfig(cascade_attention="on")
     with pytest.raises(NotImplementedError, match="cascade_attention='always' with tensor_parallel=2"):
         EngineConfig(cascade_attention="always", tensor_parallel=2)
-
-
-def test_new_requests_behind_a_cached_prefix_take_only_their_own_tokens_of_the_budget():
-    """The scheduler expects the prefix cache's hits (`CachedPrefixes`): four prompts behind 32 cached tokens need
-    2 tokens each, and one step of a 16-token budget prefills them all (without the estimate, 34 tokens each)."""
-    config, model = tiny_model("gemma3_text")
-    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                                                max_model_len=64))  # fmt: skip
-    greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    engine.generate([SHARED + [1]], greedy)
-    prompts = [SHARED + [11 + i, 12 + i] for i in range(4)]
-    steps = engine.stats.steps
-    outputs = engine.generate(prompts, greedy)
-    assert engine.stats.steps - steps == 1
-    assert [o.num_cached_tokens for o in outputs] == [len(SHARED)] * 4
-    assert [o.output_token_ids for o in outputs] == [dense_greedy(model, p, 1) for p in prompts]
-
-
-def test_the_cached_prefix_estimate():
-    cached = CachedPrefixes(block_size=4, alignment=8, capacity=3)
-    cached.insert(list(range(13)))  # blocks [0-3], [4-7], [8-11]; the partial last one is not cached
-    assert cached.hit_tokens(list(range(20))) == 8, "12 tokens of whole blocks, aligned down to 8"
-    assert cached.hit_tokens(list(range(9))) == 8 and cached.hit_tokens(list(range(8))) == 0, "never the last token"
-    assert cached.hit_tokens([0, 1, 2, 3, 9, 9, 9, 9, 8]) == 0, "a block after a different one is another chain"
-    cached.insert([50, 51, 52, 53])  # four blocks in all: the least recently used one ([0-3]) goes
-    assert cached.hit_tokens(list(range(20))) == 0 and cached.hit_tokens([50, 51, 52, 53, 1]) == 0
-    cached.clear()
-    assert cached.hit_tokens(list(range(20))) == 0
 
 
 def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_tokens():

@@ -7,7 +7,7 @@ runs them in order with the steps on the device worker. Its three phases, as nan
 
   * `schedule`: admit waiting requests while request slots are free, then give each admitted request the tokens
     it still needs (its prompt in chunks, or one decode token) within the token budget, assuming the steps in
-    flight go as planned and a new request's prompt hits the prefix cache where `CachedPrefixes` expects;
+    flight go as planned;
   * `postprocess`: a step read back: computed counts, sampled tokens, stops and finished requests;
   * `preempt`: each running request that got no blocks preempts the newest running request.
 
@@ -21,7 +21,6 @@ from collections.abc import Callable, Hashable, Sequence
 from ..allocator import KVCacheManager
 from .config import EngineConfig
 from .device_step import StepResult
-from .prefix_estimate import CachedPrefixes
 from .requests import FinishReason, InFlightWork, Request, RequestOutput
 from .sampling import SamplingParams
 
@@ -77,11 +76,6 @@ class Scheduler:
         self.running: list[Request] = []  # hold a request slot, in arrival order (preempted ones included)
         self._ids: set[Hashable] = set()
         self._next_index = 0
-        allocator = manager.config
-        self.cached_prefixes = CachedPrefixes(
-            block_size=allocator.hash_block_size, alignment=allocator.alignment,
-            capacity=allocator.num_blocks * allocator.block_sizes[0] // allocator.hash_block_size,
-        ) if allocator.enable_caching else None  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -145,12 +139,9 @@ class Scheduler:
             ):
                 continue
             computed = request.expected_num_computed_tokens
-            hits = 0
-            if computed == 0 and self.cached_prefixes is not None:  # a new (or preempted) request
-                hits = self.cached_prefixes.hit_tokens(request.all_token_ids)
-            need = min(known - computed - hits, budget)
+            need = min(known - computed, budget)
             if need > 0:
-                rows.append((request, InFlightWork(need, samples=computed + hits + need == known, expected_hits=hits)))
+                rows.append((request, InFlightWork(need, samples=computed + need == known)))
                 budget -= need
         return rows
 
@@ -184,8 +175,6 @@ class Scheduler:
                 outcome.deferred_rows += 1
             elif current and request.num_computed_tokens:
                 outcome.failed.append(request)
-            if result.sampled[i] and not request.output_token_ids and self.cached_prefixes is not None:
-                self.cached_prefixes.insert(request.prompt_token_ids)  # its prompt is in the cache now
             if result.sampled[i]:
                 outcome.decode_tokens += int(result.num_scheduled[i] == 1 and bool(request.output_token_ids))
                 token = int(result.tokens[i])
@@ -215,7 +204,7 @@ class Scheduler:
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
             for work in victim.in_flight:
-                work.num_tokens = work.expected_hits = 0
+                work.num_tokens = 0
             preemptions += 1
         return preemptions
 
