@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
+from jax_hybrid_attn.engine.prefix_estimate import CachedPrefixes
 from jax_hybrid_attn.models import Decoder, DenseAttention, ModelConfig
 
 transformers = pytest.importorskip("transformers")
@@ -87,6 +88,20 @@ def tightest_engine(model, config, **options) -> Engine:
     raise AssertionError("no pool fits")
 
 
+def generate_within(engine, prompts, sampling, *, max_steps: int):
+    """`Engine.generate`, failing after `max_steps` engine steps instead of looping on (a scheduler that makes no
+    progress, e.g. a preempted request taking the budget that the requests holding the blocks need)."""
+    ids = [engine.add_request(prompt, sampling) for prompt in prompts]
+    outputs = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        outputs.update((output.request_id, output) for output in engine.step())
+    assert not engine.has_unfinished_requests(), f"unfinished after {max_steps} steps"
+    engine.synchronize()
+    return [outputs[i] for i in ids]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_greedy_equals_the_dense_forward_through_chunks_hits_and_preemption(family):
     config, model = tiny_model(family)
@@ -94,7 +109,7 @@ def test_engine_greedy_equals_the_dense_forward_through_chunks_hits_and_preempti
     # An 8-token budget: every prompt but the last is prefilled in chunks. The smallest pool that fits one request
     # of max_model_len tokens: four requests of up to 42 tokens run out of it, and running ones are preempted
     engine = tightest_engine(model, config, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64)
-    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    outputs = generate_within(engine, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), max_steps=200)
     got = [o.output_token_ids for o in outputs]
     assert got == want
     assert engine.stats.cached_prompt_tokens > 0, "the shared prefix was not hit"
@@ -110,7 +125,7 @@ def test_calls_of_several_decode_steps_give_the_dense_forwards_greedy_tokens(fam
     want = [dense_greedy(model, p, MAX_TOKENS + 4) for p in PROMPTS]
     tight = tightest_engine(model, config, block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
                             decode_steps=4)  # fmt: skip
-    got = tight.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS + 4, temperature=0.0))
+    got = generate_within(tight, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS + 4, temperature=0.0), max_steps=200)
     assert [o.output_token_ids for o in got] == want
     assert tight.stats.multi_step_calls > 0 and tight.stats.preemptions > 0 and tight.stats.cached_prompt_tokens > 0
     assert not tight.has_unfinished_requests() and tight.manager.num_free_blocks == tight.layout.num_blocks - 1
@@ -162,6 +177,34 @@ def test_cascade_attention_modes():
         EngineConfig(cascade_attention="on")
     with pytest.raises(NotImplementedError, match="cascade_attention='always' with tensor_parallel=2"):
         EngineConfig(cascade_attention="always", tensor_parallel=2)
+
+
+def test_new_requests_behind_a_cached_prefix_take_only_their_own_tokens_of_the_budget():
+    """The scheduler expects the prefix cache's hits (`CachedPrefixes`): four prompts behind 32 cached tokens need
+    2 tokens each, and one step of a 16-token budget prefills them all (without the estimate, 34 tokens each)."""
+    config, model = tiny_model("gemma3_text")
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                                                max_model_len=64))  # fmt: skip
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.generate([SHARED + [1]], greedy)
+    prompts = [SHARED + [11 + i, 12 + i] for i in range(4)]
+    steps = engine.stats.steps
+    outputs = engine.generate(prompts, greedy)
+    assert engine.stats.steps - steps == 1
+    assert [o.num_cached_tokens for o in outputs] == [len(SHARED)] * 4
+    assert [o.output_token_ids for o in outputs] == [dense_greedy(model, p, 1) for p in prompts]
+
+
+def test_the_cached_prefix_estimate():
+    cached = CachedPrefixes(block_size=4, alignment=8, capacity=3)
+    cached.insert(list(range(13)))  # blocks [0-3], [4-7], [8-11]; the partial last one is not cached
+    assert cached.hit_tokens(list(range(20))) == 8, "12 tokens of whole blocks, aligned down to 8"
+    assert cached.hit_tokens(list(range(9))) == 8 and cached.hit_tokens(list(range(8))) == 0, "never the last token"
+    assert cached.hit_tokens([0, 1, 2, 3, 9, 9, 9, 9, 8]) == 0, "a block after a different one is another chain"
+    cached.insert([50, 51, 52, 53])  # four blocks in all: the least recently used one ([0-3]) goes
+    assert cached.hit_tokens(list(range(20))) == 0 and cached.hit_tokens([50, 51, 52, 53, 1]) == 0
+    cached.clear()
+    assert cached.hit_tokens(list(range(20))) == 0
 
 
 def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_tokens():

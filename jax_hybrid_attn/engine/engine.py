@@ -192,6 +192,8 @@ class Engine:
         if self.has_unfinished_requests():
             raise ValueError(f"reset() with {self.num_unfinished_requests} unfinished requests")
         self._on_device(self.manager.reset_prefix_cache)
+        if self.scheduler.cached_prefixes is not None:
+            self.scheduler.cached_prefixes.clear()
         self.synchronize()
         self.stats = EngineStats()
 

@@ -24,10 +24,12 @@ class InFlightWork:
     Attributes:
       num_tokens: the tokens it computes if it gets its blocks (0 once the request is preempted: they are freed).
       samples: whether it then draws a token.
+      expected_hits: the prompt tokens the prefix cache is expected to supply before them (a new request's).
     """
 
     num_tokens: int
     samples: bool
+    expected_hits: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -74,7 +76,7 @@ class Request:
     @property
     def expected_num_computed_tokens(self) -> int:
         """Tokens in the cache once the steps in flight are done, if they go as planned."""
-        return self.num_computed_tokens + sum(work.num_tokens for work in self.in_flight)
+        return self.num_computed_tokens + sum(work.num_tokens + work.expected_hits for work in self.in_flight)
 
     @property
     def expected_num_outputs(self) -> int:

@@ -7,7 +7,7 @@ runs them in order with the steps on the device worker. Its three phases, as nan
 
   * `schedule`: admit waiting requests while request slots are free, then give each admitted request the tokens
     it still needs (its prompt in chunks, or one decode token) within the token budget, assuming the steps in
-    flight go as planned;
+    flight go as planned and a new request's prompt hits the prefix cache where `CachedPrefixes` expects;
   * `postprocess`: a step read back: computed counts, sampled tokens, stops and finished requests;
   * `preempt`: each running request that got no blocks preempts the newest running request.
 
@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 from ..allocator import KVCacheManager
 from .config import EngineConfig
 from .device_step import StepResult
+from .prefix_estimate import CachedPrefixes
 from .requests import FinishReason, InFlightWork, Request, RequestOutput
 from .sampling import SamplingParams
 
@@ -76,6 +77,11 @@ class Scheduler:
         self.running: list[Request] = []  # hold a request slot, in arrival order (preempted ones included)
         self._ids: set[Hashable] = set()
         self._next_index = 0
+        allocator = manager.config
+        self.cached_prefixes = CachedPrefixes(
+            block_size=allocator.hash_block_size, alignment=allocator.alignment,
+            capacity=allocator.num_blocks * allocator.block_sizes[0] // allocator.hash_block_size,
+        ) if allocator.enable_caching else None  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- requests
 
@@ -117,9 +123,11 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------- the phases
 
     def schedule(self) -> list[tuple[Request, InFlightWork]]:
-        """The next step's rows: (request, its work: tokens to compute and whether it then samples), admitted
-        requests first, in arrival order. The steps in flight are assumed to go as planned; a request whose last
-        token is in flight is left out."""
+        """The next step's rows: (request, its work: tokens to compute and whether it then samples), ordered as
+        vLLM's scheduler orders them: the requests with computed tokens read back first (decodes, prompts part
+        way), then the ones starting (newly admitted or preempted), each in arrival order; so a preempted request
+        that cannot get its blocks back never takes the budget that the requests holding them need to finish.
+        The steps in flight are assumed to go as planned; a request whose last token is in flight is left out."""
         budget = self.config.max_num_batched_tokens
         admitted = []
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -131,7 +139,7 @@ class Scheduler:
             self._on_device(self._manager.add_requests, [r.request_id for r in admitted],
                             [r.all_token_ids for r in admitted])  # fmt: skip
         rows = []
-        for request in self.running:
+        for request in sorted(self.running, key=lambda r: r.num_computed_tokens == 0):  # a stable sort
             outputs = request.expected_num_outputs
             known = len(request.prompt_token_ids) + outputs
             if outputs > len(request.output_token_ids) and (
@@ -139,9 +147,12 @@ class Scheduler:
             ):
                 continue
             computed = request.expected_num_computed_tokens
-            need = min(known - computed, budget)
+            hits = 0
+            if computed == 0 and self.cached_prefixes is not None:  # a new (or preempted) request
+                hits = self.cached_prefixes.hit_tokens(request.all_token_ids)
+            need = min(known - computed - hits, budget)
             if need > 0:
-                rows.append((request, InFlightWork(need, samples=computed + need == known)))
+                rows.append((request, InFlightWork(need, samples=computed + hits + need == known, expected_hits=hits)))
                 budget -= need
         return rows
 
@@ -175,6 +186,8 @@ class Scheduler:
                 outcome.deferred_rows += 1
             elif current and request.num_computed_tokens:
                 outcome.failed.append(request)
+            if result.sampled[i] and not request.output_token_ids and self.cached_prefixes is not None:
+                self.cached_prefixes.insert(request.prompt_token_ids)  # its prompt is in the cache now
             if result.sampled[i]:
                 outcome.decode_tokens += int(result.num_scheduled[i] == 1 and bool(request.output_token_ids))
                 token = int(result.tokens[i])
@@ -204,7 +217,7 @@ class Scheduler:
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
             for work in victim.in_flight:
-                work.num_tokens = 0
+                work.num_tokens = work.expected_hits = 0
             preemptions += 1
         return preemptions
 
