@@ -2,7 +2,7 @@
 
 Run from the repository root on the GPU machine:
 
-    PYTHONPATH=. python benchmarks/kernel_resources.py [--variant early_k_wait=1 --variant consumer_registers=224,producer_registers=56]
+    PYTHONPATH=. python benchmarks/kernel_resources.py [--variant ping_pong=0 --variant consumer_registers=224,producer_registers=56]
 
 Mosaic GPU prints ptxas's verbose output when ``MOSAIC_GPU_DUMP_PTXAS`` is set; this script sets it, compiles one
 small causal prefill per configuration (32 query / 8 KV heads, head_dim 128, block 16, bf16) and prints the lines
@@ -26,7 +26,7 @@ from jax_hybrid_attn.testing import random_paged_inputs
 from kernel_variants import configs_changed, parse_variant
 
 INTERESTING = re.compile(r"registers|spill|serializ|warning|entry function", re.IGNORECASE)
-DEFAULT_VARIANTS = ("early_k_wait=1", "consumer_registers=224,producer_registers=56")
+DEFAULT_VARIANTS = ("ping_pong=0", "consumer_registers=224,producer_registers=56")
 
 
 def compile_prefill(**options) -> None:

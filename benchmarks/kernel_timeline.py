@@ -2,11 +2,11 @@
 
 Run from the repository root on the GPU machine:
 
-    PYTHONPATH=. python benchmarks/kernel_timeline.py [--tokens 2048] [--variant early_k_wait=1]
+    PYTHONPATH=. python benchmarks/kernel_timeline.py [--tokens 2048] [--variant ping_pong=0]
 
 The kernel's phases are named scopes: in each consumer "wait K", "QK issue, turn", "QK wait", "softmax",
 "wait V", "wait turn", "PV"; in the producer "wait K slot", "issue K", "wait V slot", "issue V". With
-`KernelConfig.profile_ranges` set, Mosaic GPU records when each range starts and ends on every warpgroup and
+`KernelConfig.profile_dir` set, Mosaic GPU records when each range starts and ends on every warpgroup and
 writes a Perfetto trace (open it in ui.perfetto.dev to see the timeline). This script sums each phase over
 all CTAs, per role, and prints its share of that role's time from its first recorded event to its last. The
 profiler adds a few cycles per range, so the shares, not the absolute times, are what it measures.
@@ -53,7 +53,7 @@ def phase_shares(trace: dict, roles=ROLES) -> dict[str, dict[str, float]]:
 def profiled_prefill(num_tokens: int, profile_dir: str, **options) -> dict:
     """One causal prefill of `num_tokens` (32 query / 8 KV heads, head_dim 128, block 16, bf16) with the prefill
     kernel profiled; returns the trace it wrote."""
-    with configs_changed(prefill=dict(profile_ranges=512, profile_dir=profile_dir, **options)):
+    with configs_changed(prefill=dict(profile_dir=profile_dir, **options)):
         block_size, num_blocks = 16, num_tokens // 16
         key_cache, key_q = jax.random.split(jax.random.key(0))
         kv_cache = jax.random.normal(key_cache, (num_blocks + 1, 2, block_size, 8, 128), jnp.bfloat16)

@@ -1,6 +1,6 @@
 """Kernel configurations other than the defaults, for the benchmarks that sweep or inspect them.
 
-    with configs_changed(prefill=dict(early_k_wait=True)):
+    with configs_changed(prefill=dict(ping_pong=False)):
         paged_attention(...)   # the prefill kernel with that change, the decode kernel as by default
 """
 
@@ -12,7 +12,7 @@ from jax_hybrid_attn.kernels.config import KernelConfig
 
 
 def parse_variant(text: str) -> dict[str, int]:
-    """``"early_k_wait=1,block_kv=64"`` -> ``{"early_k_wait": 1, "block_kv": 64}`` (integer KernelConfig fields)."""
+    """``"ping_pong=0,block_kv=64"`` -> ``{"ping_pong": 0, "block_kv": 64}`` (integer KernelConfig fields)."""
     return {name: int(value) for name, value in (setting.split("=") for setting in text.split(","))}
 
 

@@ -190,8 +190,6 @@ def decode_section(rows, *, sweep):
     q, kv_cache, metadata = device_batch(1, num_reqs=64, query_len=1, seq_len=2048, **SHAPE)  # short: launch-bound
     time_decode(rows, "decode B=64 ctx=2048 full", q, kv_cache, metadata, {}, None, breakdown=True)
     if sweep:
-        with configs_changed(decode=dict(persistent_ctas=jax.devices()[0].core_count)):
-            time_decode(rows, "sweep decode B=64 ctx=2048 full persistent", q, kv_cache, metadata, {}, None)
         with configs_changed(decode=dict(direct_io=False)):  # q packed into tiles, the output gathered per token
             time_decode(rows, "sweep decode B=64 ctx=2048 full direct_io=False", q, kv_cache, metadata, {}, None,
                         breakdown=True)  # fmt: skip
@@ -222,8 +220,6 @@ def decode_section(rows, *, sweep):
                 config = KernelConfig(block_kv=block_kv, num_stages=stages, num_splits=splits)
                 with configs_changed(decode=config):
                     time_decode(rows, f"sweep decode ctx={seq_len} window 1024 splits={splits} block_kv={block_kv} stages={stages}", q, kv_cache, metadata, window, None)
-            with configs_changed(decode=dict(persistent_ctas=jax.devices()[0].core_count)):
-                time_decode(rows, f"sweep decode ctx={seq_len} window 1024 persistent", q, kv_cache, metadata, window, None)
             with configs_changed(decode=dict(direct_io=False)):
                 time_decode(rows, f"sweep decode ctx={seq_len} window 1024 direct_io=False", q, kv_cache, metadata,
                             window, None, breakdown=True)  # fmt: skip
@@ -294,9 +290,7 @@ def prefill_section(rows, *, sweep):
         dict(block_kv=128, num_stages=2, ping_pong=False),
         dict(block_kv=64, num_stages=3),
         dict(block_kv=64, num_stages=4),
-        dict(early_k_wait=True),
         dict(consumer_registers=224, producer_registers=56),  # against ptxas's spills at 232 / 40
-        dict(persistent_ctas=jax.devices()[0].core_count),  # one CTA per SM, looping over the tiles
         dict(direct_io=False),  # q packed into tiles, the output gathered per token
     ]
     for options in prefill_sweep if sweep else []:

@@ -86,30 +86,11 @@ def with_kernel_options(monkeypatch, **options):
     monkeypatch.setattr(mixed_batch, "kernel_configs", replaced)
 
 
-@pytest.fixture
-def early_k_wait(monkeypatch):
-    """Each step's wait for the next step's K under its PV wgmma."""
-    with_kernel_options(monkeypatch, early_k_wait=True)
-
-
-@pytest.fixture
-def persistent(monkeypatch):
-    """Three CTAs, each looping over several work items through one ring (its slots and barrier phases carry on
-    from one item to the next)."""
-    with_kernel_options(monkeypatch, persistent_ctas=3)
-
-
-@pytest.mark.parametrize(
-    ("kv_fp8", "options"),
-    [(False, None), (True, None), (True, "early_k_wait"), (False, "persistent"), (True, "persistent")],
-)
-def test_no_races_detected(kv_fp8, options, request):
+@pytest.mark.parametrize("kv_fp8", [False, True])
+def test_no_races_detected(kv_fp8):
     """A decode tile (producer + one consumer) and prefill tiles (producer + two consumers), edge steps
     with V rows zeroed by consumer 0 for both (bf16) or in each consumer's staging buffer (fp8). The last
-    request's keys (107..149) span two key steps of 128, both edge steps: consumer 0 zeroes two slots in a row.
-    Also with the early K wait and with persistent CTAs."""
-    if options is not None:
-        request.getfixturevalue(options)
+    request's keys (107..149) span two key steps of 128, both edge steps: consumer 0 zeroes two slots in a row."""
     case = dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
                 causal=True, dtype=jnp.bfloat16, kv_fp8=kv_fp8, kv_layout="NHD",
                 batch=([1, 20, 20], [40, 33, 150]))  # fmt: skip
@@ -162,12 +143,8 @@ def test_blocks_larger_than_a_kernel_step(kv_pair):
     ],
     ids=["window-sinks-scale", "chunk-softcap-fp8-pair", "non-causal"],
 )  # fmt: skip
-@pytest.mark.parametrize("variant", ["early_k_wait", "persistent"])
-def test_loop_variants_match_reference(case, variant, request):
-    """Early K wait: the first step's K awaited before the loops, each later one under the PV before it.
-    Persistent: three CTAs looping over the work items. Masked edge steps at both ends, a prefill over more key
-    steps than ring slots."""
-    request.getfixturevalue(variant)
+def test_edge_steps_and_more_key_steps_than_ring_slots_match_reference(case):
+    """Masked edge steps at both ends, a prefill over more key steps than ring slots."""
     out, expected = run_case(case, seed=11)
     assert np.isfinite(out).all(), "a NaN-filled block was read"
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
@@ -199,7 +176,6 @@ def test_unsupported_combinations_raise(change, message):
         (dict(consumer_registers=236), "consumer_registers=236"),
         (dict(producer_registers=16), "producer_registers=16"),
         (dict(num_consumers=2, consumer_registers=232, producer_registers=48), "3 x 168 registers"),
-        (dict(profile_ranges=64), "profile_ranges=64 needs a profile_dir"),
     ],
 )
 def test_kernel_config_rejects_bad_values(options, message):
@@ -230,8 +206,8 @@ def test_float16_query_passes_nonfinite_and_zero_through():
 
 
 def test_a_config_beyond_shared_memory_raises(monkeypatch):
-    """head_dim 256 fits two consumers with one query tile each, not with the persistent launch's second one."""
-    with_kernel_options(monkeypatch, persistent_ctas=3)
+    """head_dim 256 fits two consumers with a ring of two 128-key stages, not with four."""
+    with_kernel_options(monkeypatch, num_stages=4)
     inputs = random_paged_inputs(0, query_lens=[40], seq_lens=[40], num_q_heads=2, num_kv_heads=1, head_dim=256,
                                  block_size=16, dtype=jnp.bfloat16)  # fmt: skip
     with pytest.raises(NotImplementedError, match="bytes of shared memory"):

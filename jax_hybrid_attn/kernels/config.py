@@ -1,4 +1,4 @@
-"""The paged-attention kernel's options: tiling, pipeline depth, splits, consumers and loop variants.
+"""The paged-attention kernel's options: tiling, pipeline depth, splits and consumers.
 
 `KernelConfig` is a static argument of the kernel (`launch.launch_attention`); `default_config` picks
 the measured best that fits in a CTA's shared memory.
@@ -10,6 +10,7 @@ ROWS = 64  # wgmma M: query rows per consumer warpgroup
 SMEM_BUDGET_BYTES = 227 * 1024 - 4096  # H100/H200 per-block maximum, less room for barriers and alignment
 REGISTER_FILE = 64 * 1024  # 32-bit registers per SM
 WARPGROUP_THREADS = 128
+PROFILE_RANGES = 512  # named phases per warpgroup that the on-device profiler records (`KernelConfig.profile_dir`)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -22,19 +23,14 @@ class KernelConfig:
       num_splits: CTAs sharing one tile and KV head, each over a part of its keys (flash-decoding).
       num_consumers: warpgroups of 64 query rows sharing each K/V step (1 or 2).
       ping_pong: two consumers take turns on the tensor cores.
-      early_k_wait: a consumer waits for the next step's K while its PV wgmma runs, not at that step's start.
       consumer_registers, producer_registers: the registers per thread of each role with two consumers
         (``setmaxnreg``: multiples of 8 in [24, 256], together at most what the CTA launched with, since
         `setmaxnreg` only moves registers between warpgroups: an increase beyond that waits forever).
       direct_io: read q and write the output in [T, N, H] in the kernel where the launch allows it (one split, G
         in 1, 2, 4, 8; `mixed_batch`), rather than packing q into tiles and gathering the output per token.
-      persistent_ctas: 0 launches one CTA per work item (tile, KV head, split); N > 0 launches N CTAs (at most
-        one per work item), the i-th looping over items ``i, i + N, ...`` (tile fastest). The producer streams
-        the next item's keys while the consumers finish the last, and each consumer loads its next query tile
-        into a second buffer.
-      profile_ranges, profile_dir: with ``profile_ranges > 0``, Mosaic GPU's on-device profiler records up to
-        that many named phases per warpgroup and writes a Perfetto trace into `profile_dir` (a diagnostic: it
-        slows the kernel).
+      profile_dir: the debug switch: when set, Mosaic GPU's on-device profiler records up to `PROFILE_RANGES`
+        named phases per warpgroup and writes a Perfetto trace there (`benchmarks/kernel_timeline.py`; it slows
+        the kernel).
     """
 
     block_kv: int = 128
@@ -42,12 +38,9 @@ class KernelConfig:
     num_splits: int = 1
     num_consumers: int = 1
     ping_pong: bool = True
-    early_k_wait: bool = False
     consumer_registers: int = 232
     producer_registers: int = 40
     direct_io: bool = True
-    persistent_ctas: int = 0
-    profile_ranges: int = 0
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -61,10 +54,6 @@ class KernelConfig:
             count = getattr(self, name)
             if count % 8 or not 24 <= count <= 256:
                 raise ValueError(f"{name}={count} must be a multiple of 8 in [24, 256]")
-        if self.persistent_ctas < 0:
-            raise ValueError(f"persistent_ctas={self.persistent_ctas} must be >= 0 (0: one CTA per work item)")
-        if (self.profile_ranges > 0) != bool(self.profile_dir):
-            raise ValueError(f"profile_ranges={self.profile_ranges} needs a profile_dir and the reverse")
         used = self.num_consumers * self.consumer_registers + self.producer_registers
         if self.num_consumers > 1 and used > (self.num_consumers + 1) * self.launch_registers:
             raise ValueError(
@@ -77,15 +66,6 @@ class KernelConfig:
         """Registers per thread the CTA launches with: the register file over its threads, rounded down to 8."""
         return REGISTER_FILE // (WARPGROUP_THREADS * (self.num_consumers + 1)) // 8 * 8
 
-    def num_programs(self, num_work_items: int) -> int:
-        """CTAs of a persistent launch (each loops over work items), or 0 for one CTA per work item."""
-        return min(self.persistent_ctas, num_work_items)
-
-    def query_buffers(self, *, direct: bool = False) -> int:
-        """Query tiles per consumer in shared memory: a persistent launch loads the next item's while it works,
-        unless the query rows come straight from q (`direct`: through one staging tile)."""
-        return 2 if self.persistent_ctas and not direct else 1
-
     @property
     def rows(self) -> int:
         """Query rows per tile."""
@@ -94,7 +74,7 @@ class KernelConfig:
     def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int, *, direct: bool = False) -> int:
         """Shared memory on the GPU: q/output tiles (with `direct`, and their untiled copies for q and the output
         in [T, N, H]), the K and V ring, fp8 staging buffers (barriers aside)."""
-        query_tiles = self.query_buffers(direct=direct) + (1 if direct else 0)
+        query_tiles = 2 if direct else 1  # with `direct`, the untiled staging copy too
         q_tiles = self.num_consumers * (query_tiles * ROWS * head_dim * q_itemsize + ROWS * 4)
         ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
         staging = (

@@ -1,10 +1,9 @@
 """Launching the paged-attention kernel (`paged_attention.paged_attention_cta`) over query tiles.
 
-One CTA per work item (query tile, KV head, split), or a persistent launch of `KernelConfig.persistent_ctas`
-CTAs that loop over the work items. A launch with one split reads q and writes its output in [T, N, H] itself
-where the group size allows (`direct_io_supported`); else its tiles get packed query rows and write partial
-outputs and log-sum-exps, which `tiles.token_outputs` (decode tiles) or `tiles.prefill_token_rows` merge per
-token.
+One CTA per work item (query tile, KV head, split). A launch with one split reads q and writes its output in
+[T, N, H] itself where the group size allows (`direct_io_supported`); else its tiles get packed query rows and
+write partial outputs and log-sum-exps, which `tiles.token_outputs` (decode tiles) or `tiles.prefill_token_rows`
+merge per token.
 """
 
 import dataclasses
@@ -14,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .._compat import plgpu, resolve_interpret, share_identical_kernels
-from .config import SMEM_BUDGET_BYTES
+from .config import PROFILE_RANGES, SMEM_BUDGET_BYTES
 from .paged_attention import paged_attention_cta
 
 share_identical_kernels()  # the step shapes' equal kernels compile once
@@ -75,19 +74,18 @@ def launch_attention(
             jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim), q_source.dtype),
             jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32),
         )
-    num_programs = config.num_programs(num_tiles * num_kv_heads * splits)
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        grid=(num_programs,) if num_programs else (num_tiles, num_kv_heads, splits),
-        grid_names=("program",) if num_programs else ("tile", "kv_head", "split"),
+        grid=(num_tiles, num_kv_heads, splits),
+        grid_names=("tile", "kv_head", "split"),
         num_threads=config.num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
-            profile_space=config.profile_ranges,
+            profile_space=PROFILE_RANGES if config.profile_dir else 0,
             profile_dir=config.profile_dir,
-            profile_bounds_check=config.profile_ranges > 0,
+            profile_bounds_check=bool(config.profile_dir),
         ),
         interpret=interpret,
     )(

@@ -2,13 +2,12 @@
 
 A query tile holds ``64 * num_consumers`` wgmma rows; each consumer warpgroup owns 64 of them, the G query
 heads of one KV head for ``64 // G`` consecutive tokens (row ``g * (64 // G) + j``: head g, token j). One CTA
-per work item (tile, KV head, split), or with `KernelConfig.persistent_ctas` a fixed number of CTAs that loop
-over the work items, their ring positions carrying on from one item to the next. The producer warpgroup streams the blocks between the
-first key any query of the tile may see and the last (window, chunk or sequence end) by TMA through the block
-table, ``block_kv // S`` blocks per step (``block_kv`` rows of one block when S is a multiple of ``block_kv``),
-into a ring of `num_stages` slots that the consumers release through "consumed" barriers. Decode tiles use one consumer and split the keys across
-CTAs (flash-decoding); prefill tiles use two consumers that share every K/V step and take turns on the tensor
-cores (a schedule barrier, as FlashAttention-3 does).
+per work item (tile, KV head, split). The producer warpgroup streams the blocks between the first key any query
+of the tile may see and the last (window, chunk or sequence end) by TMA through the block table,
+``block_kv // S`` blocks per step (``block_kv`` rows of one block when S is a multiple of ``block_kv``), into a
+ring of `num_stages` slots that the consumers release through "consumed" barriers. Decode tiles use one consumer
+and split the keys across CTAs (flash-decoding); prefill tiles use two consumers that share every K/V step and
+take turns on the tensor cores (a schedule barrier, as FlashAttention-3 does).
 
 Masks are applied only on steps that straddle an edge of a consumer's key range. On a step that holds keys
 outside the tile's range (a block's unwritten tail, or a clamped duplicate block), V rows that no query
@@ -65,7 +64,7 @@ def paged_attention_cta(
     o_ref, lse_ref=None, *, block_size, group_size, num_kv_heads, params, kv_layout, stacked, direct, has_sinks, compute_dtype, config,
     p_in_registers,
 ):  # fmt: skip
-    """One CTA: the producer and consumer warpgroups of one (query tile, KV head, split), or of several in turn.
+    """One CTA: the producer and consumer warpgroups of one (query tile, KV head, split).
 
     Long on purpose: it is one Pallas kernel body. Its nested functions (producer, consumer, their steps) close
     over the refs, the tile's key range and the static configuration, which every one of them reads; as
@@ -86,10 +85,6 @@ def paged_attention_cta(
     if params.sliding_window is not None or params.sm_scale is not None:
         raise ValueError(f"{params=}: the kernel reads the window from window_ref and the scale from scales_ref")
     mask = dict(params=params, sliding_window=window_ref[0])  # the layer's window (`NO_WINDOW`: none) as data
-    num_tiles = tile_request_ref.shape[0]
-    num_work_items = num_tiles * num_kv_heads * config.num_splits
-    num_programs = config.num_programs(num_work_items)
-    num_q_buffers = config.query_buffers(direct=direct)
     # With `direct`, a consumer's tokens of one head are copied in pieces of these sizes (powers of two)
     row_pieces = [tokens_per_consumer >> i for i in range(tokens_per_consumer.bit_length())]
 
@@ -106,9 +101,9 @@ def paged_attention_cta(
         first_token = query_start_loc_ref[request] + tile_query_start_ref[tile] + offset
         return first_token, length, request_flags_ref[request] != 0
 
-    def work_item(tile, kv_head, split, ring_base):
-        """The producer and consumer of one (query tile, KV head, split), whose first step goes to ring position
-        `ring_base` (the steps this CTA streamed before it); both read the same ring slots in the same order."""
+    def work_item(tile, kv_head, split):
+        """The producer and consumer of one (query tile, KV head, split), and its number of key steps; both read
+        the same ring slots in the same order."""
         request = tile_request_ref[tile]
         seq_len = seq_lens_ref[request]
         query_len = query_lens_ref[request]
@@ -125,7 +120,7 @@ def paged_attention_cta(
         my_hi = jnp.where((tile_len > 0) & (seq_len > 0), jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
 
         def ring_slot(step):
-            return lax.rem(ring_base + step - my_lo, num_stages)
+            return lax.rem(step - my_lo, num_stages)
 
         def holds_foreign_keys(step):
             """Whether the step holds keys outside [key_lo, key_hi], whose V rows must be zeroed."""
@@ -162,7 +157,7 @@ def paged_attention_cta(
             @pl.loop(my_lo, my_hi)
             def _(step):
                 slot = ring_slot(step)
-                reused = ring_base + step - my_lo >= num_stages  # the slot held an earlier step: wait until consumed
+                reused = step - my_lo >= num_stages  # the slot held an earlier step: wait until consumed
                 pages = load_pages(step)
                 with jax.named_scope("wait K slot"):
                     pl.when(reused)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
@@ -228,13 +223,9 @@ def paged_attention_cta(
 
                 return v_ring.at[slot]
 
-            def wait_for_keys(step):
-                plgpu.barrier_wait(k_loaded.at[ring_slot(step)])
-
-            def key_operand(step, slot, *, waited=False):
+            def key_operand(step, slot):
                 """The K operand of this step (converted into staging for a float8 cache, which frees the slot)."""
-                if not waited:
-                    wait_for_keys(step)
+                plgpu.barrier_wait(k_loaded.at[slot])
                 if not converts:
                     return k_ring.at[slot]
                 k = stage(k_ring.at[slot], k_staging, step, zero=False)
@@ -264,9 +255,9 @@ def paged_attention_cta(
                 acc, m_i, l_i = carry
                 slot = ring_slot(step)
                 # The named scopes are the phases of `benchmarks/kernel_timeline.py` (Mosaic GPU's on-device profiler);
-                # without `KernelConfig.profile_ranges` they emit nothing.
+                # without `KernelConfig.profile_dir` they emit nothing.
                 with jax.named_scope("wait K"):
-                    k = key_operand(step, slot, waited=config.early_k_wait)
+                    k = key_operand(step, slot)
 
                 def compute_qk(acc_ref):
                     with jax.named_scope("QK issue, turn"):
@@ -290,20 +281,15 @@ def paged_attention_cta(
                 if schedule is not None:
                     with jax.named_scope("wait turn"):
                         plgpu.barrier_wait(schedule)
-
-                def wait_for_next_keys():
-                    pl.when(step + 1 < my_hi)(partial(wait_for_keys, step + 1))
-
                 with jax.named_scope("PV"):
-                    acc = accumulate_pv(acc, p, v, while_running=wait_for_next_keys if config.early_k_wait else None)
+                    acc = accumulate_pv(acc, p, v)
                 if not converts:
                     plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l_i
 
-            def accumulate_pv(acc, p, v, *, while_running=None):
-                """acc + p @ v, calling `while_running` once the wgmma is issued. P comes from registers; interpret
-                mode takes it through this consumer's shared tile and, as it cannot start an accumulator from
-                registers, adds a fresh one."""
+            def accumulate_pv(acc, p, v):
+                """acc + p @ v. P comes from registers; interpret mode takes it through this consumer's shared tile
+                and, as it cannot start an accumulator from registers, adds a fresh one."""
 
                 def issue(acc_ref):
                     if p_in_registers:
@@ -312,8 +298,6 @@ def paged_attention_cta(
                         p_smem[...] = p
                         plgpu.commit_smem()
                         plgpu.wgmma(acc_ref, p_smem, v)
-                    if while_running is not None:
-                        while_running()
 
                 if p_in_registers:
                     return pl.run_state(issue)(plgpu.ACC.init(acc))
@@ -329,8 +313,6 @@ def paged_attention_cta(
                 plgpu.layout_cast(jnp.full((ROWS,), MASKED_LOGIT, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
                 plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
             )
-            if config.early_k_wait:  # the first step's K; each step waits for the next one's under its PV wgmma
-                pl.when(my_lo < my_hi)(partial(wait_for_keys, my_lo))
             carry = lax.fori_loop(my_lo, inner_lo, partial(step_body, masked=True), carry)
             carry = lax.fori_loop(inner_lo, inner_hi, partial(step_body, masked=False), carry)
             return lax.fori_loop(inner_hi, my_hi, partial(step_body, masked=True), carry)
@@ -344,38 +326,15 @@ def paged_attention_cta(
     def body(q_smem, lse_smem, rows_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
              k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
         wg = lax.axis_index("wg")
+        tile, kv_head, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
         ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
-
-        if num_programs:  # this CTA's items: program, program + P, ... of tile-major order
-            first_item, num_items = lax.axis_index("program"), pl.cdiv(num_work_items - lax.axis_index("program"), num_programs)  # fmt: skip
-        else:  # one item per CTA
-            first_item = lax.axis_index("tile") + num_tiles * (lax.axis_index("kv_head") + num_kv_heads * lax.axis_index("split"))  # fmt: skip
-            num_items = 1
-
-        def coordinates(item):
-            """(tile, KV head, split) of work item `item` (tile-major)."""
-            return lax.rem(item, num_tiles), lax.rem(item // num_tiles, num_kv_heads), item // (num_tiles * num_kv_heads)
-
-        def for_each_work_item(run):
-            """`run(i, item, ring_base)` -> steps streamed, for this CTA's i-th work item in turn; returns the ring
-            position after the last one."""
-
-            def step(i, ring_base):
-                return ring_base + run(i, first_item + i * num_programs, ring_base)
-
-            return lax.fori_loop(0, num_items, step, jnp.int32(0))
 
         @pl.when(wg == num_consumers)
         def _():
             if num_consumers > 1:
                 plgpu.set_max_registers(config.producer_registers, action="decrease")
-
-            def produce(i, item, ring_base):
-                producer, _, num_steps = work_item(*coordinates(item), ring_base)
-                producer(*ring)
-                return num_steps
-
-            end = for_each_work_item(produce)
+            producer, _, end = work_item(tile, kv_head, split)
+            producer(*ring)
 
             # The last steps' consumption, which no later load waited for: every phase of a barrier the producer
             # waits on is observed before the barriers are released (interpret mode checks it)
@@ -411,11 +370,10 @@ def paged_attention_cta(
                         if skip is not None:
                             pl.when(num_tokens & size == 0)(skip)
 
-            def load_query(item, buffer):
-                tile, kv_head, split = coordinates(item)
-                loaded = q_loaded.at[buffer * num_consumers + wg]
+            def load_query():
+                loaded = q_loaded.at[wg]
                 if not direct:
-                    plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[buffer, wg], loaded)
+                    plgpu.copy_gmem_to_smem(q_ref.at[tile, kv_head, rows], q_smem.at[wg], loaded)
                     return
                 first_token, num_tokens, _ = token_block(tile, wg)
                 token_row_pieces(
@@ -437,22 +395,18 @@ def paged_attention_cta(
                 kept = jnp.exp2(m - top)
                 return acc * kept / (lax.broadcast_in_dim(l_i, acc.shape, [0]) * kept + jnp.exp2(sink - top))
 
-            def consume(i, item, ring_base):
-                tile, kv_head, split = coordinates(item)
-                _, consumer, num_steps = work_item(tile, kv_head, split, ring_base)
-                buffer = lax.rem(i, num_q_buffers)
-                plgpu.barrier_wait(q_loaded.at[buffer * num_consumers + wg])
+            def consume():
+                _, consumer, _ = work_item(tile, kv_head, split)
+                plgpu.barrier_wait(q_loaded.at[wg])
                 if direct:  # into the wgmma's tiled, swizzled layout (rows past the tokens hold stale values)
                     q_rows = plgpu.load(rows_smem.at[wg], layout=copy_layout)
                     if q_ref.dtype != dtype:  # a bfloat16 q scaled into float16 (`mixed_batch.float16_query`)
                         q_rows = q_rows.astype(jnp.float32) * scales_ref[2]
-                    q_smem[buffer, wg] = q_rows.astype(dtype)
+                    q_smem[wg] = q_rows.astype(dtype)
                     plgpu.commit_smem()
-                if num_q_buffers > 1:  # the next item's query tile, in the buffer the last item's output has left
-                    pl.when(i + 1 < num_items)(partial(load_query, item + num_programs, 1 - buffer))
                 if schedule is not None:
                     pl.when(wg == 1)(partial(take_turn, schedule))
-                acc, m_i, l_i = consumer(wg, q_smem.at[buffer, wg], *ring, extras)
+                acc, m_i, l_i = consumer(wg, q_smem.at[wg], *ring, extras)
                 if schedule is not None:
                     pl.when(wg == 0)(partial(take_turn, schedule))
                 out = normalized(acc, m_i, l_i, kv_head)
@@ -468,20 +422,17 @@ def paged_attention_cta(
                         lambda smem_rows, token_rows: plgpu.copy_smem_to_gmem(smem_rows, o_ref.at[token_rows]),
                     )  # fmt: skip
                 else:  # normalized per split, with the log-sum-exp that `tiles.merge_splits` weighs the splits by
-                    q_smem[buffer, wg] = out.astype(dtype)
+                    q_smem[wg] = out.astype(dtype)
                     has_keys = l_i > 0
                     log_sum = (m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0))) / LOG2E
                     lse_smem[wg] = jnp.where(has_keys, log_sum, -jnp.inf)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(q_smem.at[buffer, wg], o_ref.at[tile, kv_head, split, rows])
+                    plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[tile, kv_head, split, rows])
                     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[tile, kv_head, split, rows])
-                plgpu.wait_smem_to_gmem(0)  # the buffers are free for a later item
-                if num_q_buffers == 1:  # no prefetch: the next item's query tile goes where this output was
-                    pl.when(i + 1 < num_items)(partial(load_query, item + num_programs, 0))
-                return num_steps
+                plgpu.wait_smem_to_gmem(0)
 
-            load_query(first_item, 0)
-            for_each_work_item(consume)
+            load_query()
+            consume()
 
         # The traced index, even with one consumer: a static `.at[0]` view cannot feed wgmma in pl.run_state.
         pl.when(wg < num_consumers)(lambda: run_consumer(wg))
@@ -495,7 +446,7 @@ def paged_attention_cta(
     )
     pl.run_scoped(
         body,
-        plgpu.SMEM((num_q_buffers, num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
+        plgpu.SMEM((num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
         None if direct else plgpu.SMEM((num_consumers, ROWS), jnp.float32),  # log-sum-exps
         plgpu.SMEM((num_consumers, ROWS, head_dim), o_ref.dtype) if direct else None,
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
@@ -505,9 +456,7 @@ def paged_attention_cta(
         None
         if p_in_registers
         else plgpu.SMEM((num_consumers, ROWS, block_kv), dtype, transforms=q_transforms),
-        plgpu.Barrier(
-            num_arrivals=group_size * len(row_pieces) if direct else 1, num_barriers=num_q_buffers * num_consumers
-        ),
+        plgpu.Barrier(num_arrivals=group_size * len(row_pieces) if direct else 1, num_barriers=num_consumers),
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
