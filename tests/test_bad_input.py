@@ -145,7 +145,7 @@ def test_metadata_the_kernels_cannot_serve_gives_nan_for_those_requests_only(imp
     pool is flagged: that request's tokens are NaN (the kernels read nothing past the table or the pool), the other
     requests are exact. Unsplit, a batch of decodes is one launch that writes every token's output itself."""
     if implementation == "kernel, decodes unsplit":
-        monkeypatch.setattr(mixed_batch, "NUM_SMS", 1)  # one split: splitting fills no idle SM
+        monkeypatch.setattr(mixed_batch, "num_sms", lambda: 1)  # one split: splitting fills no idle SM
         implementation = "kernel"
     x, cases, starts = unservable_cases()
     interpret = implementation == "kernel" and jax.default_backend() != "gpu"

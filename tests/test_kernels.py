@@ -220,10 +220,24 @@ def test_a_config_beyond_shared_memory_raises(monkeypatch):
      (40, 2, 2), (1, 1, 1), (1, 0, 1)],
 )  # fmt: skip
 def test_decode_splits_fill_idle_sms_only(ctas, max_key_steps, splits):
-    """Whole waves are not split (512 CTAs: 3.9 waves either way); a launch leaving SMs idle is, with the fewest
-    splits within `SPLIT_SLACK` of the best (64 CTAs: 2 splits halve the time, more gain nothing), and never
-    more splits than key steps."""
-    assert mixed_batch.decode_splits(ctas, max_key_steps=max_key_steps) == splits
+    """Whole waves are not split (512 CTAs on an H200's 132 SMs: 3.9 waves either way); a launch leaving SMs idle
+    is, with the fewest splits within `SPLIT_SLACK` of the best (64 CTAs: 2 splits halve the time, more gain
+    nothing), and never more splits than key steps."""
+    with mixed_batch.lowering_for_sms(132):
+        assert mixed_batch.decode_splits(ctas, max_key_steps=max_key_steps) == splits
+
+
+def test_the_sm_count_comes_from_the_gpu_or_from_the_process_that_lowers_for_it():
+    gpu = jax.default_backend() == "gpu"
+    native = mixed_batch.num_sms()
+    assert native == (jax.devices()[0].core_count if gpu else mixed_batch.FALLBACK_NUM_SMS)
+    with mixed_batch.lowering_for_sms(114):  # an H100 PCIe: 57 CTAs fill half of it, and 2 splits all of it
+        assert mixed_batch.num_sms() == 114 and mixed_batch.decode_splits(57) == 2
+    with mixed_batch.lowering_for_sms(132):  # on 132 SMs, 9 splits fill 4 waves almost whole
+        assert mixed_batch.decode_splits(57) == 9
+    assert mixed_batch.num_sms() == native
+    with pytest.raises(ValueError, match="count=0 must be a positive int"), mixed_batch.lowering_for_sms(0):
+        pass
 
 
 def test_cpu_default_is_the_reference():
@@ -283,7 +297,7 @@ def test_padding_tokens_are_zero_and_a_last_request_may_end_at_the_last_token(he
     output rows in [T, N, H] themselves, in exact pieces: a last request that ends at the array's last token (no
     copy may run past it), then the same batch with padding tokens after it, which come out 0. For G = 6 the rows go
     through packed tiles and a gather instead. No races between the copies."""
-    monkeypatch.setattr(mixed_batch, "NUM_SMS", 1)  # one split whatever the batch: splitting fills no idle SM
+    monkeypatch.setattr(mixed_batch, "num_sms", lambda: 1)  # one split whatever the batch: splitting fills no idle SM
     num_q_heads, num_kv_heads = heads
     inputs = random_paged_inputs(7, query_lens=query_lens, seq_lens=[30, 60, 37, 90][: len(query_lens)],
                                  num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=64, block_size=16,

@@ -14,6 +14,7 @@ from jax import monitoring
 from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams, lower_ahead
 from jax_hybrid_attn.engine import step_cache
 from jax_hybrid_attn.engine.step_shapes import StepShape, select_step_shape, step_shapes
+from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.models import Decoder, DenseAttention, ModelConfig
 from jax_hybrid_attn.models.layer_scan import LayerRun, ScannedDecoder, layer_runs
 
@@ -141,7 +142,8 @@ def test_a_model_the_workers_cannot_rebuild_is_lowered_here():
     config = gemma3_config(3)
     model = Decoder(config, rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
     engine_config = EngineConfig(max_model_len=32).resolved(platform="cpu")
-    assert step_cache.RunnerSpec.of(model, config, engine_config, 32) is not None
+    spec = step_cache.RunnerSpec.of(model, config, engine_config, 32)
+    assert spec is not None and spec.num_sms == mixed_batch.num_sms()  # what its workers lower the kernels for
     model.model.norm.weight.value = model.model.norm.weight.value.astype(jnp.bfloat16)  # not what it rebuilds
     assert step_cache.RunnerSpec.of(model, config, engine_config, 32) is None
 

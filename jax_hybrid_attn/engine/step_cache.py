@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax import export
 
+from ..kernels.mixed_batch import lowering_for_sms, num_sms
 from ..models.config import ModelConfig
 from ..models.decoder import Decoder
 from .config import EngineConfig
@@ -57,13 +58,15 @@ def use_compilation_cache(directory: str | os.PathLike) -> None:
 @dataclasses.dataclass(frozen=True)
 class RunnerSpec:
     """What a worker needs to rebuild a `ModelRunner` abstractly: the model's config and dtypes, the resolved
-    engine config and ``max_model_len``."""
+    engine config, ``max_model_len`` and the SM count of the GPU its kernels launch on (`mixed_batch.num_sms`:
+    a worker lowers on its CPU)."""
 
     model_config: ModelConfig
     engine_config: EngineConfig
     max_model_len: int
     dtype: str
     param_dtype: str
+    num_sms: int
 
     @classmethod
     def of(cls, model: Decoder, model_config: ModelConfig, config: EngineConfig, max_model_len: int):
@@ -83,7 +86,8 @@ class RunnerSpec:
         resolved, one device)."""
         # where and how it is compiled, not what: equal steps share entries
         config = dataclasses.replace(config, compilation_cache=None, compile_workers=0, max_model_len=max_model_len)
-        return cls(model_config, config, max_model_len, jnp.dtype(dtype).name, jnp.dtype(param_dtype).name)
+        return cls(model_config, config, max_model_len, jnp.dtype(dtype).name, jnp.dtype(param_dtype).name,
+                   num_sms())  # fmt: skip
 
     def abstract_model(self) -> Decoder:
         return nnx.eval_shape(lambda: Decoder(self.model_config, rngs=nnx.Rngs(0), dtype=self.dtype,
@@ -156,7 +160,9 @@ def _worker_main() -> None:
     """(In a worker process.) Read (spec, keys, platform) from stdin, write their `export_step`s to stdout."""
     spec, keys, platform = pickle.loads(sys.stdin.buffer.read())
     runner = spec.abstract_runner()
-    sys.stdout.buffer.write(pickle.dumps([export_step(runner, key, platform=platform) for key in keys]))
+    with lowering_for_sms(spec.num_sms):
+        steps = [export_step(runner, key, platform=platform) for key in keys]
+    sys.stdout.buffer.write(pickle.dumps(steps))
 
 
 class StepLowering:

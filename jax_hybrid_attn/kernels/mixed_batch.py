@@ -9,7 +9,9 @@ round trip. A float8_e4m3fn cache's k scale multiplies the logits in the kernel 
 bfloat16 query the kernels compute in float16 (`float16_query_scale`).
 """
 
+import contextlib
 import dataclasses
+import functools
 import math
 from functools import partial
 
@@ -27,12 +29,13 @@ from .config import SMEM_BUDGET_BYTES, default_config
 from .launch import direct_io_supported, launch_attention
 
 __all__ = [
-    "KERNEL_DTYPES", "check_kernel_support", "decode_splits", "kernel_configs", "paged_attention_kernels",
-    "paged_attention_parts_kernels",
+    "KERNEL_DTYPES", "check_kernel_support", "decode_splits", "kernel_configs", "lowering_for_sms", "num_sms",
+    "paged_attention_kernels", "paged_attention_parts_kernels",
 ]  # fmt: skip
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-NUM_SMS = 132  # the H200's streaming multiprocessors: one wave of CTAs
+FALLBACK_NUM_SMS = 132
+"""The H200's streaming multiprocessors: the count where no GPU is visible (interpret mode on a CPU)."""
 MAX_DECODE_SPLITS = 16
 SPLIT_SLACK = 1.1  # more splits only where they save more than this factor: each adds a merge and pipeline fills
 
@@ -88,17 +91,47 @@ def decode_splits(ctas_per_split: int, *, max_key_steps: int = MAX_DECODE_SPLITS
     (tiles × KV heads) unsplit whose requests have at most `max_key_steps` steps of keys.
 
     Decodes stream their keys, each CTA at about one SM's share of the bandwidth, so s splits of C CTAs take
-    ``ceil(s * C / NUM_SMS)`` waves of 1/s the keys. The fewest splits whose time is within `SPLIT_SLACK` of the
+    ``ceil(s * C / num_sms())`` waves of 1/s the keys. The fewest splits whose time is within `SPLIT_SLACK` of the
     best: a batch that fills whole waves is not split (512 CTAs: 3.9 waves either way), one that leaves SMs idle
     is (64 CTAs: 2 splits, half the time). Splits divide key steps, so never more than `max_key_steps`: the rest
     would have no keys."""
     candidates = range(1, max(1, min(MAX_DECODE_SPLITS, max_key_steps)) + 1)
 
     def waves(splits):
-        return math.ceil(splits * ctas_per_split / NUM_SMS) / splits
+        return math.ceil(splits * ctas_per_split / num_sms()) / splits
 
     best = min(waves(splits) for splits in candidates)
     return next(splits for splits in candidates if waves(splits) <= SPLIT_SLACK * best)
+
+
+_sm_count: int | None = None  # set by `lowering_for_sms`
+
+
+def num_sms() -> int:
+    """The streaming multiprocessors of the GPU the kernels launch on (one wave of CTAs): the count that
+    `lowering_for_sms` sets, else the first visible GPU's, else `FALLBACK_NUM_SMS`."""
+    return _sm_count or _visible_gpu_sms() or FALLBACK_NUM_SMS
+
+
+@functools.cache
+def _visible_gpu_sms() -> int | None:
+    if jax.default_backend() != "gpu":
+        return None
+    return getattr(jax.devices()[0], "core_count", None)
+
+
+@contextlib.contextmanager
+def lowering_for_sms(count: int):
+    """Trace the kernels for a GPU of `count` SMs inside the block: processes that lower a GPU's step functions
+    on their CPU (`engine.step_cache`) take the count of the GPU they lower for."""
+    global _sm_count
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"{count=} must be a positive int")
+    before, _sm_count = _sm_count, count
+    try:
+        yield
+    finally:
+        _sm_count = before
 
 
 def float16_query_scale(q: Float[Array, "T N H"]) -> Float[Array, ""]:
