@@ -28,6 +28,7 @@ DEFAULT_PROMPTS = (
     "def fibonacci(n):",
     "In a hybrid model, full-attention layers",
 )
+KV_CACHE_DTYPE_NAMES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}  # vLLM's names
 MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -76,6 +77,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and cache (default: bfloat16 on a GPU, float32 elsewhere)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPE_NAMES), default="auto",
+                   help="auto: the model's; fp8 (fp8_e4m3): float8_e4m3fn, half the bytes, K/V scale 1")  # fmt: skip
     g.add_argument("--decode-steps", type=int, default=1, metavar="K",
                    help="decode steps per device call when every request decodes (default: 1)")  # fmt: skip
     g.add_argument("--cascade-attention", choices=("auto", "always", "off"), default="auto",
@@ -94,7 +97,7 @@ def make_engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
         kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed, tensor_parallel=args.tensor_parallel, decode_steps=args.decode_steps,
-        cascade_attention=args.cascade_attention,
+        cascade_attention=args.cascade_attention, kv_cache_dtype=KV_CACHE_DTYPE_NAMES[args.kv_cache_dtype],
         compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
     )  # fmt: skip
 
@@ -162,6 +165,7 @@ def report(engine, outputs, wall_seconds: float, startup: dict) -> dict:
         "itl_s": percentiles([t for o in ran for t in o.inter_token_latencies]),
         "kv_cache": {
             "hybrid": engine.config.hybrid,
+            "dtype": layout.dtype.name,
             "num_blocks": layout.num_blocks,
             "block_size": engine.config.block_size,
             "bytes": layout.total_bytes,
@@ -199,7 +203,7 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
         f"output {rate(metrics['output_tokens_per_s'])}",
         f"TTFT p50/p90/p99 ms: {fmt(metrics['ttft_s'])}    ITL p50/p90/p99 ms: {fmt(metrics['itl_s'])}",
         f"KV cache ({'hybrid' if kv['hybrid'] else 'every layer as full attention'}): {kv['num_blocks']} blocks of "
-        f"{kv['block_size']} tokens, {kv['bytes'] / 2**20:.1f} MiB"
+        f"{kv['block_size']} tokens, {kv['dtype']}, {kv['bytes'] / 2**20:.1f} MiB"
         + (f" ({kv['bytes_per_device'] / 2**20:.1f} MiB on each of {kv['tensor_parallel']} devices)"
            if kv["tensor_parallel"] > 1 else ""),  # fmt: skip
     ]

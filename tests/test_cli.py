@@ -37,6 +37,14 @@ def test_the_report_and_no_hybrid(capsys, tmp_path):
     assert "model gemma3_text, 6 layers: full 1: 5; sliding (window 32) 5: 0-4; random weights" in out
 
 
+def test_the_kv_cache_dtype_flag_takes_vllms_names():
+    from jax_hybrid_attn.cli import build_parser, make_engine_config
+
+    for flag, name in (("auto", None), ("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn")):
+        dtype = make_engine_config(build_parser().parse_args(["generate", "--kv-cache-dtype", flag])).kv_cache_dtype
+        assert (dtype and dtype.name) == name
+
+
 def test_a_saved_transformers_checkpoint_runs(capsys, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

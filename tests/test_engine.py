@@ -169,6 +169,23 @@ def test_cascade_decode_steps_give_the_same_greedy_tokens(family):
         assert not engine.has_unfinished_requests() and engine.manager.num_free_blocks == engine.layout.num_blocks - 1
 
 
+def test_an_fp8_kv_cache_gives_the_dense_forwards_greedy_tokens():
+    """``kv_cache_dtype=float8_e4m3fn`` (``jha --kv-cache-dtype fp8``): the pool is float8 (a quarter of this float32
+    model's bytes), K/V written with scale 1, through chunks, prefix hits and windows; the tiny model's greedy tokens
+    hold. A dtype the kernels do not take, or one that is neither the model's nor float8, is refused."""
+    config, model = tiny_model("gemma3_text")
+    want = [dense_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    sizes = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    engine = Engine(model, config, EngineConfig(**sizes, kv_cache_dtype="float8_e4m3fn"))
+    assert engine.runner.kv_cache.dtype == jnp.float8_e4m3fn
+    got = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [o.output_token_ids for o in got] == want and engine.stats.cached_prompt_tokens > 0
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' must be None or one of"):
+        EngineConfig(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=bfloat16 must be the model's dtype \(float32\)"):
+        Engine(model, config, EngineConfig(**sizes, kv_cache_dtype=jnp.bfloat16))
+
+
 def test_cascade_attention_modes():
     assert not EngineConfig(cascade_attention="auto", implementation="reference").cascade_step
     assert EngineConfig(cascade_attention="auto", implementation="kernel").cascade_step

@@ -19,6 +19,21 @@ DEFAULT_COMPILE_WORKERS = 8
 """``compile_workers`` on a GPU when none is given (lowering the kernels is most of a step's compile time)."""
 
 
+def _cache_dtype(value):
+    """`value` as a dtype of `layout.KV_CACHE_DTYPES`, or a ValueError naming it."""
+    import jax.numpy as jnp  # here, not at import: the CLI builds its parser without jax
+
+    from ..layout import KV_CACHE_DTYPES
+
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={value!r} must be None or one of {[d.name for d in KV_CACHE_DTYPES]}")
+    return dtype
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """The engine's sizes and options (vLLM's names).
@@ -34,7 +49,9 @@ class EngineConfig:
       num_blocks, kv_memory: the KV pool, in blocks or bytes (at most one; neither: room for `max_num_seqs`
         requests of `max_model_len` tokens at once, in this layout).
       hybrid: allocate sliding-window and chunked layers as such (False: every layer as full attention).
-      kv_cache_dtype: the cache's dtype (None: the model's).
+      kv_cache_dtype: the cache's dtype: None (the model's), or float8_e4m3fn (half a bfloat16 cache's bytes;
+        K and V written with scale 1, as vLLM's ``--kv-cache-dtype fp8`` without checkpoint scales: larger
+        values saturate at 448).
       enable_prefix_caching: share cached prompt blocks across requests.
       sliding_window_in_window_only: clip prefill chunks so that sliding-window groups never allocate a block
         that is freed a step later (`AllocatorConfig`): a lower peak, but windows of W tokens then cap the chunks.
@@ -89,6 +106,8 @@ class EngineConfig:
         for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, maximum=2**32 - 1))
+        if self.kv_cache_dtype is not None:
+            object.__setattr__(self, "kv_cache_dtype", _cache_dtype(self.kv_cache_dtype))
         if self.cascade_attention not in CASCADE_MODES:
             raise ValueError(f"cascade_attention={self.cascade_attention!r} must be one of {CASCADE_MODES}")
         if self.cascade_attention == "always" and self.tensor_parallel > 1:

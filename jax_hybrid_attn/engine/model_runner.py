@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..allocator import KVCacheManager
+from ..layout import FP8_DTYPE
 from ..models.config import ModelConfig
 from ..models.layer_scan import ScannedDecoder
 from ..models.partitioning import shard_model
@@ -97,6 +98,9 @@ class ModelRunner:
             decoder, stack = nnx.merge(graphdef, state), self._stack_sharded
         self.model = ScannedDecoder.from_decoder(decoder, **({} if stack is None else {"stack": stack}))
         kv_memory = None if config.kv_memory is None else config.kv_memory * config.tensor_parallel
+        if config.kv_cache_dtype not in (None, jnp.dtype(model.dtype), FP8_DTYPE):
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} must be the model's dtype "
+                             f"({jnp.dtype(model.dtype)}) or {FP8_DTYPE}")  # fmt: skip
         self.layout = KVCacheLayout.for_model(
             run_config, block_size=config.block_size, max_model_len=max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
