@@ -39,6 +39,7 @@ size · P blocks per request · G KV-cache groups.
 import dataclasses
 import functools
 import math
+import numbers
 import weakref
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -98,10 +99,22 @@ class AttentionLayer:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
-            raise ValueError(f"sinks.shape={tuple(self.sinks.shape)} must be (num_heads={self.num_heads},)")
-        if not isinstance(self.kv_cache_group, int) or self.kv_cache_group < 0:
+        if self.sinks is not None:
+            if not isinstance(self.sinks, torch.Tensor) or not self.sinks.is_floating_point():
+                tensor = isinstance(self.sinks, torch.Tensor)
+                got = f"a {self.sinks.dtype} tensor" if tensor else type(self.sinks).__name__
+                raise ValueError(
+                    f"sinks must be a float torch.Tensor of shape (num_heads={self.num_heads},), got {got}"
+                )
+            if tuple(self.sinks.shape) != (self.num_heads,):
+                raise ValueError(f"sinks.shape={tuple(self.sinks.shape)} must be (num_heads={self.num_heads},)")
+        if isinstance(self.kv_cache_group, bool) or not isinstance(self.kv_cache_group, int) or self.kv_cache_group < 0:
             raise ValueError(f"kv_cache_group={self.kv_cache_group!r} must be an int >= 0")
+        for name in ("k_scale", "v_scale"):
+            scale = getattr(self, name)
+            if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                                      or not (math.isfinite(scale) and scale > 0)):  # fmt: skip
+                raise ValueError(f"{name}={scale!r} must be a finite number > 0 (or None)")
         self.params
 
     @functools.cached_property

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -291,6 +292,16 @@ def test_bad_input_is_named():
         AttentionLayer(num_heads=4, num_kv_heads=3, head_size=16)
     with pytest.raises(ValueError, match="sliding_window"):
         AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sliding_window=0)
+    for name, value in [("k_scale", -1.0), ("k_scale", float("nan")), ("k_scale", "1"), ("v_scale", 0.0),
+                        ("v_scale", True), ("v_scale", float("inf"))]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"{name}=.* must be a finite number > 0"):
+            AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, **{name: value})
+    with pytest.raises(ValueError, match="kv_cache_group=True must be an int >= 0"):
+        AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, kv_cache_group=True)
+    for sinks, got in [(np.zeros(4, np.float32), "ndarray"), (torch.zeros(4, dtype=torch.int32), "torch.int32"),
+                       ([0.0] * 4, "list"), (1.0, "float")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"sinks must be a float torch.Tensor .*, got .*{got}"):
+            AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sinks=sinks)
     with pytest.raises(ValueError, match="cache_owner='numpy'"):
         PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, cache_owner="numpy")
 
