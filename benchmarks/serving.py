@@ -15,7 +15,8 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
               K/V each layer's window, chunk or context covers), the time they take at the read ceiling
               measured in the same run, the engine's wall time, the kernel time, kernels per layer and the
               share of the wall time the GPU runs kernels or copies (CUPTI profile); and the engine's step
-              time against its jitted calls replayed back to back;
+              time against its jitted calls replayed back to back. ``--unroll-decode-layers off,on``: busy and
+              throughput with the decode steps' layers scanned and unrolled, side by side;
   shared-prefix (GPU) the Gemma-3-1B shape, 256 prompts of one 4,096-token system prompt (in the prefix cache
               from an earlier request) and 64-512 tokens of their own, 64 greedy tokens: the engine with cascade
               attention on (the cost rule picks per step) and off, a cold and a warm run each; decode step time
@@ -29,6 +30,7 @@ Prints one line per measurement and a summary table last.
 
 import argparse
 import gc
+import itertools
 import os
 import tempfile
 import time
@@ -230,8 +232,49 @@ def parity(rows: list) -> None:
         rows.append(("parity", line))
 
 
+def prefill_flops(config: ModelConfig, model, prompt_lens) -> float:
+    """The FLOPs of prefilling prompts of these lengths, counted as a matmul ceiling counts them: 2 per weight of
+    every layer's projections and MLP per prompt token; per layer and token, 4 per query head, head dimension and
+    key its query attends (QK and PV; causal, within the window on sliding layers, the chunk on chunked ones);
+    and the LM head on each prompt's last token."""
+    from flax import nnx
+
+    layers = jax.tree.leaves(nnx.state(model.model.layers, nnx.Param))
+    layer_weights = sum(leaf.size for leaf in layers if leaf.ndim == 2)  # the matrices, not the norms' vectors
+    flops = 2.0 * layer_weights * sum(prompt_lens) + 2.0 * config.hidden_size * config.vocab_size * len(prompt_lens)
+    per_key = 4.0 * config.num_heads * config.head_dim
+    for length in prompt_lens:
+        positions = np.arange(1, length + 1)  # the keys of each token's query, its own included
+        for layer_type in config.layer_types:
+            if layer_type == "sliding_attention":
+                keys = np.minimum(positions, config.sliding_window)
+            elif layer_type == "chunked_attention":
+                keys = (positions - 1) % config.attention_chunk_size + 1
+            else:
+                keys = positions
+            flops += per_key * keys.sum()
+    return flops
+
+
+MATMUL_CEILING_SIZE = 8192
+"""The square bf16 matmul that `matmul_ceiling_tflops` times (on a GPU; 256 on a CPU)."""
+
+
+def matmul_ceiling_tflops(*, calls: int = 20) -> float:
+    """The device's bf16 matmul rate as measured here: a square `MATMUL_CEILING_SIZE` product, back to back."""
+    size = MATMUL_CEILING_SIZE if jax.default_backend() == "gpu" else 256
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+    product = jax.jit(jnp.dot)
+    jax.block_until_ready(product(a, a))
+    started = time.perf_counter()
+    for _ in range(calls):
+        result = product(a, a)
+    jax.block_until_ready(result)
+    return 2.0 * size**3 * calls / ((time.perf_counter() - started) * 1e12)
+
+
 def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: dict,
-               decode_steps: tuple[int, ...] = (1,)) -> None:  # fmt: skip
+               decode_steps: tuple[int, ...] = (1,), unroll: tuple[bool, ...] = (False,)) -> None:  # fmt: skip
     import torch
     import transformers
 
@@ -264,21 +307,34 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
             results["transformers generate_batch paged|sdpa"] = (hf_tokens, seconds)
             del hf_model, out
             torch.cuda.empty_cache()
-        for steps in decode_steps:
+        for steps, unrolled in itertools.product(decode_steps, unroll):
             engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
-                                                        max_model_len=2048, decode_steps=steps))  # fmt: skip
+                                                        max_model_len=2048, decode_steps=steps,
+                                                        unroll_decode_layers=unrolled))  # fmt: skip
             label = "ours" if decode_steps == (1,) else f"ours, {steps} decode steps per call"
+            if len(unroll) > 1:
+                label += ", decode layers unrolled" if unrolled else ", decode layers scanned"
             results[f"{label}, cold (compiles included)"] = greedy(engine, prompts, max_tokens)
             stats_cold = engine.stats
             engine.reset()
             results[f"{label}, warm"] = greedy(engine, prompts, max_tokens)
             stats = engine.stats
+            prefill_tflops = prefill_flops(config, model, list(map(len, prompts))) / stats.prefill_time / 1e12
+            ceiling = matmul_ceiling_tflops()
             line = (f"{label} warm: {stats.steps} steps in {stats.steps - stats.multi_step_calls * (steps - 1)} calls, "
-                    f"prefill {stats.prefill_tokens_per_s or 0:,.0f} tok/s, decode {stats.decode_tokens_per_s or 0:,.0f}"
+                    f"prefill {stats.prefill_tokens_per_s or 0:,.0f} tok/s = {prefill_tflops:.3g} TFLOP/s of the "
+                    f"model's FLOPs, {prefill_tflops / ceiling:.0%} of the bf16 matmul ceiling measured here "
+                    f"({ceiling:.3g} TFLOP/s), decode {stats.decode_tokens_per_s or 0:,.0f}"
                     f" tok/s; cold run compiled {stats_cold.compiled_executables} executables in "
                     f"{stats_cold.compile_time:.0f} s")  # fmt: skip
             print("throughput", line, flush=True)
             summaries.append(("throughput", line))
+    if len(unroll) > 1:
+        scanned, unrolled = (results[f"ours, decode layers {kind}, warm"][0] for kind in ("scanned", "unrolled"))
+        line = ("ours, decode layers unrolled: greedy tokens equal to scanned's "
+                f"{np.mean([a == b for x, y in zip(unrolled, scanned) for a, b in zip(x, y)]):.1%}")  # fmt: skip
+        print("throughput", line, flush=True)
+        summaries.append(("throughput", line))
     one_step = results.get("ours, 1 decode steps per call, warm", (None,))[0]
     for steps in decode_steps:
         if steps != 1 and one_step is not None:
@@ -361,7 +417,8 @@ def shared_prefix(rows: list, *, shape: dict, num_prompts: int, prefix_len: int 
     print(label, rows[-1][1], flush=True)
 
 
-def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None) -> None:
+def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None,
+               unroll: bool = False) -> None:  # fmt: skip
     """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together.
     Timed: the engine's steps (wall), and the same step's jitted calls replayed back to back on copies of its
     inputs (no host work in between but XLA's own). Profiled (CUPTI, under `trace` or a temporary directory): the
@@ -370,7 +427,7 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     config = ModelConfig.from_hf(shape)
     model = random_model(config, seed=0, dtype=jnp.bfloat16)
     engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=num_requests, max_num_batched_tokens=8192,
-                                                max_model_len=2048))  # fmt: skip
+                                                max_model_len=2048, unroll_decode_layers=unroll))  # fmt: skip
     rng = np.random.default_rng(0)
     sampling = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for n in rng.integers(128, 1025, num_requests):
@@ -384,7 +441,8 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     floor = {key: (value + decode_step_bytes(engine, model)[key]) / 2 for key, value in floor_before.items()}
     read_gbps = read_ceiling_gbps()
     floor_ms = floor["total"] / (read_gbps * 1e6)
-    line = (f"decode step of {num_requests} requests: must read {floor['weights'] / 1e9:.2f} GB of weights + "
+    line = (f"decode step of {num_requests} requests, layers {'unrolled' if unroll else 'scanned'}: must read "
+            f"{floor['weights'] / 1e9:.2f} GB of weights + "
             f"{floor['kv'] / 1e9:.2f} GB of covered K/V = {floor['total'] / 1e9:.2f} GB, {floor_ms:.2f} ms at the "
             f"read ceiling measured here ({read_gbps:,.0f} GB/s); the engine's step {timed['step_ms']:.2f} ms = "
             f"{timed['step_ms'] / floor_ms:.2f}x that floor, kernel time {timed['kernel_ms']:.2f} ms, "
@@ -536,7 +594,11 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 1B shape (a dry run on a CPU)")
     parser.add_argument("--decode-steps", default="1",
                         help="throughput: ours with each of these EngineConfig.decode_steps, e.g. 1,8 (default: 1)")  # fmt: skip
+    parser.add_argument("--unroll-decode-layers", default="off",
+                        help="busy, throughput: the engine with EngineConfig.unroll_decode_layers off, on, or both "
+                             "side by side (off,on)")  # fmt: skip
     args = parser.parse_args()
+    unroll_variants = tuple({"off": False, "on": True}[value] for value in args.unroll_decode_layers.split(","))
     rows: list = []
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
     for section in args.sections.split(","):
@@ -546,8 +608,9 @@ def main():
         elif section == "parity":
             parity(rows)
         elif section == "busy":
-            busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256,
-                       trace=args.trace)  # fmt: skip
+            for unroll in unroll_variants:
+                busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256,
+                           trace=args.trace, unroll=unroll)  # fmt: skip
         elif section in ("shared-prefix", "shared-prefix-full"):
             shape = GEMMA3_1B if section == "shared-prefix" else FULL_ATTENTION_8L
             if args.tiny:
@@ -563,7 +626,8 @@ def main():
         elif section == "throughput":
             shape = TINY if args.tiny else GEMMA3_1B
             throughput(rows, num_prompts=args.num_prompts, transformers_too=not args.no_transformers, shape=shape,
-                       decode_steps=tuple(int(k) for k in args.decode_steps.split(",")))  # fmt: skip
+                       decode_steps=tuple(int(k) for k in args.decode_steps.split(",")),
+                       unroll=unroll_variants)  # fmt: skip
         else:
             raise SystemExit(f"unknown section {section!r}")
         print(f"{section}: {time.perf_counter() - started:.0f} s", flush=True)

@@ -83,6 +83,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="decode steps per device call when every request decodes (default: 1)")  # fmt: skip
     g.add_argument("--cascade-attention", choices=("auto", "always", "off"), default="auto",
                    help="a prompt prefix every decode shares, read once per step (default: auto, where it pays)")  # fmt: skip
+    g.add_argument("--unroll-decode-layers", action="store_true",
+                   help="decode steps with the layers unrolled: no copies of weights, a longer compile")  # fmt: skip
     g.add_argument("--compilation-cache", metavar="DIR",
                    help="keep compiled steps in DIR (JAX's persistent compilation cache, every entry and XLA's GPU "
                         "autotuning kept): later runs start faster")  # fmt: skip
@@ -98,6 +100,7 @@ def make_engine_config(args):
         kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed, tensor_parallel=args.tensor_parallel, decode_steps=args.decode_steps,
         cascade_attention=args.cascade_attention, kv_cache_dtype=KV_CACHE_DTYPE_NAMES[args.kv_cache_dtype],
+        unroll_decode_layers=args.unroll_decode_layers,
         compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
     )  # fmt: skip
 

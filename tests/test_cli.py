@@ -45,6 +45,17 @@ def test_the_kv_cache_dtype_flag_takes_vllms_names():
         assert (dtype and dtype.name) == name
 
 
+def test_the_unroll_decode_layers_flag_reaches_the_engine_config():
+    from jax_hybrid_attn.cli import build_parser, make_engine_config
+
+    for flags, unrolled in (([], False), (["--unroll-decode-layers"], True)):
+        assert make_engine_config(build_parser().parse_args(["generate", *flags])).unroll_decode_layers is unrolled
+    with pytest.raises(ValueError, match="unroll_decode_layers"):
+        from jax_hybrid_attn.engine import EngineConfig
+
+        EngineConfig(unroll_decode_layers="yes")
+
+
 def test_a_saved_transformers_checkpoint_runs(capsys, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

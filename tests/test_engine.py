@@ -149,6 +149,24 @@ def test_calls_of_several_decode_steps_give_the_one_step_engines_samples():
     assert one[2].finish_reason == "stop" and several.stats.multi_step_calls > 0
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_unrolled_decode_layers_give_the_dense_forwards_greedy_tokens(decode_steps):
+    """``unroll_decode_layers``: the decode steps' layers unrolled (Mistral's two layers are a scan of two repeats
+    otherwise), one step or several per call, through chunks, prefix hits and preemption: the dense forward's
+    greedy tokens, every block back in the pool; only the decode executables differ from the scanned engine's."""
+    config, model = tiny_model("mistral")
+    want = [dense_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    sizes = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, decode_steps=decode_steps)
+    engine = tightest_engine(model, config, **sizes, unroll_decode_layers=True)
+    got = generate_within(engine, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), max_steps=200)
+    assert [o.output_token_ids for o in got] == want
+    assert engine.stats.preemptions > 0 and engine.stats.cached_prompt_tokens > 0
+    assert not engine.has_unfinished_requests() and engine.manager.num_free_blocks == engine.layout.num_blocks - 1
+    decode, mixed = (engine.runner.trace(("forward", shape)).lower().as_text().count("stablehlo.while")
+                     for shape in engine.runner.shapes)  # fmt: skip
+    assert decode == mixed - 1, (decode, mixed)  # the mixed step's loop over the layers, and the same others
+
+
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
 def test_cascade_decode_steps_give_the_same_greedy_tokens(family):
     """Decode steps with cascade attention on the full-attention layers (``cascade_attention="always"``): requests

@@ -70,6 +70,10 @@ class EngineConfig:
         (`cascade`: the prefix's blocks read once per step, not once per request) on full-attention layers:
         "auto" where the cost rule (`cascade.cascade_pays`) says it pays, on the kernels of one device (one more
         decode step compiled); "always" for every decode step (tests, measurements); "off".
+      unroll_decode_layers: compile the decode-only steps with the layers unrolled instead of scanned over their
+        pattern (`models.layer_scan`): their matmuls then read each layer's weights in place, where a scan copies
+        them out of their stack first (about a dozen copy kernels per layer on a GPU), at the cost of a longer
+        compile of those steps (every layer's kernels apart). Mixed steps stay scanned.
     """
 
     block_size: int | None = None
@@ -90,6 +94,7 @@ class EngineConfig:
     compile_workers: int | None = None
     decode_steps: int = 1
     cascade_attention: str = "auto"
+    unroll_decode_layers: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", check_int("tensor_parallel", self.tensor_parallel))
@@ -103,7 +108,7 @@ class EngineConfig:
                 object.__setattr__(self, name, check_int(name, getattr(self, name), maximum=None))
         if self.num_blocks is not None and self.kv_memory is not None:
             raise ValueError(f"give at most one of num_blocks={self.num_blocks} and kv_memory={self.kv_memory}")
-        for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only"):
+        for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only", "unroll_decode_layers"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, maximum=2**32 - 1))
         if self.kv_cache_dtype is not None:

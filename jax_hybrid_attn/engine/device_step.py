@@ -129,6 +129,7 @@ def forward(
     num_tokens: int,
     max_query_len: int,
     cascade: bool = False,
+    unroll_decode_layers: bool = False,
     mesh: Mesh | None = None,
     axis: str | None = None,
 ) -> tuple[Array, Float[Array, "R V"]]:
@@ -138,6 +139,10 @@ def forward(
     attends (`PagedCache`). With `cascade`, the full-attention layers split off the blocks that every scheduled
     row's table starts with (`step_common_prefix_blocks`) as cascade attention. Returns (the cache, float32
     logits of each row's last token).
+
+    With `unroll_decode_layers`, a decode-only step (`max_query_len` 1) runs the layers unrolled: it reads every
+    weight once and little else, and a scan copies each layer's weights out of their stack first
+    (`ScannedDecoder`'s `unroll`); mixed steps, bound by their matmuls' arithmetic, keep the scans.
 
     Nothing in it makes the host wait for the device: the scans over layers have static trip counts and no
     branch depends on device values. With a `mesh`, attention runs per device over `axis`."""
@@ -150,7 +155,8 @@ def forward(
         common_prefix_blocks=step_common_prefix_blocks(out, allocator_config.block_sizes) if cascade else None,
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
-    logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token)
+    logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token,
+                          unroll=unroll_decode_layers and max_query_len == 1)
     if mesh is not None:  # replicated, as `sample` takes them whatever the shape
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     return cache.kv, logits

@@ -110,8 +110,14 @@ class ScannedDecoder:
         cache: AttentionCache,
         *,
         logits_indices: Int[Array, "R"] | None = None,
+        unroll: bool = False,
     ) -> tuple[Float[Array, "R V"], AttentionCache]:
-        """`Decoder.__call__`: the same logits and cache, the layers run as scans."""
+        """`Decoder.__call__`: the same logits and cache, the layers run as scans.
+
+        `unroll`: the scans unrolled, so that each layer's matmuls read its weights where they are stacked. A
+        scan's body slices every stacked weight per iteration, and XLA copies each slice into a buffer of its own
+        before the matmul reads it (about a dozen copy kernels per layer on a GPU); unrolled, every layer's
+        kernels are compiled apart (a longer compile) and no weight is copied."""
         ends = nnx.merge(self.ends_graph, self.ends)
         x = ends.embed(token_ids)
         for run, graphs, weights in zip(self.runs, self.layer_graphs, self.layer_weights, strict=True):
@@ -128,7 +134,7 @@ class ScannedDecoder:
                 (x, cache), _ = period((x, cache), (unstacked, range(run.start, run.stop)))
             else:
                 layer_ids = jnp.asarray([run.layers(j) for j in range(run.period)], jnp.int32).T  # [repeats, period]
-                (x, cache), _ = jax.lax.scan(period, (x, cache), (weights, layer_ids))
+                (x, cache), _ = jax.lax.scan(period, (x, cache), (weights, layer_ids), unroll=unroll)
         return ends.logits(x, logits_indices), cache
 
 
