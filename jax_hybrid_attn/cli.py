@@ -78,7 +78,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="weights and cache (default: bfloat16 on a GPU, float32 elsewhere)")  # fmt: skip
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--kv-cache-dtype", choices=tuple(KV_CACHE_DTYPE_NAMES), default="auto",
-                   help="auto: the model's; fp8 (fp8_e4m3): float8_e4m3fn, half the bytes, K/V scale 1")  # fmt: skip
+                   help="auto: the model's; fp8 (fp8_e4m3): float8_e4m3fn, half the bytes, K/V divided by the "
+                        "checkpoint's scales or 1")  # fmt: skip
     g.add_argument("--decode-steps", type=int, default=1, metavar="K",
                    help="decode steps per device call when every request decodes (default: 1)")  # fmt: skip
     g.add_argument("--cascade-attention", choices=("auto", "always", "off"), default="auto",

@@ -18,9 +18,10 @@ from jaxtyping import Array, Float
 
 from .attention import layer_attention
 from .integers import check_int
-from .layout import KVLayout, check_kv_layout
+from .layout import FP8_DTYPE, KVLayout, check_kv_layout, kv_cache_dtype
 from .metadata import AttentionMetadata
 from .params import CAUSAL, LayerAttentionParams
+from .validation import resolve_kv_scales
 
 __all__ = [
     "TENSOR_AXIS",
@@ -80,14 +81,16 @@ def sharded_layer_attention(
     params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
     kv_layout: KVLayout = "NHD",
+    k_scale: float | Float[Array, ""] | None = None,
+    v_scale: float | Float[Array, ""] | None = None,
     implementation: str | None = None,
     interpret: bool = False,
 ) -> tuple[Float[Array, "T N H"], Float[Array, "B 2 S K H"]]:
     """`layer_attention` with the heads split over the mesh axis `axis` (through `jax.shard_map`).
 
     q's N query heads, k/v's and the cache's K KV heads (already `replicate_kv_heads`-ed when K < devices) are
-    split in order over the axis; the metadata is the same on every device. Returns (output [T, N, H], the
-    updated cache), split the same way."""
+    split in order over the axis; the metadata and a float8 cache's `k_scale` / `v_scale` are the same on every
+    device. Returns (output [T, N, H], the updated cache), split the same way."""
     check_kv_layout(kv_layout)
     num_devices = mesh.shape[axis]
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
@@ -98,16 +101,20 @@ def sharded_layer_attention(
     heads = P(None, axis, None)
     cache_spec = kv_cache_spec(axis, kv_layout)
 
-    def per_device(q, k, v, kv_cache, metadata, sinks):
+    float8 = kv_cache_dtype(kv_cache) == FP8_DTYPE
+    scales = resolve_kv_scales(kv_cache_dtype(kv_cache), k_scale, v_scale)  # checked here: traced per device
+
+    def per_device(q, k, v, kv_cache, metadata, sinks, k_scale, v_scale):
         return layer_attention(
             q, k, v, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout,
+            k_scale=k_scale if float8 else None, v_scale=v_scale if float8 else None,
             implementation=implementation, interpret=interpret,
         )  # fmt: skip
 
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(heads, heads, heads, cache_spec, P(), None if sinks is None else P(axis)),
+        in_specs=(heads, heads, heads, cache_spec, P(), None if sinks is None else P(axis), P(), P()),
         out_specs=(heads, cache_spec),
         check_vma=False,
-    )(q, k, v, kv_cache, metadata, sinks)
+    )(q, k, v, kv_cache, metadata, sinks, *scales)

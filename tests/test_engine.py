@@ -204,6 +204,37 @@ def test_an_fp8_kv_cache_gives_the_dense_forwards_greedy_tokens():
         Engine(model, config, EngineConfig(**sizes, kv_cache_dtype=jnp.bfloat16))
 
 
+def test_float8_kv_cache_scales_divide_what_the_cache_stores():
+    """A layer's ``k_scale`` / ``v_scale`` (a checkpoint's, `KVCacheScale`) reach its float8 cache writes and reads:
+    with powers of two (exact in float) the cache holds K halved and V doubled where they are normal float8
+    numbers (bit for bit but where a later layer's input rounds otherwise: within one float8 step), and the greedy
+    tokens are those of scale 1. A cache in the model's dtype ignores the scales."""
+    config, model = tiny_model("gemma3_text")
+    sizes = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    runs = {}
+    for k_scale, v_scale, dtype in ((1.0, 1.0, "float8_e4m3fn"), (2.0, 0.5, "float8_e4m3fn"), (2.0, 0.5, None)):
+        scaled_model = nnx.clone(model)
+        for layer in scaled_model.model.layers:
+            layer.self_attn.k_scale[...] = jnp.float32(k_scale)
+            layer.self_attn.v_scale[...] = jnp.float32(v_scale)
+        engine = Engine(scaled_model, config, EngineConfig(**sizes, kv_cache_dtype=dtype, enable_prefix_caching=False))
+        engine.add_request(PROMPTS[0], sampling)
+        engine.step()  # the prompt's K/V in the cache
+        engine.synchronize()
+        cache = np.asarray(engine.runner.kv_cache.astype(jnp.float32))
+        tokens = [o.output_token_ids for o in engine.generate(PROMPTS[1:], sampling)]
+        runs[k_scale, dtype] = cache, tokens
+    (plain, tokens), (scaled, scaled_tokens) = runs[1.0, "float8_e4m3fn"], runs[2.0, "float8_e4m3fn"]
+    assert scaled_tokens == tokens == runs[2.0, None][1]
+    for kv, factor in ((0, 2.0), (1, 0.5)):  # [num_tensors, B, 2, S, K, H]
+        normal = np.abs(plain[:, :, kv]) >= 2.0**-5  # still normal once halved (float8 e4m3: from 2^-6)
+        assert normal.any()
+        rescaled, want = scaled[:, :, kv][normal] * factor, plain[:, :, kv][normal]
+        np.testing.assert_allclose(rescaled, want, rtol=2.0**-3)  # float8 e4m3: 3 mantissa bits
+        assert np.mean(rescaled == want) > 0.99
+
+
 def test_cascade_attention_modes():
     assert not EngineConfig(cascade_attention="auto", implementation="reference").cascade_step
     assert EngineConfig(cascade_attention="auto", implementation="kernel").cascade_step

@@ -61,9 +61,9 @@ def _jitted(model):
 class _WithoutLocalLayers(DenseAttention):
     """Every layer attends to the whole prefix: no windows, no chunks (what the prompt must notice)."""
 
-    def attend(self, layer, q, k, v, *, params, sinks=None):
+    def attend(self, layer, q, k, v, *, params, sinks=None, **kv_scales):
         full = dataclasses.replace(params, sliding_window=None, attention_chunk_size=None)
-        return super().attend(layer, q, k, v, params=full, sinks=sinks)
+        return super().attend(layer, q, k, v, params=full, sinks=sinks, **kv_scales)
 
 
 def _check_family(family, tmp_path):
@@ -312,7 +312,7 @@ def _counting_reads(monkeypatch) -> list[str]:
 
 
 def _params(model) -> dict[str, np.ndarray]:
-    return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model))}
+    return {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 @pytest.mark.parametrize("family, max_shard_size", [("gemma3", "40KB"), ("llama4", None)])
@@ -415,9 +415,10 @@ class _PrefixCache:
     def positions(self):
         return jnp.arange(self.start, self.start + self.num_tokens, dtype=jnp.int32)
 
-    def attend(self, layer, q, k, v, *, params, sinks=None):
+    def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None):
         from jax_hybrid_attn.masks import attention_mask
 
+        del k_scale, v_scale  # this cache keeps K/V in their own dtype
         if self.start:
             k_all, v_all = jnp.concatenate([self.keys[layer], k]), jnp.concatenate([self.values[layer], v])
         else:
@@ -949,3 +950,39 @@ def test_the_readme_table_lists_every_supported_model_type_and_the_family_tests_
     section = readme.split("## Supported models", 1)[1].split("\n## ", 1)[0]
     assert re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE) == list(SUPPORTED_ARCHITECTURES)
     assert sorted(FAMILIES) == sorted(SUPPORTED_ARCHITECTURES)
+
+
+def _with_kv_scales(path, scales: dict[str, object]):
+    """The checkpoint at `path` with these extra tensors (name -> value) saved beside its weights."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({name: torch.tensor(value, dtype=torch.float32) for name, value in scales.items()})
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_float8_kv_cache_scales_load_from_the_checkpoint_or_default_to_one(tmp_path):
+    """vLLM's ``self_attn.k_scale`` / ``v_scale`` (shape [] or [1]) become the layers' `KVCacheScale`s, float32,
+    whatever the weights' dtype; a layer without them gets 1.0; a scale that is no single finite number > 0 is
+    refused, naming the tensor. The scales are no weights: the Params stay transformers' tensors."""
+    from jax_hybrid_attn.models.decoder import KVCacheScale
+
+    path = _save(hf_model("mistral"), tmp_path / "mistral")  # two layers
+    _with_kv_scales(path, {"model.layers.0.self_attn.k_scale": 0.25, "model.layers.0.self_attn.v_scale": [4.0]})
+    plan = plan_checkpoint(path)
+    kinds = {name: source.how for name, source in plan.sources.items() if name.endswith("_scale")}
+    assert kinds == {"model.layers.0.self_attn.k_scale": "kv_scale", "model.layers.0.self_attn.v_scale": "kv_scale",
+                     "model.layers.1.self_attn.k_scale": "default_kv_scale",
+                     "model.layers.1.self_attn.v_scale": "default_kv_scale"}  # fmt: skip
+    _, model = load_model(path, dtype=jnp.bfloat16)
+    scales = {".".join(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(model, KVCacheScale))}
+    assert {name: float(value) for name, value in scales.items()} == {
+        "model.layers.0.self_attn.k_scale": 0.25, "model.layers.0.self_attn.v_scale": 4.0,
+        "model.layers.1.self_attn.k_scale": 1.0, "model.layers.1.self_attn.v_scale": 1.0}  # fmt: skip
+    assert all(value.dtype == jnp.float32 and value.shape == () for value in scales.values())
+    assert not any(name.endswith("_scale") for name in _params(model))
+    for bad in (0.0, -1.0, float("nan"), [1.0, 2.0]):
+        _with_kv_scales(path, {"model.layers.1.self_attn.k_scale": bad})
+        with pytest.raises(ValueError, match=r"tensor 'model.layers.1.self_attn.k_scale' = .* must be one finite"):
+            load_model(path)

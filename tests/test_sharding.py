@@ -1,4 +1,5 @@
-"""Attention with heads split over 2, 4 and 8 devices equals the single-device result (8 forced CPU devices).
+"""Attention with heads split over 2, 4 and 8 devices equals the single-device result (8 forced CPU devices), a
+float8 cache with its scales included.
 
 XLA's forced host device count must be set before JAX starts, so the check runs in a subprocess.
 """
@@ -20,7 +21,7 @@ CHECK = textwrap.dedent(
     from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
     assert len(jax.devices()) == 8, jax.devices()
-    num_devices, num_q_heads, num_kv_heads, layout = {case}
+    num_devices, num_q_heads, num_kv_heads, layout, float8 = {case}
     inputs = random_paged_inputs(3, query_lens=[1, 9, 4], seq_lens=[20, 9, 37], num_q_heads=num_q_heads,
                                  num_kv_heads=num_kv_heads, head_dim=16, block_size=8, dtype=jnp.float32,
                                  kv_layout=layout, with_sinks=True)
@@ -30,6 +31,9 @@ CHECK = textwrap.dedent(
     options = dict(params=params, sinks=inputs.sinks, kv_layout=layout, implementation="reference")
     head_axis = 3 if layout == "NHD" else 2
     cache = inputs.kv_cache.at[0].set(0.0)  # the null block: finite, so that a replicated copy compares
+    if float8:  # a float8 cache with its scales, the same on every device
+        cache = cache.astype(jnp.float8_e4m3fn)
+        options.update(k_scale=0.5, v_scale=jnp.float32(2.0))
     want, want_cache = layer_attention(inputs.q, k, v, jnp.array(cache), inputs.metadata, **options)
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("tp",))
     got, got_cache = sharded_layer_attention(
@@ -39,7 +43,7 @@ CHECK = textwrap.dedent(
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOLERANCES[jnp.dtype(jnp.float32)])
     copies = got_cache.shape[head_axis] // num_kv_heads
     first_copy = np.take(np.asarray(got_cache), np.arange(0, got_cache.shape[head_axis], copies), axis=head_axis)
-    np.testing.assert_array_equal(first_copy, np.asarray(want_cache))
+    np.testing.assert_array_equal(first_copy.astype(np.float32), np.asarray(want_cache).astype(np.float32))
     assert len(got.sharding.device_set) == num_devices
     print("ok")
     """
@@ -48,8 +52,9 @@ CHECK = textwrap.dedent(
 
 @pytest.mark.parametrize(
     "case",
-    [(2, 8, 8, "NHD"), (4, 8, 8, "HND"), (8, 8, 8, "NHD"), (4, 8, 2, "NHD"), (8, 8, 2, "HND")],
-    ids=["tp2", "tp4-hnd", "tp8", "tp4-kv-replicated", "tp8-kv-replicated-hnd"],
+    [(2, 8, 8, "NHD", False), (4, 8, 8, "HND", False), (8, 8, 8, "NHD", False), (4, 8, 2, "NHD", False),
+     (8, 8, 2, "HND", False), (2, 8, 8, "NHD", True)],
+    ids=["tp2", "tp4-hnd", "tp8", "tp4-kv-replicated", "tp8-kv-replicated-hnd", "tp2-float8-scaled"],
 )
 def test_heads_split_over_devices_equal_one_device(case):
     env = forced_cpu_devices_env(8)

@@ -50,8 +50,9 @@ class EngineConfig:
         requests of `max_model_len` tokens at once, in this layout).
       hybrid: allocate sliding-window and chunked layers as such (False: every layer as full attention).
       kv_cache_dtype: the cache's dtype: None (the model's), or float8_e4m3fn (half a bfloat16 cache's bytes;
-        K and V written with scale 1, as vLLM's ``--kv-cache-dtype fp8`` without checkpoint scales: larger
-        values saturate at 448).
+        each layer's K and V stored divided by its scales, the checkpoint's ``self_attn.k_scale`` /
+        ``v_scale`` where it has them and 1.0 otherwise, as vLLM's ``--kv-cache-dtype fp8``
+        (`models.KVCacheScale`): larger values saturate at 448 times the scale).
       enable_prefix_caching: share cached prompt blocks across requests.
       sliding_window_in_window_only: clip prefill chunks so that sliding-window groups never allocate a block
         that is freed a step later (`AllocatorConfig`): a lower peak, but windows of W tokens then cap the chunks.

@@ -26,6 +26,7 @@ from .._compat import register_pytree_dataclass
 from ..allocator import StepOutput
 from ..attention import layer_attention
 from ..constants import PAD_SLOT_ID
+from ..layout import FP8_DTYPE
 from ..metadata import AttentionMetadata
 from ..sharding import sharded_layer_attention
 
@@ -94,8 +95,10 @@ class PagedCache:
             token_budget=self.token_budget,
         )
 
-    def attend(self, layer, q, k, v, *, params, sinks=None):
-        """Write the layer's k/v into its tensor at its group's slots, then attend (`layer_attention`)."""
+    def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None):
+        """Write the layer's k/v into its tensor at its group's slots, then attend (`layer_attention`). A float8
+        cache stores them divided by the layer's `k_scale` / `v_scale` (1.0 where None); other caches ignore
+        the scales, as vLLM does."""
         where = layer if self.layer is None else self.layer
         metadata = self.metadata(where, layer)
         windowed = params.sliding_window is not None or params.attention_chunk_size is not None
@@ -104,6 +107,8 @@ class PagedCache:
             metadata = metadata.replace(num_common_prefix_blocks=self.common_prefix_blocks[group])
         pool = self.kv.reshape(-1, *self.kv.shape[2:])  # [num_tensors * B, 2, S, K, H]: a view
         options = dict(params=params, sinks=sinks, implementation=self.implementation, interpret=self.interpret)
+        if self.kv.dtype == FP8_DTYPE:
+            options.update(k_scale=k_scale, v_scale=v_scale)
         if self.mesh is None:
             out, pool = layer_attention(q, k, v, pool, metadata, **options)
         else:

@@ -3,7 +3,7 @@
 from .attention_cache import AttentionCache, DenseAttention, dense_attention
 from .checkpoint_plan import CheckpointPlan, ParamSource, plan_checkpoint
 from .config import LANGUAGE_MODEL_TYPES, MULTIMODAL_WRAPPERS, SUPPORTED_ARCHITECTURES, ModelConfig
-from .decoder import Decoder
+from .decoder import Decoder, KVCacheScale
 from .embedded import EMBEDDED_HF_CONFIG, embedded_config
 from .loading import checkpoint_tensor_names, load_model, random_model
 from .rope import RopeParameters
@@ -20,6 +20,7 @@ __all__ = [
     "ModelConfig",
     "RopeParameters",
     "Decoder",
+    "KVCacheScale",
     "load_model",
     "random_model",
     "checkpoint_tensor_names",

@@ -47,8 +47,11 @@ class AttentionCache(Protocol):
         *,
         params: LayerAttentionParams,
         sinks: Float[Array, "N"] | None = None,
+        k_scale: Float[Array, ""] | None = None,
+        v_scale: Float[Array, ""] | None = None,
     ) -> tuple[Float[Array, "T N H"], "AttentionCache"]:
-        """Layer `layer`'s attention of this call's queries over its keys (this call's and any cached ones)."""
+        """Layer `layer`'s attention of this call's queries over its keys (this call's and any cached ones).
+        `k_scale`, `v_scale`: the layer's scales for a cache that stores K/V in float8 (others ignore them)."""
         ...
 
 
@@ -103,8 +106,8 @@ class DenseAttention:
         del layer  # every layer sees the same sequence
         return self
 
-    def attend(self, layer, q, k, v, *, params, sinks=None):
-        del layer
+    def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None):
+        del layer, k_scale, v_scale  # nothing is cached
         return dense_attention(q, k, v, params=params, sinks=sinks), self
 
 

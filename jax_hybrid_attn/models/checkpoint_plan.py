@@ -34,8 +34,12 @@ __all__ = ["CheckpointPlan", "ParamSource", "checkpoint_tensor_names", "plan_che
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-SOURCE_KINDS = ("copy", "mxfp4", "experts")
+SOURCE_KINDS = ("copy", "mxfp4", "experts", "kv_scale", "default_kv_scale")
 """How a parameter is made of stored tensors (`ParamSource.how`)."""
+
+KV_SCALE_NAMES = ("self_attn.k_scale", "self_attn.v_scale")
+"""A layer's float8 KV-cache scales (`decoder.KVCacheScale`), as vLLM names them in a checkpoint: optional, 1.0
+where absent."""
 
 _LANGUAGE_MODEL_PREFIXES = (
     ("language_model.model.", "model."),
@@ -68,7 +72,9 @@ class ParamSource:
     Attributes:
       how: one of `SOURCE_KINDS`.
       names: the stored tensors in the order `how` takes them: for "mxfp4" the blocks and the scales, for
-        "experts" each expert's parts in turn (``gate_0, up_0, gate_1, up_1, ...`` or ``down_0, down_1, ...``).
+        "experts" each expert's parts in turn (``gate_0, up_0, gate_1, up_1, ...`` or ``down_0, down_1, ...``),
+        for "kv_scale" the one stored scale (shape [] or [1]); none for "default_kv_scale" (a checkpoint without
+        the layer's KV scale: 1.0).
       parts_per_expert: for "experts", the tensors concatenated into each expert's slice (2 for gate and up).
     """
 
@@ -226,7 +232,10 @@ def plan_checkpoint(path: str | os.PathLike) -> CheckpointPlan:
     for param in shapes:
         packed = tuple(param + suffix for suffix in _MXFP4_SUFFIXES)
         experts = _per_expert(param, config)
-        if param in by_param:
+        if param.endswith(KV_SCALE_NAMES):
+            stored = by_param.pop(param, None)
+            sources[param] = ParamSource("kv_scale", (stored,)) if stored else ParamSource("default_kv_scale", ())
+        elif param in by_param:
             sources[param] = ParamSource("copy", (by_param.pop(param),))
         elif config.quantization == "mxfp4" and all(name in by_param for name in packed):
             sources[param] = ParamSource("mxfp4", tuple(by_param.pop(name) for name in packed))

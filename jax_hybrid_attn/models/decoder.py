@@ -29,7 +29,7 @@ from .layers import GatedMLP, Linear, RMSNorm, matmul, normal_param
 from .moe import GptOssMLP, Llama4MoE, Qwen3MoeMLP
 from .rope import RopeParameters, apply_rope
 
-__all__ = ["Decoder", "DecoderEnds"]
+__all__ = ["Decoder", "DecoderEnds", "KVCacheScale"]
 
 
 @functools.cache
@@ -55,6 +55,12 @@ _NORM_STYLES = {"gemma2": "gemma", "gemma3_text": "gemma", "gpt_oss": "f32"}
 """Each family's style of its layer and final norms (`RMSNorm`), "llama" where not listed."""
 
 
+class KVCacheScale(nnx.Variable):
+    """One layer's dequantization scale of its K or V in a float8 KV cache (K/V are stored divided by it), float32:
+    a checkpoint's ``self_attn.k_scale`` / ``self_attn.v_scale`` (vLLM's names), 1.0 where it has none. No weight
+    of the forward: only a cache that stores K/V in float8 uses it (`AttentionCache.attend`)."""
+
+
 class Attention(nnx.Module):
     """One layer's q/k/v projections, q/k norms, RoPE, the cache's attention and the output projection."""
 
@@ -74,6 +80,8 @@ class Attention(nnx.Module):
             self.q_norm = None
             self.k_norm = None
         self.sinks = normal_param(rngs, (n,), param_dtype) if config.layer_has_sinks(layer) else None
+        self.k_scale = KVCacheScale(jnp.ones((), jnp.float32))
+        self.v_scale = KVCacheScale(jnp.ones((), jnp.float32))
         self.layer = layer
         self.config = config
 
@@ -101,7 +109,8 @@ class Attention(nnx.Module):
             scales = scales * config.attn_scale + 1.0
             q = (q * scales[:, None, None]).astype(q.dtype)
         sinks = None if self.sinks is None else self.sinks[...]
-        out, cache = cache.attend(layer, q, k, v, params=config.layer_params(layer), sinks=sinks)
+        out, cache = cache.attend(layer, q, k, v, params=config.layer_params(layer), sinks=sinks,
+                                  k_scale=self.k_scale[...], v_scale=self.v_scale[...])
         return self.o_proj(out.reshape(num_tokens, config.num_heads * h).astype(x.dtype)), cache
 
 

@@ -5,7 +5,8 @@ parameter, which are skipped): it checks every tensor's shape in the files' head
 tensors the plan uses, with ``safetensors``' flax reader (bf16 included), one ``get_tensor`` each, cast to
 `dtype`. A multimodal wrapper's vision tower and projector are never read. gpt-oss's MXFP4 experts (``*_blocks``,
 ``*_scales``) are dequantized as transformers does; Qwen 3 MoE's per-expert Linears are stacked into the fused
-expert tensors.
+expert tensors. A float8 KV cache's per-layer scales (vLLM's ``self_attn.k_scale`` / ``self_attn.v_scale``) are
+read in float32 where the checkpoint has them, and are 1.0 where it has not.
 """
 
 import os
@@ -33,7 +34,7 @@ def _stored_shapes(source: ParamSource, shape: tuple[int, ...]) -> tuple[int, ..
         return shape
     if source.how == "experts":  # [E, parts * O, ...]: each part [O, ...]
         return (shape[1] // source.parts_per_expert, *shape[2:])
-    return None
+    return None  # known only once combined (MXFP4 blocks), or a KV scale: [] or [1]
 
 
 def _combine(source: ParamSource, raw: dict[str, np.ndarray]) -> np.ndarray:
@@ -41,6 +42,14 @@ def _combine(source: ParamSource, raw: dict[str, np.ndarray]) -> np.ndarray:
     tensors = [raw.pop(name) for name in source.names]
     if source.how == "copy":
         return tensors[0]
+    if source.how == "default_kv_scale":
+        return np.float32(1.0)
+    if source.how == "kv_scale":
+        scale = np.asarray(tensors[0], np.float32)
+        if scale.size != 1 or not (np.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"tensor {source.names[0]!r} = {scale.tolist()} must be one finite number > 0 (a float8 "
+                             "KV cache's scale)")  # fmt: skip
+        return scale.reshape(())
     if source.how == "mxfp4":
         return dequantize_mxfp4(np.asarray(tensors[0]), np.asarray(tensors[1]))
     per = source.parts_per_expert
