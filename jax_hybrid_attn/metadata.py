@@ -74,6 +74,15 @@ class AttentionMetadata:
     token_budget: int | None = None
     num_common_prefix_blocks: Int[Array, ""] | None = None
 
+    def __post_init__(self):
+        # The static fields as Python scalars (numpy ones accepted): they key jit's caches and compare by value.
+        for name in ("max_query_len", "max_seq_len", "token_budget"):
+            value = getattr(self, name)
+            if isinstance(value, np.integer):
+                object.__setattr__(self, name, int(value))
+        if isinstance(self.causal, np.bool_):
+            object.__setattr__(self, "causal", bool(self.causal))
+
     @property
     def num_reqs(self) -> int:
         """R."""

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import numbers
 
+import jax
 import numpy as np
 
 from .integers import check_bool, check_int
@@ -38,9 +39,14 @@ def _optional_int(name: str, value) -> int | None:
 
 
 def _optional_positive_float(name: str, value) -> float | None:
-    """None, or `value` as a finite Python float > 0 (numpy floats and ints accepted, bools and strings not)."""
+    """None, or `value` as a finite Python float > 0 (numpy floats and ints, and 0-d numpy or concrete JAX arrays
+    of them, accepted; bools and strings not)."""
     if value is None:
         return None
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name}={value!r} must be a concrete number: a layer's parameters are static under jit")
+    if isinstance(value, (jax.Array, np.ndarray)) and value.ndim == 0 and value.dtype != np.bool_:
+        value = value.item()
     is_number = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
     if not (is_number and math.isfinite(value) and value > 0):
         raise ValueError(f"{name}={value!r} must be a finite number > 0 or None")

@@ -76,8 +76,8 @@ def check_metadata(metadata) -> None:
         raise ValueError(f"metadata.block_tables.shape={tuple(metadata.block_tables.shape)} must be [R={num_reqs}, P]")
     for name in ("max_query_len", "max_seq_len"):
         value = getattr(metadata, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"metadata.{name}={value!r} must be an int >= 0")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT32_MAX:
+            raise ValueError(f"metadata.{name}={value!r} must be an int in [0, {INT32_MAX}]")
     if not isinstance(metadata.causal, bool):
         raise ValueError(f"metadata.causal={metadata.causal!r} must be a bool")
     budget, num_tokens = metadata.token_budget, metadata.slot_mapping.shape[0]

@@ -74,6 +74,26 @@ def test_numpy_scalars_are_valid_and_sizes_beyond_int32_are_refused():
         LayerAttentionParams(causal="yes")
 
 
+def test_metadata_bounds_and_scales_as_numpy_or_jax_scalars_are_valid():
+    """numpy integers for the metadata's static bounds, a numpy bool for `causal`, a 0-d array for `sm_scale`:
+    the same result as Python scalars. Bounds beyond int32 and a traced or boolean `sm_scale` are refused, named."""
+    x = inputs()
+    want = reference.paged_attention(x.q, x.kv_cache, x.metadata, params=LayerAttentionParams(sm_scale=0.25))
+    metadata = x.metadata.replace(max_query_len=np.int64(x.metadata.max_query_len),
+                                  max_seq_len=np.int32(x.metadata.max_seq_len), causal=np.bool_(True))  # fmt: skip
+    assert type(metadata.max_query_len) is int and type(metadata.causal) is bool
+    for scale in (jnp.asarray(0.25), np.asarray(0.25, np.float32)):
+        got = reference.paged_attention(x.q, x.kv_cache, metadata, params=LayerAttentionParams(sm_scale=scale))
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for name in ("max_query_len", "max_seq_len"):
+        with pytest.raises(ValueError, match=rf"metadata.{name}=9223372036854775808 must be an int in \[0, 2147"):
+            reference.paged_attention(x.q, x.kv_cache, x.metadata.replace(**{name: 2**63}))
+    with pytest.raises(ValueError, match="sm_scale=Array"):
+        LayerAttentionParams(sm_scale=jnp.asarray(True))
+    with pytest.raises(ValueError, match="sm_scale=.* must be a concrete number"):
+        jax.jit(lambda scale: LayerAttentionParams(sm_scale=scale))(0.25)
+
+
 def inputs():
     return random_paged_inputs(0, query_lens=[1, 20], seq_lens=[30, 40], **SMALL)
 
