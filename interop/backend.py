@@ -46,7 +46,9 @@ import jax.numpy as jnp
 import torch
 
 from jax_hybrid_attn import get_kv_cache_shape, layer_attention, metadata_group_key
+from jax_hybrid_attn._compat import resolve_interpret
 from jax_hybrid_attn.integers import check_int
+from jax_hybrid_attn.validation import resolve_implementation
 
 from .attention_layer import AttentionLayer
 from .dlpack import ALIGNMENT, is_compact, jax_dtype, same_memory, to_jax, to_torch
@@ -58,6 +60,8 @@ __all__ = ["AttentionLayer", "PagedAttentionBackend"]
 CACHE_OWNERS = ("torch", "jax")
 KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_DTYPES = (*SUPPORTED_DTYPES, torch.float8_e4m3fn)
+"""The dtypes of a cache `allocate_kv_caches` makes: q's, or float8 e4m3 (vLLM's ``fp8``)."""
 
 
 @partial(
@@ -116,6 +120,7 @@ class PagedAttentionBackend:
         if cache_owner not in CACHE_OWNERS:
             raise ValueError(f"{cache_owner=} must be one of {CACHE_OWNERS}")
         get_kv_cache_shape(1, block_size, 1, 1, kv_layout=kv_layout)  # validates kv_layout
+        resolve_interpret(interpret), resolve_implementation(implementation, interpret)  # as `layer_attention` will
         self.layers = dict(layers)
         self.block_size = block_size
         self.kv_layout = kv_layout
@@ -225,7 +230,7 @@ class PagedAttentionBackend:
           q: [T, N, H] or [T, N*H]; k, v: [T, K, H] or [T, K*H], or both None for a layer that shares another
             layer's cache (nothing is written).
           kv_cache: the layer's cache (`get_kv_cache_shape`) with ``cache_owner="torch"``; None with "jax".
-          out: optional [T, N, H] or [T, N*H] tensor in q's dtype to write the result into.
+          out: optional contiguous [T, N, H] or [T, N*H] tensor in q's dtype to write the result into.
 
         Returns:
           The attention output, shaped like `q` (or `out` itself), sharing memory with JAX's result.
@@ -272,6 +277,9 @@ class PagedAttentionBackend:
                     f"out.shape={tuple(out.shape)}, out.dtype={out.dtype} must be {shape} or "
                     f"{(shape[0], shape[1] * shape[2])} in q's dtype {q.dtype}"
                 )
+            if not out.is_contiguous():  # XLA writes the result row-major into out's memory
+                raise ValueError(f"out with strides {out.stride()} must be contiguous (row-major): pass "
+                                 "out.contiguous() and copy back, or no out")  # fmt: skip
             if padded_tokens == num_tokens:  # XLA writes the result into out's memory; else it is copied there
                 out_jax = to_jax(out, name="out", already_ordered=True)
         result, new_cache = _layer_step(
@@ -300,6 +308,8 @@ class PagedAttentionBackend:
             raise ValueError(
                 f"allocate_kv_caches is for cache_owner='jax', this backend has {self.cache_owner!r}"
             )
+        if dtype not in CACHE_DTYPES:
+            raise ValueError(f"{dtype=} must be one of {CACHE_DTYPES}")
         for name, spec in self.layers.items():
             shape = get_kv_cache_shape(
                 num_blocks, self.block_size, spec.num_kv_heads, spec.head_size, kv_layout=self.kv_layout

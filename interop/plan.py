@@ -16,7 +16,7 @@ import torch
 
 from jax_hybrid_attn import PAD_SLOT_ID, AttentionMetadata, check_metadata_values
 from jax_hybrid_attn.cascade import split_violations
-from jax_hybrid_attn.integers import cdiv, check_bool, check_int, next_power_of_two
+from jax_hybrid_attn.integers import INT32_MAX, cdiv, check_bool, check_int, next_power_of_two
 
 __all__ = ["PACKED_FIELD_ALIGNMENT", "PlanLayout", "pack_plan"]
 
@@ -216,8 +216,9 @@ def pack_plan(
         num_tokens=slot_mapping.shape[1],
         num_groups=num_groups,
         blocks_per_req=block_tables.shape[2],
-        max_query_len=next_power_of_two(check_int("max_query_len", max_query_len, minimum=0)),
-        max_seq_len=next_power_of_two(check_int("max_seq_len", max_seq_len, minimum=0)),
+        # rounded up, within int32 (the metadata's bound)
+        max_query_len=min(next_power_of_two(check_int("max_query_len", max_query_len, minimum=0)), INT32_MAX),
+        max_seq_len=min(next_power_of_two(check_int("max_seq_len", max_seq_len, minimum=0)), INT32_MAX),
         causal=causal,
         cascade=num_common_prefix_blocks is not None,
     )

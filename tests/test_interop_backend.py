@@ -304,6 +304,18 @@ def test_bad_input_is_named():
             AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sinks=sinks)
     with pytest.raises(ValueError, match="cache_owner='numpy'"):
         PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, cache_owner="numpy")
+    for options, match in [(dict(implementation="gpu"), "implementation='gpu' must be one of"),
+                           (dict(implementation="Reference"), "implementation='Reference' must be one of"),
+                           (dict(implementation="kernel", interpret="yes"), "interpret='yes' must be a bool")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **options)
+    for out in (torch.empty(4 * 16, q.shape[0]).t(), torch.zeros(q.shape[0], 4, 32)[:, :, :16]):
+        with pytest.raises(ValueError, match=r"out with strides .* must be contiguous"):
+            backend.run("layer", q, k, v, cache, out=out)
+    owner = PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, cache_owner="jax", **ON_CPU)
+    for dtype in ("bf16", torch.float64, torch.int8):
+        with pytest.raises(ValueError, match=rf"dtype={dtype!r} must be one of"):
+            owner.allocate_kv_caches(4, dtype=dtype)
 
 
 def test_plan_refuses_int64_values_beyond_int32_and_run_checks_the_out_shape():
