@@ -23,7 +23,9 @@ import torch
 from jax._src import xla_bridge  # version-sensitive (jax 0.11.2): `_import` falls back to jax.dlpack
 from jax._src.lib import _jax as _jaxlib
 
-__all__ = ["ALIGNMENT", "is_compact", "jax_dtype", "same_memory", "to_jax", "to_torch"]
+from jax_hybrid_attn.integers import check_int
+
+__all__ = ["ALIGNMENT", "check_shareable", "is_compact", "jax_dtype", "same_memory", "to_jax", "to_torch"]
 
 ALIGNMENT = 16
 """Bytes: XLA requires device buffers aligned to 16 bytes ("Address of buffer must be a multiple of 0x10")."""
@@ -69,10 +71,11 @@ def to_jax(
         changed since, used by the same call.
 
     Raises:
-      ValueError: not compact (and ``copy=False``), a dtype JAX would silently narrow, or a misaligned pointer.
+      ValueError: not a dense tensor in memory (`check_shareable`), not compact (and ``copy=False``), a dtype JAX
+        would silently narrow, or a misaligned pointer.
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_shareable(tensor, name)
+    check_int("alignment", alignment)
     if tensor.numel() and not is_compact(tensor):
         if not copy:
             raise ValueError(
@@ -91,6 +94,26 @@ def to_jax(
             "offset?): JAX would copy it (CPU) or fail (GPU); pass an aligned tensor, e.g. .clone()"
         )
     return _import(tensor, already_ordered=already_ordered)
+
+
+def check_shareable(tensor, name: str) -> None:
+    """`ValueError` naming `tensor` unless it is a dense torch tensor whose memory holds its values as they read:
+    not one that requires grad (JAX would not see its gradient), nor a negated or conjugated view (its memory
+    holds the values without the sign or conjugation), nor a quantized, sparse, nested or meta tensor."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    kinds = [
+        (tensor.requires_grad, "requires grad: pass tensor.detach() (JAX computes no gradient for torch)"),
+        (tensor.is_neg(), "is a negated view: its memory holds the values unnegated; pass tensor.resolve_neg()"),
+        (tensor.is_conj(), "is a conjugated view: its memory holds the values unconjugated; pass tensor.resolve_conj()"),
+        (tensor.is_quantized, f"is quantized ({tensor.dtype}): pass tensor.dequantize()"),
+        (tensor.is_nested, "is a nested tensor: pass its components one by one"),
+        (tensor.layout != torch.strided, f"has layout {tensor.layout}: pass tensor.to_dense()"),
+        (tensor.device.type == "meta", "is on the meta device: it has no memory to share"),
+    ]  # fmt: skip
+    for bad, why in kinds:
+        if bad:
+            raise ValueError(f"{name} {why}")
 
 
 def _import(tensor: torch.Tensor, *, already_ordered: bool = False) -> jax.Array:
@@ -131,6 +154,12 @@ NO_STREAM_SYNC = -1
 _managed_tensor_to_buffer = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
 
 
+SUB_BYTE_DTYPES = frozenset(
+    jnp.dtype(getattr(jnp, name)) for name in ("int2", "uint2", "int4", "uint4", "float4_e2m1fn") if hasattr(jnp, name)
+)
+"""JAX dtypes of fewer than 8 bits: no DLPack type describes them."""
+
+
 def to_torch(array: jax.Array, *, name: str = "array") -> torch.Tensor:
     """The JAX array as a torch tensor sharing its memory (torch's current stream waits for the array).
 
@@ -138,6 +167,11 @@ def to_torch(array: jax.Array, *, name: str = "array") -> torch.Tensor:
     """
     if not isinstance(array, jax.Array):
         raise ValueError(f"{name} must be a jax.Array, got {type(array).__name__}")
+    if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
+        raise ValueError(f"{name} holds PRNG keys ({array.dtype}): export jax.random.key_data({name}) instead")
+    if jnp.dtype(array.dtype) in SUB_BYTE_DTYPES:
+        raise ValueError(f"{name}.dtype={array.dtype} packs values below a byte, which DLPack cannot describe: "
+                         f"convert it first, e.g. {name}.astype(jnp.int8)")  # fmt: skip
     if array.is_deleted():
         raise ValueError(f"{name} was deleted (donated to a jitted call?) and cannot be exported")
     return torch.from_dlpack(array)

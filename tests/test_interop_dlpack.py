@@ -69,6 +69,35 @@ def test_64_bit_dtypes_are_refused_not_silently_narrowed(dtype):
         to_jax(torch.zeros(4, dtype=dtype), name="slot_mapping")
 
 
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: torch.ones(4, requires_grad=True), "requires grad: pass tensor.detach"),
+        (lambda: torch._neg_view(torch.arange(4.0)), "negated view.*resolve_neg"),
+        (lambda: torch.ones(4, dtype=torch.complex64).conj(), "conjugated view.*resolve_conj"),
+        (lambda: torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.quint8), r"quantized \(torch.quint8\)"),
+        (lambda: torch.ones(4).to_sparse(), "layout torch.sparse_coo"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor"),
+        (lambda: torch.empty(4, device="meta"), "meta device"),
+    ],
+    ids=["requires-grad", "neg-view", "conj-view", "quantized", "sparse", "nested", "meta"],
+)
+def test_tensors_whose_memory_is_not_their_values_are_refused(make, match):
+    """A negated view would come out unnegated (its memory holds the values without the sign): every such kind
+    is refused naming the tensor and what to pass instead."""
+    with pytest.raises(ValueError, match=rf"^q .*{match}"):
+        to_jax(make(), name="q")
+
+
+def test_export_options_and_arrays_dlpack_cannot_describe_are_named():
+    with pytest.raises(ValueError, match="alignment='16' must be an int"):
+        to_jax(torch.ones(4), alignment="16")
+    with pytest.raises(ValueError, match=r"keys holds PRNG keys .* jax.random.key_data\(keys\)"):
+        to_torch(jax.random.key(0), name="keys")
+    with pytest.raises(ValueError, match=r"packed.dtype=int4 packs values below a byte"):
+        to_torch(jnp.ones(4, jnp.int4), name="packed")
+
+
 def test_a_misaligned_pointer_is_refused_before_any_computation():
     storage = torch.randn(1 + 64).to(torch.bfloat16)
     misaligned = storage[1:]
