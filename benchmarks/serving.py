@@ -140,21 +140,25 @@ def resident_sequences(layout: KVCacheLayout, *, budget: int, in_window_only: bo
 
 
 def capacity(rows: list, *, budget: int = 2048) -> None:
-    """Concurrent 32k sequences at equal KV memory (40 GiB, bf16, block 16), hybrid against every layer
-    allocated as full attention: counted on the allocator, and vLLM's startup bound (free blocks over the most
-    blocks one request holds, its prefill chunk included)."""
+    """Concurrent 32k sequences at equal KV memory (40 GiB, block 16), bf16: hybrid against every layer
+    allocated as full attention, counted on the allocator, and vLLM's startup bound (free blocks over the most
+    blocks one request holds, its prefill chunk included); and hybrid with a float8_e4m3fn cache, counted."""
     for name, hf in SHAPES.items():
         config = ModelConfig.from_hf(hf)
         counted, bound = {}, {}
-        for hybrid in (True, False):
+        for hybrid, dtype in ((True, jnp.bfloat16), (False, jnp.bfloat16), (True, jnp.float8_e4m3fn)):
             layout = KVCacheLayout.for_model(
                 config, block_size=16, max_model_len=CAPACITY_LEN, max_num_batched_tokens=budget,
-                dtype=jnp.bfloat16, kv_memory=CAPACITY_MEMORY, hybrid=hybrid,
+                dtype=dtype, kv_memory=CAPACITY_MEMORY, hybrid=hybrid,
             )  # fmt: skip
-            bound[hybrid] = max_concurrency(layout.kv_config, max_model_len=CAPACITY_LEN, max_num_batched_tokens=budget)
-            counted[hybrid] = resident_sequences(layout, budget=budget, in_window_only=False)
-        line = (f"{name} | counted {counted[True]} vs {counted[False]}: {counted[True] / counted[False]:.2f}x | "
-                f"vLLM's bound {bound[True]:.1f} vs {bound[False]:.1f}: {bound[True] / bound[False]:.2f}x")  # fmt: skip
+            key = (hybrid, jnp.dtype(dtype).name)
+            bound[key] = max_concurrency(layout.kv_config, max_model_len=CAPACITY_LEN, max_num_batched_tokens=budget)
+            counted[key] = resident_sequences(layout, budget=budget, in_window_only=False)
+        hybrid, full, fp8 = counted[True, "bfloat16"], counted[False, "bfloat16"], counted[True, "float8_e4m3fn"]
+        line = (f"{name} | counted {hybrid} vs {full}: {hybrid / full:.2f}x | vLLM's bound "
+                f"{bound[True, 'bfloat16']:.1f} vs {bound[False, 'bfloat16']:.1f}: "
+                f"{bound[True, 'bfloat16'] / bound[False, 'bfloat16']:.2f}x | fp8 KV, hybrid, counted {fp8}: "
+                f"{fp8 / hybrid:.2f}x bf16's")  # fmt: skip
         print("capacity", line, flush=True)
         rows.append(("capacity", line))
 

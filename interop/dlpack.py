@@ -105,7 +105,7 @@ def check_shareable(tensor, name: str) -> None:
     kinds = [
         (tensor.requires_grad, "requires grad: pass tensor.detach() (JAX computes no gradient for torch)"),
         (tensor.is_neg(), "is a negated view: its memory holds the values unnegated; pass tensor.resolve_neg()"),
-        (tensor.is_conj(), "is a conjugated view: its memory holds the values unconjugated; pass tensor.resolve_conj()"),
+        (tensor.is_conj(), "is a conjugated view: its memory holds them unconjugated; pass tensor.resolve_conj()"),
         (tensor.is_quantized, f"is quantized ({tensor.dtype}): pass tensor.dequantize()"),
         (tensor.is_nested, "is a nested tensor: pass its components one by one"),
         (tensor.layout != torch.strided, f"has layout {tensor.layout}: pass tensor.to_dense()"),
