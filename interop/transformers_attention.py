@@ -329,6 +329,10 @@ def attention_forward(
         raise NotImplementedError(
             f"{UNSUPPORTED} has no backward pass: run inference under torch.no_grad() or torch.inference_mode()"
         )
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
+            got = f"shape {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must be a 4-D torch.Tensor ([B, heads, length, H]), got {got}")
     batch, _, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     if value.shape != key.shape or key.shape[0] != batch or key.shape[3] != head_dim:

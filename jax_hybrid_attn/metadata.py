@@ -109,11 +109,19 @@ register_pytree_dataclass(
 )
 
 
+def _check_metadata_arg(metadata) -> None:
+    if not isinstance(metadata, AttentionMetadata):
+        raise ValueError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
+
+
 def _host_int32(name: str, values) -> np.ndarray:
     """Concrete int32 copy of `values`; int64 and friends are converted only when every value fits."""
     if isinstance(values, jax.core.Tracer):
         raise ValueError(f"{name} must be concrete (this helper runs on host values, outside jax.jit)")
-    array = np.asarray(values)
+    try:
+        array = np.asarray(values)
+    except ValueError as error:  # a ragged nested list
+        raise ValueError(f"{name} must be a rectangular array of integers: {error}") from None
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"{name} must hold integers, got dtype {array.dtype}")
     if array.size and (array.min() < np.iinfo(np.int32).min or array.max() > np.iinfo(np.int32).max):
@@ -297,6 +305,7 @@ def split_decodes_and_prefills(
     the first longer request on is a prefill. With `require_uniform`, decodes must also all have the
     query length of request 0. The batch must already be decode-first (`reorder_decodes_first`).
     """
+    _check_metadata_arg(metadata)
     check_int("decode_threshold", decode_threshold)
     query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
     query_lens = np.diff(query_start_loc)
@@ -328,6 +337,7 @@ def reorder_decodes_first(
     Returns the reordered metadata and ``token_order`` [T]: the reordered batch's token i is the
     original token ``token_order[i]`` (``q_reordered = q[token_order]``). Padding tokens stay last.
     """
+    _check_metadata_arg(metadata)
     check_int("decode_threshold", decode_threshold)
     query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
     seq_lens = _host_int32("seq_lens", metadata.seq_lens)
@@ -368,6 +378,7 @@ def make_local_attention_virtual_batches(
     chunk = attention_chunk_size
     check_int("attention_chunk_size", chunk)
     check_int("block_size", block_size)
+    _check_metadata_arg(metadata)
     if chunk % block_size:
         raise ValueError(f"attention_chunk_size={chunk} must be a multiple of {block_size=}")
     query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
@@ -417,8 +428,15 @@ def expand_block_tables(block_tables: Int[Array, "R P"], *, allocator_block_size
     Allocator block b becomes kernel blocks ``b * ratio ... b * ratio + ratio - 1`` (vLLM's "hybrid
     blocks"), where ``ratio = allocator_block_size // kernel_block_size``.
     """
-    if not (0 < kernel_block_size <= allocator_block_size) or allocator_block_size % kernel_block_size:
+    check_int("allocator_block_size", allocator_block_size)
+    check_int("kernel_block_size", kernel_block_size)
+    if kernel_block_size > allocator_block_size or allocator_block_size % kernel_block_size:
         raise ValueError(f"{allocator_block_size=} must be a multiple of {kernel_block_size=} > 0")
+    if not isinstance(block_tables, (jax.Array, np.ndarray)) or block_tables.ndim != 2:
+        got = f"shape {block_tables.shape}" if hasattr(block_tables, "shape") else type(block_tables).__name__
+        raise ValueError(f"block_tables must be an [R, P] integer array, got {got}")
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"block_tables.dtype={block_tables.dtype} must be an integer dtype")
     ratio = allocator_block_size // kernel_block_size
     expanded = block_tables[:, :, None] * ratio + jnp.arange(ratio, dtype=block_tables.dtype)
     return expanded.reshape(block_tables.shape[0], -1)

@@ -28,6 +28,8 @@ def _check_array(name: str, x, *, ndim: int) -> None:
     if not isinstance(x, (jax.Array, np.ndarray)):
         hint = " (a torch tensor enters JAX through jax_hybrid_attn_torch.to_jax)" if "torch" in type(x).__module__ else ""
         raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}{hint}")
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+        raise ValueError(f"{name} was deleted: donated to an earlier call (pass the array that call returned)")
     if x.ndim != ndim:
         raise ValueError(f"{name}.shape={tuple(x.shape)} must have {ndim} dimensions")
     if 0 in x.shape[1:]:

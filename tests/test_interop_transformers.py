@@ -271,6 +271,12 @@ def test_hf_chunks_are_our_chunks_at_any_key_offset(q_len, kv_offset):
             hf_attention._key_offset(mask, LayerAttentionParams(), q_len, kv_len)
 
 
+def test_tensors_of_another_rank_are_named():
+    query, kv = torch.zeros(2, 4, 8), torch.zeros(1, 2, 4, 8)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"query must be a 4-D torch.Tensor .*, got shape \(2, 4"):
+        hf_attention.attention_forward(torch.nn.Module(), query, kv, kv, None)
+
+
 def test_masks_hf_never_builds_are_refused():
     causal = hf_mask(causal_mask_function, 4, 4)
     with pytest.raises(NotImplementedError, match="bias"):

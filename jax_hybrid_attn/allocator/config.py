@@ -289,6 +289,8 @@ class AllocatorConfig:
     sliding_window_in_window_only: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.specs, (tuple, list)):
+            raise ValueError(f"specs must be a sequence of AttentionSpecs, one per KV-cache group, got {self.specs!r}")
         object.__setattr__(self, "specs", tuple(self.specs))
         if not self.specs:
             raise ValueError("specs=() must name at least one KV-cache group")
