@@ -63,8 +63,9 @@ def write_kv(
         [B, S, K, H] / [B, K, S, H] each (`layout`).
       k, v: [T, K, H] this step's keys and values.
       slot_mapping: [T] int32, ``block_id * S + offset``, or `PAD_SLOT_ID`.
-      checked: also check that every slot lies in the cache or is `PAD_SLOT_ID`, and that no slot is named
-        twice (needs concrete values; unchecked, a slot outside the cache is dropped).
+      checked: also check that every slot lies in the cache or is `PAD_SLOT_ID`, that none is in the null block
+        (`NULL_BLOCK_ID`) and that no slot is named twice (needs concrete values; unchecked, a slot outside the
+        cache is dropped, and one in the null block is written).
     """
     k_scale, v_scale = check_write_kv_args(
         kv_cache, k, v, slot_mapping, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale, checked=checked

@@ -53,10 +53,15 @@ def paged_attention(
       kv_layout: "NHD" or "HND".
       k_scale, v_scale: per-tensor dequantization scales of a float8_e4m3fn cache.
       checked: also validate the metadata's values (`check_metadata_values`: block ids in the pool, lengths
-        within the tables, query offsets, slots in the cache and none twice, the static bounds); needs concrete
-        arrays. Always checked: types, dtypes, shapes and options. Unchecked values never give a wrong number:
-        a request the metadata cannot serve (a sequence beyond its table, a block id outside the pool, a query
-        longer than ``max_query_len``) gets NaN output, on the kernels and here alike.
+        within the tables, query offsets, slots in the cache, none in the null block and none twice, the static
+        bounds; with this layer's window and chunk, no key position a query attends in the null block and no
+        block read that this step writes for another request) and that the sinks are finite; needs concrete
+        arrays. Always checked: types, dtypes, shapes and options. Not checked: the cache's contents (a block
+        another request filled earlier is read as the table says). Unchecked values never give a wrong number
+        where the kernels can tell: a request the metadata cannot serve (a sequence beyond its table, a block id
+        outside the pool, a query longer than ``max_query_len``) gets NaN output, on the kernels and here alike;
+        a table that points at the null block or at another request's block is read as it says. A traced float8
+        scale that is not finite and > 0 makes the outputs it touches NaN (a concrete one is refused).
 
     Returns:
       [T, N, H] in ``q.dtype``. Query head n reads KV head ``n // (N // K)``.

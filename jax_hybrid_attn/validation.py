@@ -14,9 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._compat import resolve_interpret
-from .constants import PAD_SLOT_ID
+from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from .integers import INT32_MAX, check_bool
 from .layout import FP8_DTYPE, KV_CACHE_DTYPES, check_kv_layout, is_kv_pair, kv_cache_dims, kv_cache_dtype
+from .masks import allowed_key_range
 from .metadata import AttentionMetadata
 from .params import LayerAttentionParams, check_params, resolve_sm_scale
 
@@ -93,8 +94,9 @@ def _concrete(name: str, x) -> np.ndarray:
     return np.asarray(x)
 
 
-def check_slot_values(name: str, slots: np.ndarray, *, num_slots: int) -> None:
-    """Every slot lies in ``[0, num_slots)`` or is `PAD_SLOT_ID`, and none is written twice in one step."""
+def check_slot_values(name: str, slots: np.ndarray, *, num_slots: int, block_size: int) -> None:
+    """Every slot lies in ``[0, num_slots)`` or is `PAD_SLOT_ID`, none in the null block (`NULL_BLOCK_ID`, whose
+    contents no request owns), and none is written twice in one step."""
     is_slot = slots != PAD_SLOT_ID
     outside = is_slot & ((slots < 0) | (slots >= num_slots))
     if outside.any():
@@ -102,14 +104,23 @@ def check_slot_values(name: str, slots: np.ndarray, *, num_slots: int) -> None:
             f"{name} holds {slots[outside][:4].tolist()}: slots must lie in [0, {num_slots}) or be "
             f"PAD_SLOT_ID={PAD_SLOT_ID}"
         )
+    null = is_slot & (slots // block_size == NULL_BLOCK_ID)
+    if null.any():
+        raise ValueError(f"{name} holds {slots[null][:4].tolist()}: slots of the null block {NULL_BLOCK_ID} "
+                         "(no request owns it)")  # fmt: skip
     values, counts = np.unique(slots[is_slot], return_counts=True)
     if np.any(counts > 1):
         raise ValueError(f"{name} writes slots {values[counts > 1][:4].tolist()} more than once in one step")
 
 
-def check_metadata_values(metadata: AttentionMetadata, *, num_blocks: int | None, block_size: int) -> None:
+def check_metadata_values(
+    metadata: AttentionMetadata, *, num_blocks: int | None, block_size: int, params: LayerAttentionParams | None = None
+) -> None:
     """Value checks: block ids in the pool (``num_blocks=None``: only not negative), lengths within the tables,
-    consistent query offsets, no slot written twice, static bounds at or above the actual maxima."""
+    consistent query offsets, no slot in the null block or written twice, static bounds at or above the actual
+    maxima. With the layer's `params` (its window, chunk and causality), also what each request reads
+    (`check_block_reads`): no key position its queries attend lies in the null block, and no block it reads is
+    written in this step for another request."""
     check_metadata(metadata)
     query_start_loc = _concrete("metadata.query_start_loc", metadata.query_start_loc)
     seq_lens = _concrete("metadata.seq_lens", metadata.seq_lens)
@@ -134,7 +145,9 @@ def check_metadata_values(metadata: AttentionMetadata, *, num_blocks: int | None
         raise ValueError(
             f"metadata.block_tables holds ids in [{block_tables.min()}, {block_tables.max()}], outside [0, {num_blocks=})"
         )
-    check_slot_values("metadata.slot_mapping", slot_mapping, num_slots=pool * block_size)
+    check_slot_values("metadata.slot_mapping", slot_mapping, num_slots=pool * block_size, block_size=block_size)
+    if params is not None:
+        check_block_reads(query_start_loc, seq_lens, block_tables, slot_mapping, block_size=block_size, params=params)
     if query_lens.size and (
         metadata.max_query_len < query_lens.max() or metadata.max_seq_len < seq_lens.max()
     ):
@@ -142,6 +155,35 @@ def check_metadata_values(metadata: AttentionMetadata, *, num_blocks: int | None
             f"metadata.max_query_len={metadata.max_query_len} / max_seq_len={metadata.max_seq_len} are below the "
             f"actual maxima {query_lens.max()} / {seq_lens.max()}"
         )
+
+
+def check_block_reads(query_start_loc, seq_lens, block_tables, slot_mapping, *, block_size: int, params) -> None:
+    """On host values: each request's attended key positions (from its first query's first allowed key to its
+    last query's last, `masks.allowed_key_range`) lie in blocks of its table that are not `NULL_BLOCK_ID`, and
+    none of those blocks is written in this step by another request's tokens. (A block several requests share, a
+    cached prefix, is read by all and written by none.)"""
+    writer = {}  # block -> the request writing into it this step
+    for request in range(len(seq_lens)):
+        slots = slot_mapping[query_start_loc[request] : query_start_loc[request + 1]]
+        writer.update((int(block), request) for block in slots[slots != PAD_SLOT_ID] // block_size)
+    for request, seq_len in enumerate(seq_lens.tolist()):
+        query_len = int(query_start_loc[request + 1] - query_start_loc[request])
+        if query_len == 0:
+            continue
+        first, _ = allowed_key_range(np.int64(seq_len - query_len), np.int64(seq_len), params=params)
+        _, last = allowed_key_range(np.int64(seq_len - 1), np.int64(seq_len), params=params)
+        blocks = block_tables[request, int(first) // block_size : int(last) // block_size + 1]
+        if np.any(blocks == NULL_BLOCK_ID):
+            raise ValueError(
+                f"metadata.block_tables[{request}] points key positions {int(first)}..{int(last)} that request "
+                f"{request} attends at the null block {NULL_BLOCK_ID}: {blocks.tolist()}"
+            )
+        foreign = [(int(b), writer[int(b)]) for b in blocks if writer.get(int(b), request) != request]
+        if foreign:
+            block, other = foreign[0]
+            raise ValueError(
+                f"metadata.block_tables[{request}] reads block {block}, which this step writes for request {other}"
+            )
 
 
 def _check_kv_cache(kv_cache, kv_layout) -> None:
@@ -215,7 +257,8 @@ def check_write_kv_args(kv_cache, k, v, slot_mapping, *, kv_layout, k_scale, v_s
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping.shape={tuple(slot_mapping.shape)} must be [T={k.shape[0]}]")
     if checked:
-        check_slot_values("slot_mapping", _concrete("slot_mapping", slot_mapping), num_slots=num_blocks * block_size)
+        slots = _concrete("slot_mapping", slot_mapping)
+        check_slot_values("slot_mapping", slots, num_slots=num_blocks * block_size, block_size=block_size)
     return resolve_kv_scales(kv_cache_dtype(kv_cache), k_scale, v_scale)
 
 
@@ -251,7 +294,9 @@ def check_paged_attention_args(
         if sinks.shape != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
             raise ValueError(f"sinks (shape {tuple(sinks.shape)}, {sinks.dtype}) must be float [N={num_q_heads}]")
     if checked:
-        check_metadata_values(metadata, num_blocks=num_blocks, block_size=block_size)
+        check_metadata_values(metadata, num_blocks=num_blocks, block_size=block_size, params=params)
+        if sinks is not None and not np.isfinite(_concrete("sinks", sinks)).all():
+            raise ValueError(f"sinks={np.asarray(sinks).tolist()} must be finite")
     k_scale, v_scale = resolve_kv_scales(kv_cache_dtype(kv_cache), k_scale, v_scale)
     params = dataclasses.replace(params, sm_scale=resolve_sm_scale(params.sm_scale, head_dim))
     return params, k_scale, v_scale

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jax_hybrid_attn import FullAttentionSpec, LayerAttentionParams, paged_attention, reference, write_kv
+from jax_hybrid_attn.constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from jax_hybrid_attn.allocator import AllocatorConfig, KVCacheManager
 from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.testing import random_paged_inputs
@@ -234,6 +235,40 @@ def test_checked_writes_refuse_a_slot_named_twice_in_one_step():
         write_kv(jnp.array(x.kv_cache), x.q[:, :2], x.q[:, 2:], slots, checked=True)
     with pytest.raises(ValueError, match="more than once"):
         paged_attention(x.q, x.kv_cache, x.metadata.replace(slot_mapping=slots), checked=True)
+
+
+def test_checked_refuses_null_block_reads_and_writes_reads_of_a_block_another_request_writes_and_bad_sinks():
+    """What ``checked=True`` promises beyond ids and lengths: no key position a query attends lies in the null
+    block (where a window or chunk leaves positions unreachable, the null block there is fine), no slot is in it,
+    no request reads a block that this step writes for another one (a shared prefix is read, never written), and
+    the sinks are finite."""
+    window = LayerAttentionParams(sliding_window=16)
+    small = dict(SMALL, block_size=8)
+    x = random_paged_inputs(0, query_lens=[1, 3], seq_lens=[40, 19], null_unreachable_for=dict(sliding_window=16),
+                            **small)  # fmt: skip
+    tables = np.asarray(x.metadata.block_tables)
+    assert (tables[0, :3] == NULL_BLOCK_ID).all()  # positions 0-23 are outside the decode's window
+    paged_attention(x.q, x.kv_cache, x.metadata, params=window, checked=True)
+    with pytest.raises(ValueError, match=r"block_tables\[0\] points key positions 0..39 .* at the null block"):
+        paged_attention(x.q, x.kv_cache, x.metadata, checked=True)  # a full-attention layer reads them all
+    hidden = tables.copy()
+    hidden[1, 1] = NULL_BLOCK_ID  # positions 8-15 of request 1, inside its queries' windows
+    with pytest.raises(ValueError, match=r"block_tables\[1\] points key positions .* at the null block"):
+        paged_attention(x.q, x.kv_cache, x.metadata.replace(block_tables=jnp.asarray(hidden)), params=window,
+                        checked=True)  # fmt: skip
+    crossed = tables.copy()
+    crossed[0, 4] = tables[1, 2]  # request 0 reads the block that request 1 writes its tokens 16-18 into
+    with pytest.raises(ValueError, match=rf"block_tables\[0\] reads block {tables[1, 2]}, which this step writes "
+                                         "for request 1"):  # fmt: skip
+        paged_attention(x.q, x.kv_cache, x.metadata.replace(block_tables=jnp.asarray(crossed)), params=window,
+                        checked=True)  # fmt: skip
+    for bad in (np.nan, np.inf):
+        sinks = jnp.full(x.q.shape[1], bad, jnp.float32)
+        with pytest.raises(ValueError, match=r"sinks=\[.*\] must be finite"):
+            paged_attention(x.q, x.kv_cache, x.metadata, params=window, sinks=sinks, checked=True)
+    k = x.q[:2, : x.kv_cache.shape[3]]
+    with pytest.raises(ValueError, match=r"slot_mapping holds \[3\]: slots of the null block 0"):
+        write_kv(x.kv_cache, k, k, jnp.asarray([3, PAD_SLOT_ID], jnp.int32), checked=True)
 
 
 def test_schedule_checks_each_per_request_option_before_anything_changes():

@@ -91,7 +91,8 @@ def bases(seed: int) -> dict:
     """The valid call of each entry point for `seed`."""
     x = random_paged_inputs(seed, query_lens=[1, 6], seq_lens=[9, 20], num_q_heads=4, num_kv_heads=2, head_dim=8,
                             block_size=4, dtype=jnp.float32)  # fmt: skip
-    slots = jnp.asarray(np.random.default_rng(seed).permutation(x.kv_cache.shape[0] * 4)[:5], jnp.int32)
+    # slots of any block but the null block 0
+    slots = jnp.asarray(4 + np.random.default_rng(seed).permutation((x.kv_cache.shape[0] - 1) * 4)[:5], jnp.int32)
     kv = jax.random.normal(jax.random.key(seed), (2, x.q.shape[0], 2, 8), jnp.float32)
     return {
         "paged_attention": dict(q=x.q, kv_cache=x.kv_cache, metadata=x.metadata),

@@ -23,7 +23,7 @@ def test_writes_slots_and_nothing_else(kv_layout, dtype):
     rng = np.random.default_rng(0)
     cache = random_cache(rng, kv_layout, dtype)
     before = np.asarray(kv_as_nhd(cache, kv_layout)).copy()
-    slots = np.array([5, PAD_SLOT_ID, 17, 0, PAD_SLOT_ID, 23], np.int32)
+    slots = np.array([5, PAD_SLOT_ID, 17, 10, PAD_SLOT_ID, 23], np.int32)  # none in the null block 0
     k = jnp.asarray(rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)), dtype)
     v = jnp.asarray(rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)), dtype)
 
@@ -43,7 +43,7 @@ def test_a_kv_pair_gets_the_writes_of_one_array(kv_layout):
     rng = np.random.default_rng(3)
     cache = random_cache(rng, kv_layout, jnp.bfloat16)
     pair = (cache[:, 0], cache[:, 1])  # two arrays: [B, S, K, H] ("NHD") or [B, K, S, H] ("HND")
-    slots = jnp.asarray([2, PAD_SLOT_ID, 19, 8], jnp.int32)
+    slots = jnp.asarray([12, PAD_SLOT_ID, 19, 8], jnp.int32)
     k = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
     k_after, v_after = write_kv(pair, k, v, slots, kv_layout=kv_layout, checked=True)
