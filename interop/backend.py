@@ -51,7 +51,7 @@ from jax_hybrid_attn.integers import check_int
 from jax_hybrid_attn.validation import resolve_implementation
 
 from .attention_layer import AttentionLayer
-from .dlpack import ALIGNMENT, is_compact, jax_dtype, same_memory, to_jax, to_torch
+from .dlpack import ALIGNMENT, check_shareable, is_compact, jax_dtype, same_memory, to_jax, to_torch
 from .layer_inputs import FUSED, fused_qkv, padded_rows, split_fused_qkv, tensor_key
 from .plan import PACKED_FIELD_ALIGNMENT, pack_plan
 
@@ -277,6 +277,7 @@ class PagedAttentionBackend:
                     f"out.shape={tuple(out.shape)}, out.dtype={out.dtype} must be {shape} or "
                     f"{(shape[0], shape[1] * shape[2])} in q's dtype {q.dtype}"
                 )
+            check_shareable(out, "out")  # written in place: its memory must be its values
             if not out.is_contiguous():  # XLA writes the result row-major into out's memory
                 raise ValueError(f"out with strides {out.stride()} must be contiguous (row-major): pass "
                                  "out.contiguous() and copy back, or no out")  # fmt: skip
