@@ -1,6 +1,7 @@
 """Over a thousand mutated calls of the torch backend's `plan` and `run` and of `to_jax`, every one run: each gives
 an error that names the mutated argument, or the valid call's result; after a rejected call the backend's plan and
-the caller's cache are bit-identical to before. int64 index tensors, flat q/k/v and numpy bounds are valid input and must give the valid result.
+the caller's cache are bit-identical to before. int64 index tensors, flat q/k/v and numpy bounds are valid input
+and must give the valid result.
 
 Device values (offsets, lengths, block ids, slots) are mutated with ``plan(checked=True)``, which must refuse them;
 unchecked they are the caller's promise (`tests/test_bad_input.py` shows that they give NaN, never a wrong number).
