@@ -180,7 +180,9 @@ class PagedAttentionBackend:
           block_tables: [R, P], or [G, R, P] with one table per KV-cache group.
           slot_mapping: [T], or [G, T]; `PAD_SLOT_ID` (-1) for padding tokens.
           max_query_len, max_seq_len: host-side upper bounds (vLLM's); if None they are read from the tensors,
-            which waits for them. Both are rounded up to a power of two to limit recompiles.
+            which waits for them. Both are rounded up to a power of two to limit recompiles. A bound below a
+            request's actual length is a broken promise: that request's rows are NaN (``checked=True`` refuses
+            it).
           causal: whether the layers attend causally.
           num_common_prefix_blocks: per KV-cache group, the leading block-table entries every request holds alike
             (vLLM's common prefix, in blocks): the layers then run as cascade attention (`jax_hybrid_attn.cascade`;
@@ -377,6 +379,7 @@ class PagedAttentionBackend:
             raise ValueError(
                 f"kv_cache must be the layer's torch cache tensor, got {type(kv_cache).__name__}"
             )
+        check_shareable(kv_cache, "kv_cache")  # before the held array is reused: a negated view shares its memory
         expected = get_kv_cache_shape(
             kv_cache.shape[0] if kv_cache.dim() else 1,
             self.block_size,

@@ -309,6 +309,9 @@ def test_bad_input_is_named():
                            (dict(implementation="kernel", interpret="yes"), "interpret='yes' must be a bool")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             PagedAttentionBackend({"layer": layer}, block_size=BLOCK_SIZE, **options)
+    backend.run("layer", q, k, v, cache)
+    with pytest.raises(ValueError, match="kv_cache is a negated view"):  # its memory is the cache just written
+        backend.run("layer", q, k, v, torch._neg_view(cache))
     for out in (torch.empty(4 * 16, q.shape[0]).t(), torch.zeros(q.shape[0], 4, 32)[:, :, :16]):
         with pytest.raises(ValueError, match=r"out with strides .* must be contiguous"):
             backend.run("layer", q, k, v, cache, out=out)

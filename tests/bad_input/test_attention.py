@@ -1,64 +1,18 @@
-"""Bad input by class: a clear error that names the argument, nothing lost on a rejected call, a flagged (NaN)
-result where a traced value cannot be checked, and valid numpy scalars accepted."""
+"""Bad input to attention (`paged_attention`, `layer_attention`, `write_kv`, `LayerAttentionParams`, the metadata):
+a clear error that names the argument, a flagged (NaN) result where a traced value cannot be checked, what
+``checked=True`` adds, and valid numpy and JAX scalars accepted."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_hybrid_attn import FullAttentionSpec, LayerAttentionParams, paged_attention, reference, write_kv
+from jax_hybrid_attn import LayerAttentionParams, paged_attention, reference, write_kv
 from jax_hybrid_attn.constants import NULL_BLOCK_ID, PAD_SLOT_ID
-from jax_hybrid_attn.allocator import AllocatorConfig, KVCacheManager
 from jax_hybrid_attn.kernels import mixed_batch
 from jax_hybrid_attn.testing import random_paged_inputs
 
-SMALL = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.bfloat16)
-
-
-def manager() -> KVCacheManager:
-    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype=jnp.float32)
-    config = AllocatorConfig(specs=(spec,), num_blocks=16, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=8)
-    return KVCacheManager(config)
-
-
-def snapshot(m: KVCacheManager):
-    return (
-        [np.asarray(x).copy() for x in jax.tree.leaves(m.state)],
-        dict(m._slot_of),
-        list(m._free_slots),
-        dict(m._num_computed),
-    )
-
-
-def assert_same(before, after):
-    for a, b in zip(before[0], after[0], strict=True):
-        np.testing.assert_array_equal(a, b)
-    assert before[1:] == after[1:]
-
-
-@pytest.mark.parametrize(
-    "call, match",
-    [
-        (lambda m: m.add_request("r", [1, 2, 3], cache_salt=1.5), "cache_salt"),
-        (lambda m: m.add_request("r", []), "token_ids"),
-        (lambda m: m.add_request("r", [1.5, 2.0]), "token_ids"),
-        (lambda m: m.add_request("r", [2**31]), "token_ids"),
-        (lambda m: m.add_request("r", [True, False]), "token_ids"),
-        (lambda m: m.add_request("r", [1, 2], adapter_id=-1), "adapter_id"),
-        (lambda m: m.add_request(["unhashable"], [1, 2]), "request_id"),
-        (lambda m: m.append_token_ids("kept", [2**31]), "token_ids"),
-        (lambda m: m.append_token_ids("kept", [0.5]), "token_ids"),
-    ],
-)
-def test_rejected_allocator_calls_leave_every_piece_of_state_as_it_was(call, match):
-    m = manager()
-    m.add_request("kept", [5, 6, 7])
-    for _ in range(3):  # a rejected call, again and again, never leaks a request slot
-        before = snapshot(m)
-        with pytest.raises((ValueError, TypeError), match=match):
-            call(m)
-        assert_same(before, snapshot(m))
-    m.add_request("next", [1, 2])  # the slot is still there
+from .cases import SMALL, inputs
 
 
 def test_numpy_scalars_are_valid_and_sizes_beyond_int32_are_refused():
@@ -93,10 +47,6 @@ def test_metadata_bounds_and_scales_as_numpy_or_jax_scalars_are_valid():
         LayerAttentionParams(sm_scale=jnp.asarray(True))
     with pytest.raises(ValueError, match="sm_scale=.* must be a concrete number"):
         jax.jit(lambda scale: LayerAttentionParams(sm_scale=scale))(0.25)
-
-
-def inputs():
-    return random_paged_inputs(0, query_lens=[1, 20], seq_lens=[30, 40], **SMALL)
 
 
 @pytest.mark.parametrize(
@@ -183,51 +133,6 @@ def test_metadata_the_kernels_cannot_serve_gives_nan_for_those_requests_only(imp
             paged_attention(x.q, x.kv_cache, metadata, implementation=implementation, interpret=interpret, checked=True)
 
 
-def test_host_metadata_helpers_refuse_negative_values():
-    from jax_hybrid_attn import make_attention_metadata, make_local_attention_virtual_batches
-
-    with pytest.raises(ValueError, match="block_tables"):
-        make_attention_metadata([1], [3], [[-1]], block_size=4)
-    metadata = make_attention_metadata([2], [6], [[1, 2]], block_size=4)
-    with pytest.raises(ValueError, match="seq_lens"):
-        make_local_attention_virtual_batches(4, metadata.replace(seq_lens=jnp.asarray([-4], jnp.int32)), 4)
-    assert make_attention_metadata(np.asarray([1]), [3], [[1]], block_size=np.int64(4)).num_tokens == 1
-
-
-def test_helpers_name_arguments_of_the_wrong_kind():
-    """Ragged lists, tables of the wrong rank or kind, sizes as strings, something that is not metadata, a single
-    spec for a sequence of them, a cache donated to an earlier call: each named, none an AttributeError or a
-    TypeError from inside numpy or JAX."""
-    from jax_hybrid_attn import (
-        expand_block_tables, make_attention_metadata, make_local_attention_virtual_batches, split_decodes_and_prefills,
-    )  # fmt: skip
-
-    with pytest.raises(ValueError, match="block_tables must be a rectangular array of integers"):
-        make_attention_metadata([1, 2], [3, 4], [[1, 2], [3]], block_size=4)
-    table = jnp.asarray([[1, 2]], jnp.int32)
-    for bad, match in (([[1, 2]], "got list"), (jnp.asarray([1, 2]), r"got shape \(2,\)"),
-                       (table.astype(jnp.float32), "dtype=float32 must be an integer dtype")):  # fmt: skip
-        with pytest.raises(ValueError, match=rf"^block_tables.*{match}"):
-            expand_block_tables(bad, allocator_block_size=8, kernel_block_size=4)
-    with pytest.raises(ValueError, match="allocator_block_size='8' must be an int"):
-        expand_block_tables(table, allocator_block_size="8", kernel_block_size=4)
-    expanded = expand_block_tables(np.asarray(table), allocator_block_size=8, kernel_block_size=4)
-    assert expanded.tolist() == [[2, 3, 4, 5]]
-    for call in (lambda: split_decodes_and_prefills({"query_start_loc": 0}),
-                 lambda: make_local_attention_virtual_batches(8, "metadata", 4)):  # fmt: skip
-        with pytest.raises(ValueError, match="metadata must be an AttentionMetadata, got"):
-            call()
-    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype=jnp.float32)
-    for specs in (None, spec):
-        with pytest.raises(ValueError, match="specs must be a sequence of AttentionSpecs"):
-            AllocatorConfig(specs=specs, num_blocks=16, max_num_seqs=2, max_model_len=32, max_num_batched_tokens=8)
-    x = inputs()
-    k = jnp.ones((x.q.shape[0], *x.kv_cache.shape[3:]), x.q.dtype)
-    write_kv(x.kv_cache, k, k, x.metadata.slot_mapping)  # donates the cache
-    with pytest.raises(ValueError, match="kv_cache was deleted: donated to an earlier call"):
-        write_kv(x.kv_cache, k, k, x.metadata.slot_mapping)
-
-
 def test_checked_writes_refuse_a_slot_named_twice_in_one_step():
     x = random_paged_inputs(0, query_lens=[3], seq_lens=[3], **SMALL)
     slots = jnp.asarray([17, 18, 17], jnp.int32)
@@ -269,34 +174,3 @@ def test_checked_refuses_null_block_reads_and_writes_reads_of_a_block_another_re
     k = x.q[:2, : x.kv_cache.shape[3]]
     with pytest.raises(ValueError, match=r"slot_mapping holds \[3\]: slots of the null block 0"):
         write_kv(x.kv_cache, k, k, jnp.asarray([3, PAD_SLOT_ID], jnp.int32), checked=True)
-
-
-def test_schedule_checks_each_per_request_option_before_anything_changes():
-    m = manager()
-    m.add_request("kept", [5, 6, 7])
-    for kwargs, match in [
-        (dict(new_tokens="kept"), "new_tokens"),
-        (dict(new_tokens=[("kept", 1)], num_lookahead_tokens=[1.5]), "num_lookahead_tokens"),
-        (dict(new_tokens=[("kept", 1)], num_lookahead_tokens=[0, 0]), "num_lookahead_tokens"),
-        (dict(new_tokens=[("kept", 1)], full_sequence_must_fit=["yes"]), "full_sequence_must_fit"),
-        (dict(new_tokens=[("kept", np.float64(1))]), "num_new_tokens"),
-    ]:
-        before = snapshot(m)
-        with pytest.raises(ValueError, match=match):
-            m.schedule(**kwargs)
-        assert_same(before, snapshot(m))
-    out = m.schedule([("kept", np.int64(3))], num_lookahead_tokens=[np.int64(0)], full_sequence_must_fit=[np.bool_(0)])
-    assert bool(out.success[0])
-
-
-def test_a_schedule_that_does_not_wait_must_be_recorded_before_the_next():
-    m = manager()
-    m.add_request("kept", [5, 6, 7])
-    out = m.schedule([("kept", 3)], wait=False)
-    assert m.num_computed_tokens("kept") == 0  # nothing read back yet
-    with pytest.raises(RuntimeError, match="record_step"):
-        m.schedule([("kept", 1)])
-    with pytest.raises(ValueError, match="request_ids"):
-        m.record_step(["other"], np.asarray(out.success), np.asarray(out.seq_lens))
-    m.record_step(["kept"], np.asarray(out.success), np.asarray(out.seq_lens))
-    assert m.num_computed_tokens("kept") == 3

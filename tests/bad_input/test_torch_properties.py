@@ -4,7 +4,7 @@ the caller's cache are bit-identical to before. int64 index tensors, flat q/k/v 
 and must give the valid result.
 
 Device values (offsets, lengths, block ids, slots) are mutated with ``plan(checked=True)``, which must refuse them;
-unchecked they are the caller's promise (`tests/test_bad_input.py` shows that they give NaN, never a wrong number).
+unchecked they are the caller's promise (`test_attention` shows that they give NaN, never a wrong number).
 """
 
 import numpy as np
@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 
 from jax_hybrid_attn_torch import AttentionLayer, PagedAttentionBackend, to_jax
 
-from .test_interop_backend import make_step
+from ..test_interop_backend import make_step
 
 ERRORS = (ValueError, TypeError, NotImplementedError)
 LAYER = "layers.0"
@@ -85,7 +85,8 @@ def case_list(step, cache, q, k, v):
         for label, value in [("requires grad", x.clone().requires_grad_()), ("negated view", torch._neg_view(x))]:
             cases.append(("run", name, label, plan, dict(run, **{name: value}), False))
     for label, value in [("numpy", cache.numpy()), ("float16", cache.half()), ("none", None), ("rank-1", cache[0]),
-                         ("fewer heads", cache[:, :, :, :1])]:  # fmt: skip
+                         ("fewer heads", cache[:, :, :, :1]),
+                         ("requires grad", cache.clone().requires_grad_())]:  # fmt: skip  (call_run clones the cache)
         cases.append(("run", "kv_cache", label, plan, dict(run, kv_cache=value), False))
     cases.append(("run", "kv_cache", "too few blocks", dict(plan, checked=True), dict(run, kv_cache=cache[:2]), False))
     out = torch.empty_like(q)

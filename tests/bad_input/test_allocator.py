@@ -1,0 +1,62 @@
+"""Bad input to the allocator (`KVCacheManager`): each refused call names its argument and changes nothing."""
+
+import numpy as np
+import pytest
+
+from .cases import assert_same, manager, snapshot
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m.add_request("r", [1, 2, 3], cache_salt=1.5), "cache_salt"),
+        (lambda m: m.add_request("r", []), "token_ids"),
+        (lambda m: m.add_request("r", [1.5, 2.0]), "token_ids"),
+        (lambda m: m.add_request("r", [2**31]), "token_ids"),
+        (lambda m: m.add_request("r", [True, False]), "token_ids"),
+        (lambda m: m.add_request("r", [1, 2], adapter_id=-1), "adapter_id"),
+        (lambda m: m.add_request(["unhashable"], [1, 2]), "request_id"),
+        (lambda m: m.append_token_ids("kept", [2**31]), "token_ids"),
+        (lambda m: m.append_token_ids("kept", [0.5]), "token_ids"),
+    ],
+)
+def test_rejected_allocator_calls_leave_every_piece_of_state_as_it_was(call, match):
+    m = manager()
+    m.add_request("kept", [5, 6, 7])
+    for _ in range(3):  # a rejected call, again and again, never leaks a request slot
+        before = snapshot(m)
+        with pytest.raises((ValueError, TypeError), match=match):
+            call(m)
+        assert_same(before, snapshot(m))
+    m.add_request("next", [1, 2])  # the slot is still there
+
+
+def test_schedule_checks_each_per_request_option_before_anything_changes():
+    m = manager()
+    m.add_request("kept", [5, 6, 7])
+    for kwargs, match in [
+        (dict(new_tokens="kept"), "new_tokens"),
+        (dict(new_tokens=[("kept", 1)], num_lookahead_tokens=[1.5]), "num_lookahead_tokens"),
+        (dict(new_tokens=[("kept", 1)], num_lookahead_tokens=[0, 0]), "num_lookahead_tokens"),
+        (dict(new_tokens=[("kept", 1)], full_sequence_must_fit=["yes"]), "full_sequence_must_fit"),
+        (dict(new_tokens=[("kept", np.float64(1))]), "num_new_tokens"),
+    ]:
+        before = snapshot(m)
+        with pytest.raises(ValueError, match=match):
+            m.schedule(**kwargs)
+        assert_same(before, snapshot(m))
+    out = m.schedule([("kept", np.int64(3))], num_lookahead_tokens=[np.int64(0)], full_sequence_must_fit=[np.bool_(0)])
+    assert bool(out.success[0])
+
+
+def test_a_schedule_that_does_not_wait_must_be_recorded_before_the_next():
+    m = manager()
+    m.add_request("kept", [5, 6, 7])
+    out = m.schedule([("kept", 3)], wait=False)
+    assert m.num_computed_tokens("kept") == 0  # nothing read back yet
+    with pytest.raises(RuntimeError, match="record_step"):
+        m.schedule([("kept", 1)])
+    with pytest.raises(ValueError, match="request_ids"):
+        m.record_step(["other"], np.asarray(out.success), np.asarray(out.seq_lens))
+    m.record_step(["kept"], np.asarray(out.success), np.asarray(out.seq_lens))
+    assert m.num_computed_tokens("kept") == 3
