@@ -102,18 +102,20 @@ def check_shareable(tensor, name: str) -> None:
     holds the values without the sign or conjugation), nor a quantized, sparse, nested or meta tensor."""
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    kinds = [
-        (tensor.requires_grad, "requires grad: pass tensor.detach() (JAX computes no gradient for torch)"),
-        (tensor.is_neg(), "is a negated view: its memory holds the values unnegated; pass tensor.resolve_neg()"),
-        (tensor.is_conj(), "is a conjugated view: its memory holds them unconjugated; pass tensor.resolve_conj()"),
-        (tensor.is_quantized, f"is quantized ({tensor.dtype}): pass tensor.dequantize()"),
-        (tensor.is_nested, "is a nested tensor: pass its components one by one"),
-        (tensor.layout != torch.strided, f"has layout {tensor.layout}: pass tensor.to_dense()"),
-        (tensor.device.type == "meta", "is on the meta device: it has no memory to share"),
-    ]  # fmt: skip
-    for bad, why in kinds:
-        if bad:
-            raise ValueError(f"{name} {why}")
+    if tensor.requires_grad:
+        raise ValueError(f"{name} requires grad: pass tensor.detach() (JAX computes no gradient for torch)")
+    if tensor.is_neg():
+        raise ValueError(f"{name} is a negated view: its memory holds the values unnegated; pass tensor.resolve_neg()")
+    if tensor.is_conj():
+        raise ValueError(f"{name} is a conjugated view: its memory holds them unconjugated; pass tensor.resolve_conj()")
+    if tensor.is_quantized:
+        raise ValueError(f"{name} is quantized ({tensor.dtype}): pass tensor.dequantize()")
+    if tensor.is_nested:
+        raise ValueError(f"{name} is a nested tensor: pass its components one by one")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name} has layout {tensor.layout}: pass tensor.to_dense()")
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: it has no memory to share")
 
 
 def _import(tensor: torch.Tensor, *, already_ordered: bool = False) -> jax.Array:

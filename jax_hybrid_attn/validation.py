@@ -166,16 +166,15 @@ def check_block_reads(query_start_loc, seq_lens, block_tables, slot_mapping, *, 
     for request in range(len(seq_lens)):
         slots = slot_mapping[query_start_loc[request] : query_start_loc[request + 1]]
         writer.update((int(block), request) for block in slots[slots != PAD_SLOT_ID] // block_size)
-    for request, seq_len in enumerate(seq_lens.tolist()):
-        query_len = int(query_start_loc[request + 1] - query_start_loc[request])
-        if query_len == 0:
-            continue
-        first, _ = allowed_key_range(np.int64(seq_len - query_len), np.int64(seq_len), params=params)
-        _, last = allowed_key_range(np.int64(seq_len - 1), np.int64(seq_len), params=params)
-        blocks = block_tables[request, int(first) // block_size : int(last) // block_size + 1]
+    query_lens = np.diff(query_start_loc)
+    firsts = np.asarray(allowed_key_range(seq_lens - query_lens, seq_lens, params=params)[0])
+    lasts = np.asarray(allowed_key_range(seq_lens - 1, seq_lens, params=params)[1])
+    for request in np.flatnonzero(query_lens).tolist():
+        first, last = int(firsts[request]), int(lasts[request])
+        blocks = block_tables[request, first // block_size : last // block_size + 1]
         if np.any(blocks == NULL_BLOCK_ID):
             raise ValueError(
-                f"metadata.block_tables[{request}] points key positions {int(first)}..{int(last)} that request "
+                f"metadata.block_tables[{request}] points key positions {first}..{last} that request "
                 f"{request} attends at the null block {NULL_BLOCK_ID}: {blocks.tolist()}"
             )
         foreign = [(int(b), writer[int(b)]) for b in blocks if writer.get(int(b), request) != request]
