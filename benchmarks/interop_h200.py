@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from jax_hybrid_attn_torch import AttentionLayer, PagedAttentionBackend, to_jax
 
-from jax_hybrid_attn import make_attention_metadata, paged_attention
+from jax_hybrid_attn import KVCache, make_attention_metadata, paged_attention
 from jax_hybrid_attn.kv_cache import write_kv
 from trace_summary import profiled
 
@@ -186,8 +186,8 @@ def host_parts(backend, cache, q, k, v, direct_call, reps, rows):
 
     def layer_step(q_in, k_in, v_in, cache_in):
         return backend_module._layer_step(
-            backend._packed, q_in, k_in, v_in, cache_in, None, None, None, None, layout=backend._layout, group=0,
-            params=spec.params, kv_layout=backend.kv_layout, implementation=None, interpret=False,
+            backend._packed, q_in, k_in, v_in, cache_in, KVCache(None, backend.kv_layout), None, None,
+            layout=backend._layout, group=0, params=spec.params, implementation=None, interpret=False,
         )  # fmt: skip
 
     exported = layer_step(*owned, to_jax(cache).copy())[0]

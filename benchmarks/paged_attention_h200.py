@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
-from jax_hybrid_attn import CAUSAL, LayerAttentionParams, make_attention_metadata, paged_attention, reference
+from jax_hybrid_attn import CAUSAL, KVCache, LayerAttentionParams, make_attention_metadata, paged_attention, reference
 from jax_hybrid_attn.kernels.config import KernelConfig
+from jax_hybrid_attn.layout import as_kv_cache
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 from kernel_variants import configs_changed
@@ -34,22 +35,22 @@ PARITY_CASES = [  # (name, random_paged_inputs kwargs, attention options)
     ("mha d64 bs32 window 100 sm_scale 0.2", dict(num_q_heads=8, num_kv_heads=8, head_dim=64, block_size=32), dict(params=LayerAttentionParams(sliding_window=100, sm_scale=0.2))),
     ("mqa d256 bs64 chunk 256", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=64), dict(params=LayerAttentionParams(attention_chunk_size=256))),
     ("gqa4 softcap+sinks w1", dict(num_q_heads=16, num_kv_heads=4, head_dim=128, block_size=16, with_sinks=True), dict(params=LayerAttentionParams(sliding_window=1, logits_soft_cap=30.0))),
-    ("gqa2 HND window 1000 d256", dict(num_q_heads=16, num_kv_heads=8, head_dim=256, block_size=16, kv_layout="HND"), dict(params=LayerAttentionParams(sliding_window=1000), kv_layout="HND")),
+    ("gqa2 HND window 1000 d256", dict(num_q_heads=16, num_kv_heads=8, head_dim=256, block_size=16, kv_layout="HND"), dict(params=LayerAttentionParams(sliding_window=1000))),
     ("fp16 gqa8 chunk 64 bs64", dict(num_q_heads=64, num_kv_heads=8, head_dim=128, block_size=64, dtype=jnp.float16), dict(params=LayerAttentionParams(attention_chunk_size=64))),
-    ("non-causal gqa4 HND bs32", dict(num_q_heads=32, num_kv_heads=8, head_dim=64, block_size=32, causal=False, kv_layout="HND"), dict(params=LayerAttentionParams(causal=False), kv_layout="HND")),
+    ("non-causal gqa4 HND bs32", dict(num_q_heads=32, num_kv_heads=8, head_dim=64, block_size=32, causal=False, kv_layout="HND"), dict(params=LayerAttentionParams(causal=False))),
     ("gqa4 sinks chunk 128 softcap", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=32, with_sinks=True), dict(params=LayerAttentionParams(attention_chunk_size=128, logits_soft_cap=50.0))),
     ("fp8 kv gqa4 bs16 d128 window 512", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, kv_dtype=jnp.float8_e4m3fn), dict(params=LayerAttentionParams(sliding_window=512))),
-    ("fp8 kv HND mqa d256 bs32 chunk 128 sinks", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=32, kv_dtype=jnp.float8_e4m3fn, kv_layout="HND", with_sinks=True), dict(params=LayerAttentionParams(attention_chunk_size=128, logits_soft_cap=30.0), kv_layout="HND")),
+    ("fp8 kv HND mqa d256 bs32 chunk 128 sinks", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=32, kv_dtype=jnp.float8_e4m3fn, kv_layout="HND", with_sinks=True), dict(params=LayerAttentionParams(attention_chunk_size=128, logits_soft_cap=30.0))),
     ("fp8 kv fp16 q d64 bs64 non-causal", dict(num_q_heads=16, num_kv_heads=2, head_dim=64, block_size=64, kv_dtype=jnp.float8_e4m3fn, dtype=jnp.float16, causal=False), dict(params=LayerAttentionParams(causal=False))),
     ("K/V pair gqa4 d256 bs16 window 512", dict(num_q_heads=4, num_kv_heads=1, head_dim=256, block_size=16, kv_pair=True), dict(params=LayerAttentionParams(sliding_window=512))),
-    ("K/V pair HND fp8 gqa8 d128 bs32 sinks", dict(num_q_heads=64, num_kv_heads=8, head_dim=128, block_size=32, kv_pair=True, kv_layout="HND", kv_dtype=jnp.float8_e4m3fn, with_sinks=True), dict(kv_layout="HND")),
+    ("K/V pair HND fp8 gqa8 d128 bs32 sinks", dict(num_q_heads=64, num_kv_heads=8, head_dim=128, block_size=32, kv_pair=True, kv_layout="HND", kv_dtype=jnp.float8_e4m3fn, with_sinks=True), {}),
     ("K/V pair gqa2 d64 bs256 softcap", dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=256, kv_pair=True), dict(params=LayerAttentionParams(logits_soft_cap=50.0))),
 ]  # fmt: skip
 
 
 def check(inputs_kwargs, options, query_lens, seq_lens):
     inputs = random_paged_inputs(0, query_lens=query_lens, seq_lens=seq_lens, **{"dtype": jnp.bfloat16, **inputs_kwargs})
-    options = dict(options, sinks=inputs.sinks, k_scale=inputs.k_scale, v_scale=inputs.v_scale)
+    options = dict(options, sinks=inputs.sinks)
     out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
     ref = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
     out, ref = np.asarray(out.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
@@ -107,9 +108,10 @@ def time_decode(rows, name, q, kv_cache, metadata, options, full_ms, *, breakdow
     """One decode timing line: GB/s of the K and V blocks a query can see, and with `breakdown` a line of the
     call's kernels; returns the time."""
     num_reqs, seq_len = q.shape[0], int(metadata.seq_lens[0])
-    _, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]  # [B, 2, S, K, H]
+    cache = as_kv_cache(kv_cache)
+    _, block_size, num_kv_heads, head_dim = cache.dims
     _, first = visible_keys(1, seq_len, options.get("params", CAUSAL))
-    needed = num_reqs * (seq_len - int(first[0]) // block_size * block_size) * num_kv_heads * head_dim * 2 * kv_cache.dtype.itemsize
+    needed = num_reqs * (seq_len - int(first[0]) // block_size * block_size) * num_kv_heads * head_dim * 2 * cache.dtype.itemsize
     fn = jax.jit(partial(paged_attention, **options))
     try:
         expected = reference.paged_attention(q, kv_cache, metadata, **options).astype(jnp.float32)
@@ -199,9 +201,9 @@ def decode_section(rows, *, sweep):
         for label, params in MASKS:
             full_ms = time_decode(rows, f"decode B=64 ctx={seq_len} {label}", q, kv_cache, metadata, dict(params=params), full_ms,
                                   breakdown=seq_len == 32768 and label != "full")  # fmt: skip
-        fp8_cache = (kv_cache * 0.5).astype(jnp.float8_e4m3fn)
-        time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV", q, fp8_cache, metadata, dict(k_scale=2.0, v_scale=2.0), None)
-        time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV, fp16 q", q.astype(jnp.float16), fp8_cache, metadata, dict(k_scale=2.0, v_scale=2.0), None)
+        fp8_cache = KVCache((kv_cache * 0.5).astype(jnp.float8_e4m3fn), k_scale=2.0, v_scale=2.0)
+        time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV", q, fp8_cache, metadata, {}, None)
+        time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV, fp16 q", q.astype(jnp.float16), fp8_cache, metadata, {}, None)
         del fp8_cache
         if seq_len == 8192:  # peer: JAX's stock Pallas (Triton) paged decode kernel, full attention
             with warnings.catch_warnings():

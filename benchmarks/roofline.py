@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_hybrid_attn import CAUSAL, LayerAttentionParams, make_attention_metadata, paged_attention, reference
+from jax_hybrid_attn import CAUSAL, KVCache, LayerAttentionParams, make_attention_metadata, paged_attention, reference
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES
 from trace_summary import profiled
@@ -125,7 +125,8 @@ def inputs(w: Workload, seed: int):
     if w.kv_layout == "HND":
         k_cache, v_cache = jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
     k_cache, v_cache = k_cache.astype(w.kv_dtype), v_cache.astype(w.kv_dtype)
-    kv_cache = (k_cache, v_cache) if w.kv_pair else jnp.stack([k_cache, v_cache], axis=1)
+    arrays = (k_cache, v_cache) if w.kv_pair else jnp.stack([k_cache, v_cache], axis=1)
+    kv_cache = KVCache(arrays, w.kv_layout, *((1 / scale, 1 / scale) if w.kv_dtype == FP8 else (None, None)))
     tables = 1 + np.random.default_rng(seed).permutation(num_blocks - 1).reshape(w.num_reqs, blocks_per_req)
     metadata = make_attention_metadata([w.query_len] * w.num_reqs, [w.seq_len] * w.num_reqs, tables,
                                        block_size=w.block_size)  # fmt: skip
@@ -135,8 +136,7 @@ def inputs(w: Workload, seed: int):
 
 
 def options(w: Workload, sinks) -> dict:
-    scales = dict(k_scale=1 / 8, v_scale=1 / 8) if w.kv_dtype == FP8 else {}
-    return dict(params=w.params, kv_layout=w.kv_layout, sinks=sinks, **scales)
+    return dict(params=w.params, sinks=sinks)
 
 
 def per_call_ms(fn, argument_sets, *, calls: int) -> float:
@@ -295,7 +295,7 @@ def _torch_ms(fn, argument_sets, *, calls: int) -> float:
 
 def _paged_peer_inputs(w: Workload, seed: int):
     q, kv_cache, metadata, _ = inputs(w, seed)
-    return q, kv_cache[:, 0], kv_cache[:, 1], metadata
+    return q, kv_cache.data[:, 0], kv_cache.data[:, 1], metadata
 
 
 def _cudnn_paged(w: Workload):

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from jax_hybrid_attn import get_kv_cache_shape, layer_attention, metadata_group_key
+from jax_hybrid_attn import KVCache, get_kv_cache_shape, layer_attention, metadata_group_key
 from jax_hybrid_attn._compat import resolve_interpret
 from jax_hybrid_attn.integers import check_int
 from jax_hybrid_attn.validation import resolve_implementation
@@ -66,25 +66,26 @@ CACHE_DTYPES = (*SUPPORTED_DTYPES, torch.float8_e4m3fn)
 
 @partial(
     jax.jit,
-    static_argnames=("layout", "group", "params", "kv_layout", "implementation", "interpret"),
-    donate_argnames=("kv_cache", "out_buffer"),
+    static_argnames=("layout", "group", "params", "implementation", "interpret"),
+    donate_argnames=("kv_data", "out_buffer"),
 )
 def _layer_step(
-    packed, q, k, v, kv_cache, sinks, out_buffer, k_scale, v_scale, *, layout, group, params, kv_layout,
-    implementation, interpret,
-):  # fmt: skip
-    """The plan's metadata of `group`, then `layer_attention`: one compiled function per (layout, layer). With
-    k = v = `FUSED`, q is the fused [T, (N + 2K) * H] projection output, split here."""
+    packed, q, k, v, kv_data, kv_cache, sinks, out_buffer, *, layout, group, params, implementation, interpret
+):
+    """The plan's metadata of `group`, then `layer_attention` on `kv_cache` holding `kv_data` (donated apart from
+    the scales): one compiled function per (layout, layer). With k = v = `FUSED`, q is the fused
+    [T, (N + 2K) * H] projection output, split here."""
+    kv_cache = kv_cache.replace(data=kv_data)
     if k is FUSED:
-        num_kv_heads, head_size = kv_cache.shape[-2:] if kv_layout == "NHD" else (kv_cache.shape[2], kv_cache.shape[4])
+        _, _, num_kv_heads, head_size = kv_cache.dims
         q, k, v = split_fused_qkv(q, num_kv_heads=num_kv_heads, head_size=head_size)
     out, kv_cache = layer_attention(
-        q, k, v, kv_cache, layout.metadata(packed, group), params=params, sinks=sinks, kv_layout=kv_layout,
-        k_scale=k_scale, v_scale=v_scale, implementation=implementation, interpret=interpret,
+        q, k, v, kv_cache, layout.metadata(packed, group), params=params, sinks=sinks,
+        implementation=implementation, interpret=interpret,
     )  # fmt: skip
     if out_buffer is not None:  # the caller's `out`, donated: XLA writes the result into its memory
         out = out.reshape(out_buffer.shape)
-    return out, kv_cache
+    return out, kv_cache.data
 
 
 class PagedAttentionBackend:
@@ -285,10 +286,11 @@ class PagedAttentionBackend:
                                  "out.contiguous() and copy back, or no out")  # fmt: skip
             if padded_tokens == num_tokens:  # XLA writes the result into out's memory; else it is copied there
                 out_jax = to_jax(out, name="out", already_ordered=True)
+        scales_and_layout = KVCache(None, self.kv_layout, spec.k_scale, spec.v_scale)
         result, new_cache = _layer_step(
-            self._packed, q_jax, k_jax, v_jax, cache_jax, self._layer_sinks(layer, spec), out_jax, spec.k_scale,
-            spec.v_scale, layout=self._layout, group=spec.kv_cache_group, params=spec.params,
-            kv_layout=self.kv_layout, implementation=self.implementation, interpret=self.interpret,
+            self._packed, q_jax, k_jax, v_jax, cache_jax, scales_and_layout, self._layer_sinks(layer, spec), out_jax,
+            layout=self._layout, group=spec.kv_cache_group, params=spec.params, implementation=self.implementation,
+            interpret=self.interpret,
         )  # fmt: skip
         if self.cache_owner == "jax":
             self._caches[layer] = new_cache

@@ -9,7 +9,7 @@ from .attention import layer_attention, paged_attention
 from .cascade import cascade_attention
 from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from .kv_cache import write_kv
-from .layout import KV_LAYOUTS, get_kv_cache_shape
+from .layout import KV_LAYOUTS, KVCache, get_kv_cache_shape
 from .metadata import (
     AttentionMetadata,
     expand_block_tables,
@@ -29,6 +29,7 @@ __all__ = [
     "NULL_BLOCK_ID",
     "PAD_SLOT_ID",
     "KV_LAYOUTS",
+    "KVCache",
     "AttentionMetadata",
     "allocator",
     "cascade_attention",

@@ -39,7 +39,7 @@ from . import reference
 from ._compat import plgpu
 from .constants import NULL_BLOCK_ID
 from .kernels.mixed_batch import check_kernel_support, paged_attention_parts_kernels
-from .layout import KVCache, KVLayout, kv_cache_dims
+from .layout import KVArrays, KVCache
 from .metadata import AttentionMetadata, token_requests
 from .params import CAUSAL, LayerAttentionParams
 from .softmax_merge import merge_splits
@@ -62,15 +62,12 @@ __all__ = ["cascade_attention", "cascade_pays", "split_violations"]
 
 def cascade_attention(
     q: Float[Array, "T N H"],
-    kv_cache: KVCache,
+    kv_cache: KVCache | KVArrays,
     metadata: AttentionMetadata,
     *,
     num_common_prefix_blocks: int | Int[Array, ""],
     params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
-    kv_layout: KVLayout = "NHD",
-    k_scale: float | None = None,
-    v_scale: float | None = None,
     checked: bool = False,
     implementation: str | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
@@ -88,15 +85,12 @@ def cascade_attention(
     Raises:
       NotImplementedError: the kernels do not support this combination (named in the message).
     """
-    params, k_scale, v_scale = check_paged_attention_args(
-        q, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
-        checked=checked,
-    )  # fmt: skip
+    params, kv_cache = check_paged_attention_args(q, kv_cache, metadata, params=params, sinks=sinks, checked=checked)
     max_blocks = metadata.block_tables.shape[1]
     if not isinstance(num_common_prefix_blocks, jax.core.Tracer) and not 0 <= num_common_prefix_blocks <= max_blocks:
         raise ValueError(f"{num_common_prefix_blocks=} must be in [0, {max_blocks}] (the block tables' width)")
     if checked:
-        _, block_size, _, _ = kv_cache_dims(kv_cache, kv_layout)
+        _, block_size, _, _ = kv_cache.dims
         broken = split_violations(metadata, num_common_prefix_blocks, block_size=block_size, params=params)
         if np.asarray(broken).any():
             raise ValueError(
@@ -107,11 +101,9 @@ def cascade_attention(
             )
     num_common_prefix_blocks = jnp.asarray(num_common_prefix_blocks, jnp.int32)
     if resolve_implementation(implementation, interpret) == "reference":
-        return _cascade_reference(q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale,
-                                  params=params, kv_layout=kv_layout)  # fmt: skip
-    check_kernel_support(q, kv_cache, kv_layout)
-    return _cascade_kernels(q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale,
-                            params=params, kv_layout=kv_layout, interpret=interpret)  # fmt: skip
+        return _cascade_reference(q, kv_cache, metadata, num_common_prefix_blocks, sinks, params=params)
+    check_kernel_support(q, kv_cache)
+    return _cascade_kernels(q, kv_cache, metadata, num_common_prefix_blocks, sinks, params=params, interpret=interpret)
 
 
 def split_violations(
@@ -155,29 +147,26 @@ def cascade_pays(
     return plain_us > CASCADE_MARGIN * cascade_us
 
 
-@partial(jax.jit, static_argnames=("params", "kv_layout"))
-def _cascade_reference(q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale, *, params, kv_layout):
+@partial(jax.jit, static_argnames=("params",))
+def _cascade_reference(q, kv_cache, metadata, num_common_prefix_blocks, sinks, *, params):
     """The two parts at the keys' true positions and masks, the prefix read from the first request's blocks."""
-    _, block_size, _, _ = kv_cache_dims(kv_cache, kv_layout)
+    _, block_size, _, _ = kv_cache.dims
     prefix_len = num_common_prefix_blocks * block_size
     shared = metadata.replace(block_tables=jnp.broadcast_to(_prefix_table(metadata), metadata.block_tables.shape))
-    options = dict(params=params, kv_layout=kv_layout)
-    prefix = reference.attention_parts(q, kv_cache, shared, k_scale, v_scale, keys_before=prefix_len, **options)
-    suffix = reference.attention_parts(q, kv_cache, metadata, k_scale, v_scale, keys_from=prefix_len, **options)
-    broken = _broken(metadata, num_common_prefix_blocks, kv_cache, kv_layout=kv_layout, params=params)
+    prefix = reference.attention_parts(q, kv_cache, shared, params=params, keys_before=prefix_len)
+    suffix = reference.attention_parts(q, kv_cache, metadata, params=params, keys_from=prefix_len)
+    broken = _broken(metadata, num_common_prefix_blocks, kv_cache, params=params)
     return _merged(q, metadata, prefix, suffix, sinks, broken)
 
 
-@partial(jax.jit, static_argnames=("params", "kv_layout", "interpret"))
-def _cascade_kernels(
-    q, kv_cache, metadata, num_common_prefix_blocks, sinks, k_scale, v_scale, *, params, kv_layout, interpret
-):
+@partial(jax.jit, static_argnames=("params", "interpret"))
+def _cascade_kernels(q, kv_cache, metadata, num_common_prefix_blocks, sinks, *, params, interpret):
     """The prefix part as one non-causal request holding every query token, over the first request's leading
     blocks (each of its query tiles reads them once); the suffix part as the
     requests with their tables and lengths shifted past the prefix (masks that only compare positions are
     unchanged by the shift; a chunk is the whole request's, as `split_violations` requires)."""
     num_tokens = q.shape[0]
-    _, block_size, _, _ = kv_cache_dims(kv_cache, kv_layout)
+    _, block_size, _, _ = kv_cache.dims
     prefix_len = num_common_prefix_blocks * block_size
     tables = metadata.block_tables
     prefix_metadata = metadata.replace(
@@ -187,19 +176,18 @@ def _cascade_kernels(
     )  # fmt: skip
     prefix_params = dataclasses.replace(params, causal=False, sliding_window=None, attention_chunk_size=None)
     prefix = paged_attention_parts_kernels(
-        q, kv_cache, prefix_metadata, k_scale, v_scale, jnp.zeros(1, bool), params=prefix_params,
-        kv_layout=kv_layout, interpret=interpret,
-    )  # fmt: skip
+        q, kv_cache, prefix_metadata, jnp.zeros(1, bool), params=prefix_params, interpret=interpret
+    )
     shifted = jnp.arange(tables.shape[1]) + num_common_prefix_blocks
     suffix_metadata = metadata.replace(
         block_tables=jnp.where(shifted < tables.shape[1], tables[:, jnp.minimum(shifted, tables.shape[1] - 1)],
                                NULL_BLOCK_ID),
         seq_lens=jnp.maximum(metadata.seq_lens - prefix_len, 0),  # below 0: a broken request, flagged
     )  # fmt: skip
-    broken = _broken(metadata, num_common_prefix_blocks, kv_cache, kv_layout=kv_layout, params=params)
+    broken = _broken(metadata, num_common_prefix_blocks, kv_cache, params=params)
     suffix = paged_attention_parts_kernels(
-        q, kv_cache, suffix_metadata, k_scale, v_scale, broken,
-        params=dataclasses.replace(params, attention_chunk_size=None), kv_layout=kv_layout, interpret=interpret,
+        q, kv_cache, suffix_metadata, broken, params=dataclasses.replace(params, attention_chunk_size=None),
+        interpret=interpret,
     )  # fmt: skip
     return _merged(q, metadata, prefix, suffix, sinks, broken)
 
@@ -211,9 +199,9 @@ def _prefix_table(metadata: AttentionMetadata) -> Int[Array, "1 P"]:
     return jax.lax.dynamic_slice_in_dim(metadata.block_tables, lead, 1)
 
 
-def _broken(metadata, num_common_prefix_blocks, kv_cache, *, kv_layout, params) -> Bool[Array, "R"]:
+def _broken(metadata, num_common_prefix_blocks, kv_cache: KVCache, *, params) -> Bool[Array, "R"]:
     """The requests whose tokens come out NaN: those the metadata or the split cannot serve."""
-    num_blocks, block_size, _, _ = kv_cache_dims(kv_cache, kv_layout)
+    num_blocks, block_size, _, _ = kv_cache.dims
     broken = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)
     return broken | split_violations(metadata, num_common_prefix_blocks, block_size=block_size, params=params)
 

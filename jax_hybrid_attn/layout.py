@@ -1,28 +1,32 @@
-"""The KV-cache layouts and storage dtypes, and the shape of one layer's cache.
+"""One layer's paged KV cache as a typed pytree (`KVCache`: its arrays, layout and float8 scales), and its shape.
 
-A layer's cache is one array that holds K and V, or a pair ``(k_cache, v_cache)`` of two arrays of the same
-shape and dtype (FlashInfer takes both forms). Layouts (FlashInfer's names):
+A layer's cache holds K and V in one array, or in a pair ``(k_cache, v_cache)`` of two arrays of the same shape
+and dtype (FlashInfer takes both forms). Layouts (FlashInfer's names):
   "NHD": [B, 2, S, K, H], the default; zero-copy with vLLM-style torch caches. A pair: [B, S, K, H] each.
   "HND": [B, 2, K, S, H]. A pair: [B, K, S, H] each.
 Index 0 of axis 1 holds K, index 1 holds V. The pair is what caches that keep K and V apart hand over without a
 copy: vLLM FlashAttention's [2, B, S, K, H] is ``(cache[0], cache[1])``, and transformers' continuous batching
 keeps one K and one V tensor per layer. A float8_e4m3fn cache stores ``value / scale`` with one scale per tensor
-(`k_scale`, `v_scale`).
+(`KVCache.k_scale`, `KVCache.v_scale`).
+
+Every function that takes a cache takes a `KVCache`, or, for an "NHD" cache without scales, its array or pair
+alone (`as_kv_cache`).
 """
 
+import dataclasses
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jaxtyping import Array, Float
 
+from ._compat import register_pytree_dataclass
 from .integers import check_int
 
-__all__ = [
-    "KVCache", "KVLayout", "KV_LAYOUTS", "FP8_DTYPE", "get_kv_cache_shape", "is_kv_pair", "kv_as_nhd", "kv_halves_nhd",
-]  # fmt: skip
+__all__ = ["KVArrays", "KVCache", "KVLayout", "KV_LAYOUTS", "FP8_DTYPE", "as_kv_cache", "get_kv_cache_shape"]
 
 KVLayout = Literal["NHD", "HND"]
-KVCache = jax.Array | tuple[jax.Array, jax.Array]
+KVArrays = jax.Array | tuple[jax.Array, jax.Array]
 """One array [B, 2, ...] holding K and V, or the pair ``(k_cache, v_cache)``."""
 KV_LAYOUTS: tuple[str, ...] = ("NHD", "HND")
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -30,9 +34,9 @@ FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448: writes saturate there rather t
 KV_CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, FP8_DTYPE))
 
 
-def check_kv_layout(kv_layout) -> None:
+def check_kv_layout(kv_layout, *, name: str = "kv_layout") -> None:
     if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout={kv_layout!r} must be one of {KV_LAYOUTS}")
+        raise ValueError(f"{name}={kv_layout!r} must be one of {KV_LAYOUTS}")
 
 
 def get_kv_cache_shape(
@@ -49,32 +53,77 @@ def get_kv_cache_shape(
     return (num_blocks, 2, num_kv_heads, block_size, head_size)
 
 
-def is_kv_pair(kv_cache) -> bool:
-    """Whether the cache is a ``(k_cache, v_cache)`` pair rather than one array."""
-    return isinstance(kv_cache, (tuple, list))
+def is_kv_pair(arrays) -> bool:
+    """Whether the arrays are a ``(k_cache, v_cache)`` pair rather than one array."""
+    return isinstance(arrays, (tuple, list))
 
 
-def kv_cache_dims(kv_cache: KVCache, kv_layout: KVLayout) -> tuple[int, int, int, int]:
-    """(B, S, K, H) of a cache in `kv_layout`."""
-    if is_kv_pair(kv_cache):
-        num_blocks, a, b, head_size = kv_cache[0].shape
-    else:
-        num_blocks, _, a, b, head_size = kv_cache.shape
-    return (num_blocks, a, b, head_size) if kv_layout == "NHD" else (num_blocks, b, a, head_size)
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """One layer's paged KV cache: its arrays, their layout and a float8 cache's scales (a pytree; the layout is
+    static, the scales are traced).
+
+    Attributes:
+      data: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), or the pair ``(k_cache, v_cache)`` of
+        [B, S, K, H] / [B, K, S, H] each; float32, bfloat16, float16 or float8_e4m3fn.
+      layout: "NHD" or "HND".
+      k_scale, v_scale: a float8_e4m3fn cache's per-tensor scales, numbers or float scalar arrays (it stores
+        ``k / k_scale`` and ``v / v_scale``); None is 1. Other dtypes take none: their values are stored as is.
+    """
+
+    data: KVArrays
+    layout: KVLayout = "NHD"
+    k_scale: float | Float[Array, ""] | None = None
+    v_scale: float | Float[Array, ""] | None = None
+
+    @property
+    def is_pair(self) -> bool:
+        return is_kv_pair(self.data)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.data[0].dtype if self.is_pair else self.data.dtype)
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(B, S, K, H)."""
+        if self.is_pair:
+            num_blocks, a, b, head_size = self.data[0].shape
+        else:
+            num_blocks, _, a, b, head_size = self.data.shape
+        return (num_blocks, a, b, head_size) if self.layout == "NHD" else (num_blocks, b, a, head_size)
+
+    def halves_nhd(self) -> tuple[jax.Array, jax.Array]:
+        """K and V as "NHD" [B, S, K, H] each (slices of one array, or the pair; a transpose for "HND")."""
+        k_cache, v_cache = self.data if self.is_pair else (self.data[:, 0], self.data[:, 1])
+        if self.layout == "HND":
+            return jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
+        return k_cache, v_cache
+
+    def scales(self) -> tuple[Float[Array, ""], Float[Array, ""]]:
+        """(k_scale, v_scale) as float32 scalars, 1 where None. A scale that is not finite and > 0 (a traced one,
+        which the entry points cannot check) becomes NaN, so every output it touches is NaN."""
+
+        def resolved(scale):
+            if scale is None:
+                return jnp.float32(1)
+            scale = jnp.asarray(scale, jnp.float32)
+            return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, jnp.nan)
+
+        return resolved(self.k_scale), resolved(self.v_scale)
+
+    def replace(self, **changes) -> "KVCache":
+        return dataclasses.replace(self, **changes)
 
 
-def kv_cache_dtype(kv_cache: KVCache) -> jnp.dtype:
-    return jnp.dtype(kv_cache[0].dtype if is_kv_pair(kv_cache) else kv_cache.dtype)
+register_pytree_dataclass(KVCache, data_fields=["data", "k_scale", "v_scale"], meta_fields=["layout"])
 
 
-def kv_as_nhd(kv_cache, kv_layout: KVLayout):
-    """One array [B, 2, ...] as "NHD" [B, 2, S, K, H] (a transpose for "HND")."""
-    return kv_cache if kv_layout == "NHD" else jnp.swapaxes(kv_cache, 2, 3)
+def as_kv_cache(kv_cache) -> KVCache:
+    """`kv_cache` as a `KVCache`: itself, or an array or pair taken as an "NHD" cache without scales."""
+    return kv_cache if isinstance(kv_cache, KVCache) else KVCache(kv_cache)
 
 
-def kv_halves_nhd(kv_cache: KVCache, kv_layout: KVLayout) -> tuple[jax.Array, jax.Array]:
-    """K and V as "NHD" [B, S, K, H] each (slices of one array, or the pair; a transpose for "HND")."""
-    k_cache, v_cache = kv_cache if is_kv_pair(kv_cache) else (kv_cache[:, 0], kv_cache[:, 1])
-    if kv_layout == "HND":
-        return jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
-    return k_cache, v_cache
+def like_given(updated: KVCache, given) -> "KVCache | KVArrays":
+    """The updated cache in the form the caller gave: a `KVCache`, or its arrays alone."""
+    return updated if isinstance(given, KVCache) else updated.data

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .layout import KVCache, KVLayout, kv_halves_nhd
+from .layout import KVArrays, KVCache
 from .masks import attention_mask
 from .metadata import AttentionMetadata, token_requests
 from .params import CAUSAL, LayerAttentionParams
@@ -29,14 +29,11 @@ TOKENS_PER_MAP_STEP = 8  # queries computed together by lax.map; bounds the gath
 
 def paged_attention(
     q: Float[Array, "T N H"],
-    kv_cache: KVCache,
+    kv_cache: KVCache | KVArrays,
     metadata: AttentionMetadata,
     *,
     params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
-    kv_layout: KVLayout = "NHD",
-    k_scale: float | None = None,
-    v_scale: float | None = None,
     checked: bool = False,
 ) -> Float[Array, "T N H"]:
     """Attention of each query token over its request's paged keys and values.
@@ -44,14 +41,13 @@ def paged_attention(
     Args:
       q: [T, N, H] queries; token t belongs to the request r with
         ``query_start_loc[r] <= t < query_start_loc[r+1]``. Padding tokens get zeros.
-      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), or the pair ``(k_cache, v_cache)`` of
-        [B, S, K, H] / [B, K, S, H] each (`layout`); same dtype as `q` or float8_e4m3fn.
+      kv_cache: a `KVCache`: arrays [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), or the pair
+        ``(k_cache, v_cache)`` of [B, S, K, H] / [B, K, S, H] each, in `q`'s dtype or float8_e4m3fn (then with its
+        per-tensor `k_scale` / `v_scale`); or an "NHD" cache's array or pair alone (`layout.as_kv_cache`).
       metadata: where each request's queries and blocks are.
       params: the layer's scale, window, chunk, soft cap and causality (`LayerAttentionParams`);
         ``params.causal`` must equal ``metadata.causal``.
       sinks: [N] one learned logit per query head, unscaled, in the softmax denominator only.
-      kv_layout: "NHD" or "HND".
-      k_scale, v_scale: per-tensor dequantization scales of a float8_e4m3fn cache.
       checked: also validate the metadata's values (`check_metadata_values`: block ids in the pool, lengths
         within the tables, query offsets, slots in the cache, none in the null block and none twice, the static
         bounds; with this layer's window and chunk, no key position a query attends in the null block and no
@@ -66,17 +62,16 @@ def paged_attention(
     Returns:
       [T, N, H] in ``q.dtype``. Query head n reads KV head ``n // (N // K)``.
     """
-    params, k_scale, v_scale = check_paged_attention_args(
-        q, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
-        checked=checked,
-    )  # fmt: skip
-    return _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, params=params, kv_layout=kv_layout)
+    params, kv_cache = check_paged_attention_args(
+        q, kv_cache, metadata, params=params, sinks=sinks, checked=checked
+    )
+    return _paged_attention(q, kv_cache, metadata, sinks, params=params)
 
 
-@partial(jax.jit, static_argnames=("params", "kv_layout"))
-def _paged_attention(q, kv_cache, metadata, sinks, k_scale, v_scale, *, params, kv_layout):
-    num_blocks, block_size = kv_halves_nhd(kv_cache, kv_layout)[0].shape[:2]
-    out, lse = attention_parts(q, kv_cache, metadata, k_scale, v_scale, params=params, kv_layout=kv_layout)
+@partial(jax.jit, static_argnames=("params",))
+def _paged_attention(q, kv_cache, metadata, sinks, *, params):
+    num_blocks, block_size, _, _ = kv_cache.dims
+    out, lse = attention_parts(q, kv_cache, metadata, params=params)
     out = merge_splits(out[:, :, None], lse[:, :, None], None if sinks is None else sinks.astype(jnp.float32))
     request = token_requests(metadata.query_start_loc, jnp.arange(q.shape[0]))
     unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks)[request]
@@ -89,21 +84,19 @@ def attention_parts(
     q: Float[Array, "T N H"],
     kv_cache: KVCache,
     metadata: AttentionMetadata,
-    k_scale: Float[Array, ""],
-    v_scale: Float[Array, ""],
     *,
     params: LayerAttentionParams,
-    kv_layout: KVLayout,
     keys_from: Int[Array, ""] | int = 0,
     keys_before: Int[Array, ""] | int | None = None,
 ) -> tuple[Float[Array, "T N H"], Float[Array, "T N"]]:
     """Each query token's attention, without sinks, over the keys its mask allows at positions in
-    ``[keys_from, keys_before)`` (`keys_before` None: no end), in float32 with `params` and the scales resolved
+    ``[keys_from, keys_before)`` (`keys_before` None: no end), in float32 with `params` resolved
     (`check_paged_attention_args`): (the output normalized over those keys, 0 where there is none [T, N, H]; the
     log-sum-exp of their logits, -inf where there is none [T, N]), the parts that `softmax_merge.merge_splits`
     combines. Padding tokens and unservable requests are not marked."""
     num_tokens, num_q_heads, head_dim = q.shape
-    k_cache, v_cache = kv_halves_nhd(kv_cache, kv_layout)
+    k_cache, v_cache = kv_cache.halves_nhd()
+    k_scale, v_scale = kv_cache.scales()
     _, block_size, num_kv_heads, _ = k_cache.shape
     group_size = num_q_heads // num_kv_heads
     num_reqs, max_blocks = metadata.block_tables.shape

@@ -18,10 +18,10 @@ from jaxtyping import Array, Float
 
 from .attention import layer_attention
 from .integers import check_int
-from .layout import FP8_DTYPE, KVLayout, check_kv_layout, kv_cache_dtype
+from .layout import KVCache, KVLayout, check_kv_layout, like_given
 from .metadata import AttentionMetadata
 from .params import CAUSAL, LayerAttentionParams
-from .validation import resolve_kv_scales
+from .validation import check_kv_cache
 
 __all__ = [
     "TENSOR_AXIS",
@@ -75,23 +75,23 @@ def sharded_layer_attention(
     q: Float[Array, "T N H"],
     k: Float[Array, "T K H"],
     v: Float[Array, "T K H"],
-    kv_cache: Float[Array, "B 2 S K H"],
+    kv_cache: KVCache | Float[Array, "B 2 S K H"],
     metadata: AttentionMetadata,
     *,
     params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
-    kv_layout: KVLayout = "NHD",
-    k_scale: float | Float[Array, ""] | None = None,
-    v_scale: float | Float[Array, ""] | None = None,
     implementation: str | None = None,
     interpret: bool = False,
-) -> tuple[Float[Array, "T N H"], Float[Array, "B 2 S K H"]]:
+) -> tuple[Float[Array, "T N H"], KVCache | Float[Array, "B 2 S K H"]]:
     """`layer_attention` with the heads split over the mesh axis `axis` (through `jax.shard_map`).
 
     q's N query heads, k/v's and the cache's K KV heads (already `replicate_kv_heads`-ed when K < devices) are
-    split in order over the axis; the metadata and a float8 cache's `k_scale` / `v_scale` are the same on every
-    device. Returns (output [T, N, H], the updated cache), split the same way."""
-    check_kv_layout(kv_layout)
+    split in order over the axis; the metadata and a float8 cache's scales are the same on every device. The
+    cache is a `KVCache` holding one array (not a pair), or that "NHD" array alone. Returns (output [T, N, H], the
+    updated cache in the form given), split the same way."""
+    cache = check_kv_cache(kv_cache)  # checked here: the scales are traced per device
+    if cache.is_pair:
+        raise NotImplementedError("sharded_layer_attention with a (k_cache, v_cache) pair: pass one [B, 2, ...] array")
     num_devices = mesh.shape[axis]
     num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_q_heads % num_devices or num_kv_heads % num_devices:
@@ -99,22 +99,23 @@ def sharded_layer_attention(
             f"{num_q_heads=} and {num_kv_heads=} must divide over {num_devices} devices (replicate_kv_heads first)"
         )
     heads = P(None, axis, None)
-    cache_spec = kv_cache_spec(axis, kv_layout)
 
-    float8 = kv_cache_dtype(kv_cache) == FP8_DTYPE
-    scales = resolve_kv_scales(kv_cache_dtype(kv_cache), k_scale, v_scale)  # checked here: traced per device
+    def replicated(scale):
+        return None if scale is None else P()
 
-    def per_device(q, k, v, kv_cache, metadata, sinks, k_scale, v_scale):
-        return layer_attention(
-            q, k, v, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout,
-            k_scale=k_scale if float8 else None, v_scale=v_scale if float8 else None,
-            implementation=implementation, interpret=interpret,
-        )  # fmt: skip
+    cache_spec = cache.replace(
+        data=kv_cache_spec(axis, cache.layout), k_scale=replicated(cache.k_scale), v_scale=replicated(cache.v_scale)
+    )
 
-    return jax.shard_map(
+    def per_device(q, k, v, kv_cache, metadata, sinks):
+        return layer_attention(q, k, v, kv_cache, metadata, params=params, sinks=sinks,
+                               implementation=implementation, interpret=interpret)  # fmt: skip
+
+    out, cache = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(heads, heads, heads, cache_spec, P(), None if sinks is None else P(axis), P(), P()),
+        in_specs=(heads, heads, heads, cache_spec, P(), None if sinks is None else P(axis)),
         out_specs=(heads, cache_spec),
         check_vma=False,
-    )(q, k, v, kv_cache, metadata, sinks, *scales)
+    )(q, k, v, cache, metadata, sinks)
+    return out, like_given(cache, kv_cache)

@@ -34,11 +34,9 @@ class PagedInputs:
     """Inputs of `paged_attention` plus each request's K/V in contiguous form (float64, dequantized)."""
 
     q: jax.Array  # [T, N, H]
-    kv_cache: KVCache  # [B, 2, S, K, H] or [B, 2, K, S, H], or the pair of [B, S, K, H] / [B, K, S, H]
+    kv_cache: KVCache  # its layout and dtype as asked; a float8 cache with its scales
     metadata: AttentionMetadata
     sinks: jax.Array | None  # [N]
-    k_scale: float | None
-    v_scale: float | None
     keys: list[np.ndarray]  # per request [seq_len, K, H]
     values: list[np.ndarray]  # per request [seq_len, K, H]
 
@@ -152,20 +150,18 @@ def pack_paged_inputs(
         unreachable = np.arange(max_blocks)[None, :] < (np.asarray(first_key) // block_size)[:, None]
         block_tables[unreachable & (query_lens > 0)[:, None]] = NULL_BLOCK_ID
 
-    kv_cache = jnp.asarray(nhd).astype(kv_dtype)
+    arrays = jnp.asarray(nhd).astype(kv_dtype)
     if kv_layout == "HND":
-        kv_cache = jnp.swapaxes(kv_cache, 2, 3)
-    assert kv_cache.shape == get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, kv_layout=kv_layout)
+        arrays = jnp.swapaxes(arrays, 2, 3)
+    assert arrays.shape == get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, kv_layout=kv_layout)
     if kv_pair:
-        kv_cache = (kv_cache[:, 0], kv_cache[:, 1])
+        arrays = (arrays[:, 0], arrays[:, 1])
     metadata = make_attention_metadata(query_lens, seq_lens, block_tables, block_size=block_size, causal=causal)
     return PagedInputs(
         q=jnp.asarray(q, dtype),
-        kv_cache=kv_cache,
+        kv_cache=KVCache(arrays, kv_layout, k_scale, v_scale),
         metadata=metadata,
         sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
-        k_scale=k_scale,
-        v_scale=v_scale,
         keys=stored_keys,
         values=stored_values,
     )

@@ -16,7 +16,7 @@ import numpy as np
 from ._compat import resolve_interpret
 from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from .integers import INT32_MAX, check_bool
-from .layout import FP8_DTYPE, KV_CACHE_DTYPES, check_kv_layout, is_kv_pair, kv_cache_dims, kv_cache_dtype
+from .layout import FP8_DTYPE, KV_CACHE_DTYPES, KVCache, as_kv_cache, check_kv_layout, is_kv_pair
 from .masks import allowed_key_range
 from .metadata import AttentionMetadata
 from .params import LayerAttentionParams, check_params, resolve_sm_scale
@@ -185,15 +185,20 @@ def check_block_reads(query_start_loc, seq_lens, block_tables, slot_mapping, *, 
             )
 
 
-def _check_kv_cache(kv_cache, kv_layout) -> None:
-    """One array [B, 2, ...] or a pair (k_cache, v_cache) of [B, ...] arrays of one shape and dtype."""
-    check_kv_layout(kv_layout)
-    if is_kv_pair(kv_cache):
-        if len(kv_cache) != 2:
-            raise ValueError(f"kv_cache as a sequence must be the pair (k_cache, v_cache), got {len(kv_cache)} items")
-        k_cache, v_cache = kv_cache
-        _check_array("kv_cache[0]", k_cache, ndim=4)
-        _check_array("kv_cache[1]", v_cache, ndim=4)
+def check_kv_cache(kv_cache) -> KVCache:
+    """A `KVCache` (or an "NHD" cache's array or pair, `as_kv_cache`) whose arrays are one [B, 2, ...] array or a
+    pair of [B, ...] arrays of one shape and dtype, with valid scales; returned as a `KVCache`."""
+    typed = isinstance(kv_cache, KVCache)
+    name = "kv_cache.data" if typed else "kv_cache"
+    kv_cache = as_kv_cache(kv_cache)
+    check_kv_layout(kv_cache.layout, name="kv_cache.layout")
+    arrays = kv_cache.data
+    if is_kv_pair(arrays):
+        if len(arrays) != 2:
+            raise ValueError(f"{name} as a sequence must be the pair (k_cache, v_cache), got {len(arrays)} items")
+        k_cache, v_cache = arrays
+        _check_array(f"{name}[0]", k_cache, ndim=4)
+        _check_array(f"{name}[1]", v_cache, ndim=4)
         if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
             raise ValueError(
                 f"the pair's k_cache ({tuple(k_cache.shape)}, {k_cache.dtype}) and v_cache ({tuple(v_cache.shape)}, "
@@ -201,49 +206,49 @@ def _check_kv_cache(kv_cache, kv_layout) -> None:
             )
         shape = tuple(k_cache.shape)
     else:
-        _check_array("kv_cache", kv_cache, ndim=5)
-        shape = tuple(kv_cache.shape)
+        _check_array(name, arrays, ndim=5)
+        shape = tuple(arrays.shape)
         if shape[1] != 2:
-            raise ValueError(f"kv_cache.shape={shape} must have 2 (K and V) on axis 1")
+            raise ValueError(f"{name}.shape={shape} must have 2 (K and V) on axis 1")
     if shape[0] == 0:
-        raise ValueError(f"kv_cache.shape={shape} must hold at least the null block (B >= 1)")
-    dtype = kv_cache_dtype(kv_cache)
-    if dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache.dtype={dtype} must be one of {[str(d) for d in KV_CACHE_DTYPES]}")
+        raise ValueError(f"{name}.shape={shape} must hold at least the null block (B >= 1)")
+    if kv_cache.dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"{name}.dtype={kv_cache.dtype} must be one of {[str(d) for d in KV_CACHE_DTYPES]}")
+    _check_kv_scales(kv_cache)
+    return kv_cache
 
 
-def resolve_kv_scales(cache_dtype, k_scale, v_scale) -> tuple[jax.Array, jax.Array]:
-    """float32 scalars; scales apply only to a float8_e4m3fn cache, where they default to 1."""
-    if jnp.dtype(cache_dtype) != FP8_DTYPE:
+def _check_kv_scales(kv_cache: KVCache) -> None:
+    """Scales belong to a float8_e4m3fn cache only, each a number or a float scalar array, finite and > 0 where
+    concrete (a traced one is resolved to NaN where invalid: `KVCache.scales`)."""
+    k_scale, v_scale = kv_cache.k_scale, kv_cache.v_scale
+    if kv_cache.dtype != FP8_DTYPE:
         if k_scale is not None or v_scale is not None:
             raise ValueError(
-                f"k_scale={k_scale!r}, v_scale={v_scale!r} apply only to a {FP8_DTYPE} cache, not {cache_dtype}"
+                f"kv_cache.k_scale={k_scale!r}, kv_cache.v_scale={v_scale!r} apply only to a {FP8_DTYPE} cache, "
+                f"not {kv_cache.dtype}"
             )
-        return jnp.float32(1), jnp.float32(1)
-    resolved = []
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        return
+    for name, scale in (("kv_cache.k_scale", k_scale), ("kv_cache.v_scale", v_scale)):
         if scale is None:
-            scale = 1.0
+            continue
         if isinstance(scale, (bool, np.bool_, str, bytes)) or not (
             isinstance(scale, numbers.Real) or isinstance(scale, (jax.Array, np.ndarray))
         ):
             raise ValueError(f"{name}={scale!r} must be a number (or a float scalar array)")
         if isinstance(scale, (jax.Array, np.ndarray)) and not jnp.issubdtype(scale.dtype, jnp.floating):
             raise ValueError(f"{name}.dtype={scale.dtype} must be a float dtype")
-        scale = jnp.asarray(scale, jnp.float32)
-        if scale.ndim != 0:
-            raise ValueError(f"{name} must be a scalar (one scale per tensor), got shape {scale.shape}")
+        if np.ndim(scale) != 0:
+            raise ValueError(f"{name} must be a scalar (one scale per tensor), got shape {np.shape(scale)}")
         if not isinstance(scale, jax.core.Tracer) and not (math.isfinite(float(scale)) and float(scale) > 0):
             raise ValueError(f"{name}={float(scale)} must be finite and > 0")
-        # A traced scale cannot be checked here: an invalid one becomes NaN, so every output it touches is NaN.
-        resolved.append(jnp.where(jnp.isfinite(scale) & (scale > 0), scale, jnp.nan))
-    return tuple(resolved)
 
 
-def check_write_kv_args(kv_cache, k, v, slot_mapping, *, kv_layout, k_scale, v_scale, checked):
+def check_write_kv_args(kv_cache, k, v, slot_mapping, *, checked) -> KVCache:
+    """All checks of `write_kv`; returns the cache as a `KVCache`."""
     checked = check_bool("checked", checked)
-    _check_kv_cache(kv_cache, kv_layout)
-    num_blocks, block_size, num_kv_heads, head_dim = kv_cache_dims(kv_cache, kv_layout)
+    kv_cache = check_kv_cache(kv_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.dims
     for name, x in (("k", k), ("v", v)):
         _check_array(name, x, ndim=3)
         if x.shape[1:] != (num_kv_heads, head_dim):
@@ -258,28 +263,28 @@ def check_write_kv_args(kv_cache, k, v, slot_mapping, *, kv_layout, k_scale, v_s
     if checked:
         slots = _concrete("slot_mapping", slot_mapping)
         check_slot_values("slot_mapping", slots, num_slots=num_blocks * block_size, block_size=block_size)
-    return resolve_kv_scales(kv_cache_dtype(kv_cache), k_scale, v_scale)
+    return kv_cache
 
 
 def check_paged_attention_args(
-    q, kv_cache, metadata, *, params, sinks, kv_layout, k_scale, v_scale, checked
-) -> tuple[LayerAttentionParams, jax.Array, jax.Array]:
-    """All checks of `paged_attention`; returns ``(params, k_scale, v_scale)`` with ``params.sm_scale`` and the
-    scales resolved to values."""
+    q, kv_cache, metadata, *, params, sinks, checked
+) -> tuple[LayerAttentionParams, KVCache]:
+    """All checks of `paged_attention`; returns ``(params, kv_cache)``: ``params.sm_scale`` resolved to a value,
+    the cache as a `KVCache`."""
     check_params(params)
     checked = check_bool("checked", checked)
     _check_array("q", q, ndim=3)
     if jnp.dtype(q.dtype) not in QUERY_DTYPES:
         raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in QUERY_DTYPES]}")
-    _check_kv_cache(kv_cache, kv_layout)
-    num_blocks, block_size, num_kv_heads, head_dim = kv_cache_dims(kv_cache, kv_layout)
+    kv_cache = check_kv_cache(kv_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.dims
     num_tokens, num_q_heads, q_head_dim = q.shape
     if q_head_dim != head_dim:
         raise ValueError(f"q.shape={tuple(q.shape)}: head_dim {q_head_dim} differs from the cache's H={head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(f"{num_q_heads=} must be a multiple of {num_kv_heads=}")
-    if kv_cache_dtype(kv_cache) not in (jnp.dtype(q.dtype), FP8_DTYPE):
-        raise ValueError(f"kv_cache.dtype={kv_cache_dtype(kv_cache)} must equal q.dtype={q.dtype} or be {FP8_DTYPE}")
+    if kv_cache.dtype not in (jnp.dtype(q.dtype), FP8_DTYPE):
+        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal q.dtype={q.dtype} or be {FP8_DTYPE}")
     check_metadata(metadata)
     if metadata.num_tokens != num_tokens:
         raise ValueError(
@@ -296,9 +301,8 @@ def check_paged_attention_args(
         check_metadata_values(metadata, num_blocks=num_blocks, block_size=block_size, params=params)
         if sinks is not None and not np.isfinite(_concrete("sinks", sinks)).all():
             raise ValueError(f"sinks={np.asarray(sinks).tolist()} must be finite")
-    k_scale, v_scale = resolve_kv_scales(kv_cache_dtype(kv_cache), k_scale, v_scale)
     params = dataclasses.replace(params, sm_scale=resolve_sm_scale(params.sm_scale, head_dim))
-    return params, k_scale, v_scale
+    return params, kv_cache
 
 
 def unservable_requests(metadata: AttentionMetadata, *, block_size: int, num_blocks: int) -> jax.Array:

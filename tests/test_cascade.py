@@ -77,8 +77,7 @@ def params_of(case):
 
 
 def attend(inputs, case, *, cascade_blocks=None, **options):
-    arguments = dict(params=params_of(case), sinks=inputs.sinks, kv_layout=case["kv_layout"], k_scale=inputs.k_scale,
-                     v_scale=inputs.v_scale, **options)  # fmt: skip
+    arguments = dict(params=params_of(case), sinks=inputs.sinks, **options)
     if cascade_blocks is None:
         return reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **arguments)
     return cascade_attention(inputs.q, inputs.kv_cache, inputs.metadata, num_common_prefix_blocks=cascade_blocks,

@@ -62,8 +62,7 @@ def run_case(case, *, seed, interpret=True):
     )  # fmt: skip
     params = LayerAttentionParams(**case["mask"], logits_soft_cap=case["logits_soft_cap"], sm_scale=case.get("sm_scale"),
                                   causal=case["causal"])  # fmt: skip
-    options = dict(params=params, kv_layout=case["kv_layout"], sinks=inputs.sinks, k_scale=inputs.k_scale,
-                   v_scale=inputs.v_scale)  # fmt: skip
+    options = dict(params=params, sinks=inputs.sinks)
     out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, interpret=interpret, **options)
     expected = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
     return np.asarray(out.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32))
@@ -163,8 +162,7 @@ def test_unsupported_combinations_raise(change, message):
                   dtype=jnp.bfloat16) | change  # fmt: skip
     inputs = random_paged_inputs(0, **kwargs)
     with pytest.raises(NotImplementedError, match=message):
-        paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, implementation="kernel",
-                        k_scale=inputs.k_scale, v_scale=inputs.v_scale)  # fmt: skip
+        paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, implementation="kernel")
 
 
 @pytest.mark.parametrize(

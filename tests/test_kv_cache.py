@@ -1,20 +1,25 @@
 """write_kv: drops pad slots, writes in place (donation), leaves every other slot bit-identical; one array or the
-(k_cache, v_cache) pair."""
+(k_cache, v_cache) pair. The `KVCache` pytree: its layout static, its scales traced and never donated."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_hybrid_attn import PAD_SLOT_ID, LayerAttentionParams, get_kv_cache_shape, layer_attention, write_kv
-from jax_hybrid_attn.layout import kv_as_nhd
+from jax_hybrid_attn import PAD_SLOT_ID, KVCache, LayerAttentionParams, get_kv_cache_shape, layer_attention, write_kv
 from jax_hybrid_attn.testing import random_paged_inputs
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 6, 4, 2, 8
 
 
-def random_cache(rng, kv_layout, dtype):
+def random_cache(rng, kv_layout, dtype, **scales) -> KVCache:
     shape = get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv_layout=kv_layout)
-    return jnp.asarray(rng.standard_normal(shape), dtype)
+    return KVCache(jnp.asarray(rng.standard_normal(shape), dtype), kv_layout, **scales)
+
+
+def as_nhd(cache: KVCache) -> np.ndarray:
+    """[B, 2, S, K, H]."""
+    return np.stack([np.asarray(half) for half in cache.halves_nhd()], axis=1)
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
@@ -22,12 +27,12 @@ def random_cache(rng, kv_layout, dtype):
 def test_writes_slots_and_nothing_else(kv_layout, dtype):
     rng = np.random.default_rng(0)
     cache = random_cache(rng, kv_layout, dtype)
-    before = np.asarray(kv_as_nhd(cache, kv_layout)).copy()
+    before = as_nhd(cache)
     slots = np.array([5, PAD_SLOT_ID, 17, 10, PAD_SLOT_ID, 23], np.int32)  # none in the null block 0
     k = jnp.asarray(rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)), dtype)
     v = jnp.asarray(rng.standard_normal((len(slots), NUM_KV_HEADS, HEAD_DIM)), dtype)
 
-    after = np.asarray(kv_as_nhd(write_kv(cache, k, v, jnp.asarray(slots), kv_layout=kv_layout, checked=True), kv_layout))
+    after = as_nhd(write_kv(cache, k, v, jnp.asarray(slots), checked=True))
 
     expected = before.copy()
     for t, slot in enumerate(slots):
@@ -42,32 +47,56 @@ def test_writes_slots_and_nothing_else(kv_layout, dtype):
 def test_a_kv_pair_gets_the_writes_of_one_array(kv_layout):
     rng = np.random.default_rng(3)
     cache = random_cache(rng, kv_layout, jnp.bfloat16)
-    pair = (cache[:, 0], cache[:, 1])  # two arrays: [B, S, K, H] ("NHD") or [B, K, S, H] ("HND")
+    pair = cache.replace(data=(cache.data[:, 0], cache.data[:, 1]))  # [B, S, K, H] ("NHD") or [B, K, S, H] ("HND")
     slots = jnp.asarray([12, PAD_SLOT_ID, 19, 8], jnp.int32)
     k = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
-    k_after, v_after = write_kv(pair, k, v, slots, kv_layout=kv_layout, checked=True)
-    expected = write_kv(cache, k, v, slots, kv_layout=kv_layout)
+    k_after, v_after = write_kv(pair, k, v, slots, checked=True).data
+    expected = write_kv(cache, k, v, slots).data
     np.testing.assert_array_equal(np.asarray(k_after).view(np.uint16), np.asarray(expected[:, 0]).view(np.uint16))
     np.testing.assert_array_equal(np.asarray(v_after).view(np.uint16), np.asarray(expected[:, 1]).view(np.uint16))
 
 
-def test_updates_the_donated_buffer_in_place():
+def test_updates_the_donated_buffer_in_place_and_returns_the_form_given():
     rng = np.random.default_rng(1)
-    cache = random_cache(rng, "NHD", jnp.bfloat16)
+    cache = random_cache(rng, "NHD", jnp.bfloat16).data  # an "NHD" array alone
     pointer = cache.unsafe_buffer_pointer()
     k = jnp.asarray(rng.standard_normal((2, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
     new_cache = write_kv(cache, k, k, jnp.asarray([3, PAD_SLOT_ID], jnp.int32))
     assert cache.is_deleted(), "the old cache was donated"
-    assert new_cache.unsafe_buffer_pointer() == pointer, "same buffer, updated in place"
+    assert isinstance(new_cache, jax.Array) and new_cache.unsafe_buffer_pointer() == pointer, "updated in place"
+
+
+def test_the_arrays_are_donated_and_the_scales_are_not():
+    rng = np.random.default_rng(5)
+    scales = dict(k_scale=jnp.float32(0.5), v_scale=jnp.float32(0.25))
+    cache = KVCache(random_cache(rng, "HND", jnp.float32).data.astype(jnp.float8_e4m3fn), "HND", **scales)
+    k = jnp.asarray(rng.standard_normal((2, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
+    new_cache = write_kv(cache, k, k, jnp.asarray([3, 6], jnp.int32))
+    assert cache.data.is_deleted() and not scales["k_scale"].is_deleted() and not scales["v_scale"].is_deleted()
+    assert (new_cache.layout, new_cache.k_scale, new_cache.v_scale) == ("HND", scales["k_scale"], scales["v_scale"])
+    again = write_kv(new_cache, k, k, jnp.asarray([7, 8], jnp.int32))  # the same scales serve the next step
+    assert np.isfinite(np.asarray(again.data[2].astype(jnp.float32))).all()
+
+
+def test_a_kv_cache_is_a_pytree_with_a_static_layout_and_traced_scales():
+    cache = KVCache(jnp.zeros((2, 2, 4, 1, 8)), "HND", k_scale=0.5, v_scale=jnp.float32(2.0))
+    leaves, treedef = jax.tree.flatten(cache)
+    assert len(leaves) == 3 and jax.tree.unflatten(treedef, leaves).layout == "HND"
+    traced = []
+    jax.jit(lambda c: traced.append((c.layout, type(c.k_scale))) or c.data.sum())(cache)
+    assert traced[0][0] == "HND" and issubclass(traced[0][1], jax.core.Tracer)
+    assert cache.dims == (2, 1, 4, 8) and cache.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(cache.scales()), [0.5, 2.0])
+    np.testing.assert_array_equal(np.asarray(KVCache(cache.data, k_scale=jnp.float32(-1.0)).scales()), [np.nan, 1.0])
 
 
 def test_fp8_cache_stores_scaled_saturated_values():
     rng = np.random.default_rng(2)
-    cache = random_cache(rng, "NHD", jnp.float32).astype(jnp.float8_e4m3fn)
+    cache = KVCache(random_cache(rng, "NHD", jnp.float32).data.astype(jnp.float8_e4m3fn), k_scale=0.5, v_scale=0.25)
     k = jnp.asarray(rng.uniform(-1, 1, (2, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16).at[0, 0, 0].set(1000.0)
     v = jnp.asarray(rng.uniform(-1, 1, (2, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
-    after = write_kv(cache, k, v, jnp.asarray([1, 9], jnp.int32), k_scale=0.5, v_scale=0.25)
+    after = write_kv(cache, k, v, jnp.asarray([1, 9], jnp.int32)).data
     stored_k = np.asarray(after[0, 0, 1].astype(jnp.float32))
     assert stored_k[0, 0] == 448.0, "saturated at the e4m3 maximum, not NaN"
     np.testing.assert_allclose(stored_k.ravel()[1:], np.asarray(k[0], np.float32).ravel()[1:] / 0.5, rtol=0.07)
@@ -84,11 +113,12 @@ def test_layer_attention_on_a_kv_pair_equals_one_array(kv_layout):
     rng = np.random.default_rng(4)
     k, v = (jnp.asarray(rng.standard_normal((7, 2, HEAD_DIM)), jnp.float32) for _ in range(2))
     params = LayerAttentionParams(sliding_window=5)
-    pair = (jnp.array(inputs.kv_cache[:, 0]), jnp.array(inputs.kv_cache[:, 1]))
-    out_pair, (k_cache, v_cache) = layer_attention(inputs.q, k, v, pair, inputs.metadata, params=params,
-                                                   kv_layout=kv_layout)  # fmt: skip
-    out, cache = layer_attention(inputs.q, k, v, jnp.array(inputs.kv_cache), inputs.metadata, params=params,
-                                 kv_layout=kv_layout)  # fmt: skip
+    arrays = inputs.kv_cache.data
+    pair = inputs.kv_cache.replace(data=(jnp.array(arrays[:, 0]), jnp.array(arrays[:, 1])))
+    out_pair, pair = layer_attention(inputs.q, k, v, pair, inputs.metadata, params=params)
+    out, cache = layer_attention(inputs.q, k, v, inputs.kv_cache.replace(data=jnp.array(arrays)), inputs.metadata,
+                                 params=params)  # fmt: skip
+    (k_cache, v_cache), cache = pair.data, cache.data
     assert np.isfinite(np.asarray(out)).all()
     np.testing.assert_array_equal(np.asarray(out_pair), np.asarray(out))
     np.testing.assert_array_equal(np.asarray(k_cache), np.asarray(cache[:, 0]))

@@ -268,7 +268,7 @@ def test_expanded_tables_give_same_attention_and_slots(query_lens, seq_lens):
     kernel_metadata = make_attention_metadata(query_lens, seq_lens, expanded, block_size=8)
     assert np_(kernel_metadata.slot_mapping) == np_(inputs.metadata.slot_mapping)
 
-    kernel_cache = split_cache_blocks(inputs.kv_cache, 2)
+    kernel_cache = split_cache_blocks(inputs.kv_cache.data, 2)
     window = LayerAttentionParams(sliding_window=11)
     expected = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, params=window)
     got = paged_attention(inputs.q, kernel_cache, kernel_metadata, params=window, checked=True)

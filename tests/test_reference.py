@@ -42,11 +42,10 @@ def sampled_cases(num_cases, seed=0):
         yield pytest.param(case, id=f"case{i}")
 
 
-def run_both(inputs, *, kv_layout, mask, logits_soft_cap, causal, sm_scale=None):
+def run_both(inputs, *, mask, logits_soft_cap, causal, sm_scale=None):
     options = dict(mask, logits_soft_cap=logits_soft_cap, causal=causal, sm_scale=sm_scale)
-    out = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, kv_layout=kv_layout,
-                                    params=LayerAttentionParams(**options), sinks=inputs.sinks,
-                                    k_scale=inputs.k_scale, v_scale=inputs.v_scale, checked=True)  # fmt: skip
+    out = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, params=LayerAttentionParams(**options),
+                                    sinks=inputs.sinks, checked=True)  # fmt: skip
     expected = attention_float64(inputs.q.astype(jnp.float32), inputs.keys, inputs.values,
                                  np.diff(inputs.metadata.query_start_loc), sinks=inputs.sinks, **options)  # fmt: skip
     return np.asarray(out.astype(jnp.float32)), expected
@@ -61,8 +60,7 @@ def test_reference_matches_float64(case):
         dtype=case["dtype"], kv_layout=case["kv_layout"], with_sinks=case["with_sinks"], causal=case["causal"],
         null_unreachable_for=case["mask"] if case["causal"] else None, kv_pair=case["kv_pair"],
     )  # fmt: skip
-    out, expected = run_both(inputs, kv_layout=case["kv_layout"], mask=case["mask"],
-                             logits_soft_cap=case["logits_soft_cap"], causal=case["causal"])  # fmt: skip
+    out, expected = run_both(inputs, mask=case["mask"], logits_soft_cap=case["logits_soft_cap"], causal=case["causal"])
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
 
@@ -71,15 +69,16 @@ def test_reference_matches_float64(case):
 def test_fp8_cache_with_scales(kv_layout):
     inputs = random_paged_inputs(3, query_lens=[1, 20], seq_lens=[40, 20], num_q_heads=4, num_kv_heads=2, head_dim=64,
                                  block_size=16, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn, kv_layout=kv_layout)  # fmt: skip
-    assert inputs.k_scale != 1.0 and inputs.k_scale != inputs.v_scale
-    out, expected = run_both(inputs, kv_layout=kv_layout, mask=dict(sliding_window=16), logits_soft_cap=None, causal=True)
+    assert inputs.kv_cache.layout == kv_layout
+    assert inputs.kv_cache.k_scale != 1.0 and inputs.kv_cache.k_scale != inputs.kv_cache.v_scale
+    out, expected = run_both(inputs, mask=dict(sliding_window=16), logits_soft_cap=None, causal=True)
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
 
 
 def test_float16_and_explicit_scale():
     inputs = random_paged_inputs(4, query_lens=[3, 1], seq_lens=[17, 99], num_q_heads=8, num_kv_heads=2, head_dim=64,
                                  block_size=16, dtype=jnp.float16)  # fmt: skip
-    out, expected = run_both(inputs, kv_layout="NHD", mask={}, logits_soft_cap=None, causal=True, sm_scale=0.3)
+    out, expected = run_both(inputs, mask={}, logits_soft_cap=None, causal=True, sm_scale=0.3)
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.float16)])
 
 
@@ -128,7 +127,7 @@ def test_mixed_batch_equals_its_parts_and_padding_is_zero():
 def test_nan_in_unused_blocks_does_not_leak():
     inputs = random_paged_inputs(6, query_lens=[5], seq_lens=[21], num_q_heads=2, num_kv_heads=2, head_dim=64,
                                  block_size=16, dtype=jnp.float32)  # fmt: skip
-    cache = np.asarray(inputs.kv_cache)
+    cache = np.asarray(inputs.kv_cache.data)
     assert np.isnan(cache[0]).all(), "the null block is NaN-filled"
     assert np.isnan(cache).any(axis=(1, 2, 3, 4)).sum() >= 3, "null, spare and partially used blocks hold NaN"
     out = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata)

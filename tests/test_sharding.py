@@ -16,7 +16,7 @@ CHECK = textwrap.dedent(
     """
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh
-    from jax_hybrid_attn import LayerAttentionParams, layer_attention
+    from jax_hybrid_attn import KVCache, LayerAttentionParams, layer_attention
     from jax_hybrid_attn.sharding import replicate_kv_heads, sharded_layer_attention
     from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
@@ -28,19 +28,22 @@ CHECK = textwrap.dedent(
     rng = np.random.default_rng(0)
     k, v = (jnp.asarray(rng.standard_normal((14, num_kv_heads, 16)), jnp.float32) for _ in range(2))
     params = LayerAttentionParams(sliding_window=12, logits_soft_cap=20.0)
-    options = dict(params=params, sinks=inputs.sinks, kv_layout=layout, implementation="reference")
+    options = dict(params=params, sinks=inputs.sinks, implementation="reference")
     head_axis = 3 if layout == "NHD" else 2
-    cache = inputs.kv_cache.at[0].set(0.0)  # the null block: finite, so that a replicated copy compares
+    cache = inputs.kv_cache.replace(data=inputs.kv_cache.data.at[0].set(0.0))  # a finite null block compares
     if float8:  # a float8 cache with its scales, the same on every device
-        cache = cache.astype(jnp.float8_e4m3fn)
-        options.update(k_scale=0.5, v_scale=jnp.float32(2.0))
-    want, want_cache = layer_attention(inputs.q, k, v, jnp.array(cache), inputs.metadata, **options)
+        cache = KVCache(cache.data.astype(jnp.float8_e4m3fn), layout, k_scale=0.5, v_scale=jnp.float32(2.0))
+    want, want_cache = layer_attention(inputs.q, k, v, cache.replace(data=jnp.array(cache.data)), inputs.metadata,
+                                       **options)
     mesh = Mesh(np.array(jax.devices()[:num_devices]), ("tp",))
+    replicated = replicate_kv_heads(jnp.array(cache.data), num_devices=num_devices, axis=head_axis)
     got, got_cache = sharded_layer_attention(
         mesh, "tp", inputs.q, replicate_kv_heads(k, num_devices=num_devices, axis=1),
-        replicate_kv_heads(v, num_devices=num_devices, axis=1),
-        replicate_kv_heads(jnp.array(cache), num_devices=num_devices, axis=head_axis), inputs.metadata, **options)
+        replicate_kv_heads(v, num_devices=num_devices, axis=1), cache.replace(data=replicated), inputs.metadata,
+        **options)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOLERANCES[jnp.dtype(jnp.float32)])
+    assert (got_cache.layout, got_cache.k_scale) == (want_cache.layout, want_cache.k_scale)
+    got_cache, want_cache = got_cache.data, want_cache.data
     copies = got_cache.shape[head_axis] // num_kv_heads
     first_copy = np.take(np.asarray(got_cache), np.arange(0, got_cache.shape[head_axis], copies), axis=head_axis)
     np.testing.assert_array_equal(first_copy.astype(np.float32), np.asarray(want_cache).astype(np.float32))

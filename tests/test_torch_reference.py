@@ -102,18 +102,17 @@ def test_matches_jax_reference(c):
     q, metadata = padded(inputs, c["padding"])
     options = dict(
         c["mask"], sm_scale=c["sm_scale"], logits_soft_cap=c["logits_soft_cap"], causal=c["causal"],
-        kv_layout=c["kv_layout"], k_scale=inputs.k_scale, v_scale=inputs.v_scale,
+        kv_layout=c["kv_layout"], k_scale=inputs.kv_cache.k_scale, v_scale=inputs.kv_cache.v_scale,
     )  # fmt: skip
     params = LayerAttentionParams(
         **c["mask"], sm_scale=c["sm_scale"], logits_soft_cap=c["logits_soft_cap"], causal=c["causal"]
     )
     expected = reference.paged_attention(
-        q, inputs.kv_cache, metadata, params=params, sinks=inputs.sinks, kv_layout=c["kv_layout"],
-        k_scale=inputs.k_scale, v_scale=inputs.v_scale, checked=True,
-    )  # fmt: skip
+        q, inputs.kv_cache, metadata, params=params, sinks=inputs.sinks, checked=True
+    )
 
     out = paged_attention_torch(
-        to_torch(q), to_torch(inputs.kv_cache), to_torch(metadata.query_start_loc),
+        to_torch(q), to_torch(inputs.kv_cache.data), to_torch(metadata.query_start_loc),
         to_torch(metadata.seq_lens), to_torch(metadata.block_tables),
         sinks=None if inputs.sinks is None else to_torch(inputs.sinks), **options,
     )  # fmt: skip
@@ -138,19 +137,20 @@ def test_write_kv_matches_jax(kv_layout, kv_dtype):
                                  head_dim=HEAD_DIM, block_size=8, dtype=dtype, kv_dtype=kv_dtype,
                                  kv_layout=kv_layout)  # fmt: skip
     rng = np.random.default_rng(2)
-    num_blocks, block_size = inputs.kv_cache.shape[0], 8
+    num_blocks, block_size = inputs.kv_cache.dims[0], 8
+    k_scale, v_scale = inputs.kv_cache.k_scale, inputs.kv_cache.v_scale
     slots = rng.choice(num_blocks * block_size, 12, replace=False).astype(np.int32)
     slots[[2, 7]] = -1  # padding tokens
-    scale = 1.0 if inputs.k_scale is None else 8 * inputs.k_scale
+    scale = 1.0 if k_scale is None else 8 * k_scale
     kv = rng.standard_normal((2, 12, 2, HEAD_DIM)) * scale
     kv[:, 0, 0, :3] = [1e5, -1e5, 0.5]  # beyond ±448 scales: saturates in fp8
     k, v = jnp.asarray(kv[0], dtype), jnp.asarray(kv[1], dtype)
 
-    torch_cache = to_torch(inputs.kv_cache)
+    torch_cache = to_torch(inputs.kv_cache.data)
     write_kv_torch(torch_cache, to_torch(k), to_torch(v), torch.from_numpy(slots), kv_layout=kv_layout,
-                   k_scale=inputs.k_scale, v_scale=inputs.v_scale)  # fmt: skip
-    expected = write_kv(jnp.array(inputs.kv_cache), k, v, jnp.asarray(slots), kv_layout=kv_layout,
-                        k_scale=inputs.k_scale, v_scale=inputs.v_scale)  # fmt: skip
+                   k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    cache = inputs.kv_cache.replace(data=jnp.array(inputs.kv_cache.data))
+    expected = write_kv(cache, k, v, jnp.asarray(slots)).data
     # Bit-exact, NaN of untouched slots included.
     np.testing.assert_array_equal(to_numpy(torch_cache), np.asarray(expected.astype(jnp.float32)))
 

@@ -26,7 +26,7 @@ from .._compat import register_pytree_dataclass
 from ..allocator import StepOutput
 from ..attention import layer_attention
 from ..constants import PAD_SLOT_ID
-from ..layout import FP8_DTYPE
+from ..layout import FP8_DTYPE, KVCache
 from ..metadata import AttentionMetadata
 from ..sharding import sharded_layer_attention
 
@@ -106,14 +106,13 @@ class PagedCache:
             group = self.layer_group[where] if isinstance(where, int) else jnp.asarray(self.layer_group)[where]
             metadata = metadata.replace(num_common_prefix_blocks=self.common_prefix_blocks[group])
         pool = self.kv.reshape(-1, *self.kv.shape[2:])  # [num_tensors * B, 2, S, K, H]: a view
+        pool = KVCache(pool, k_scale=k_scale, v_scale=v_scale) if self.kv.dtype == FP8_DTYPE else KVCache(pool)
         options = dict(params=params, sinks=sinks, implementation=self.implementation, interpret=self.interpret)
-        if self.kv.dtype == FP8_DTYPE:
-            options.update(k_scale=k_scale, v_scale=v_scale)
         if self.mesh is None:
             out, pool = layer_attention(q, k, v, pool, metadata, **options)
         else:
             out, pool = sharded_layer_attention(self.mesh, self.axis, q, k, v, pool, metadata, **options)
-        return out, dataclasses.replace(self, kv=pool.reshape(self.kv.shape))
+        return out, dataclasses.replace(self, kv=pool.data.reshape(self.kv.shape))
 
 
 register_pytree_dataclass(

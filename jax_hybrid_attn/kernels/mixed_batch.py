@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .._compat import check_interpret_threads, plgpu, resolve_interpret
-from ..layout import FP8_DTYPE, KVCache, KVLayout, is_kv_pair, kv_cache_dims, kv_cache_dtype
+from ..layout import FP8_DTYPE, KVArrays, KVCache
 from ..metadata import AttentionMetadata
 from ..params import CAUSAL, LayerAttentionParams
 from ..validation import check_paged_attention_args, unservable_requests
@@ -42,14 +42,11 @@ SPLIT_SLACK = 1.1  # more splits only where they save more than this factor: eac
 
 def paged_attention_kernels(
     q: Float[Array, "T N H"],
-    kv_cache: KVCache,
+    kv_cache: KVCache | KVArrays,
     metadata: AttentionMetadata,
     *,
     params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
-    kv_layout: KVLayout = "NHD",
-    k_scale: float | None = None,
-    v_scale: float | None = None,
     checked: bool = False,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Float[Array, "T N H"]:
@@ -59,16 +56,11 @@ def paged_attention_kernels(
     Raises:
       NotImplementedError: the kernels do not support this combination (named in the message).
     """
-    params, k_scale, v_scale = check_paged_attention_args(
-        q, kv_cache, metadata, params=params, sinks=sinks, kv_layout=kv_layout, k_scale=k_scale, v_scale=v_scale,
-        checked=checked,
-    )  # fmt: skip
-    check_kernel_support(q, kv_cache, kv_layout)
+    params, kv_cache = check_paged_attention_args(q, kv_cache, metadata, params=params, sinks=sinks, checked=checked)
+    check_kernel_support(q, kv_cache)
     if resolve_interpret(interpret) is not None:
         check_interpret_threads()
-    return _paged_attention_kernels(
-        q, kv_cache, metadata, sinks, k_scale, v_scale, params=params, kv_layout=kv_layout, interpret=interpret
-    )
+    return _paged_attention_kernels(q, kv_cache, metadata, sinks, params=params, interpret=interpret)
 
 
 def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_ctas: int = 1, max_seq_len: int = 0):
@@ -153,14 +145,14 @@ def float16_query(q: Float[Array, "..."], scale: Float[Array, ""]) -> Float[Arra
     return (q.astype(jnp.float32) * scale).astype(jnp.float16)
 
 
-def check_kernel_support(q, kv_cache, kv_layout) -> None:
+def check_kernel_support(q, kv_cache: KVCache) -> None:
     """Raise NotImplementedError naming what the kernels cannot do yet."""
-    _, block_size, num_kv_heads, head_dim = kv_cache_dims(kv_cache, kv_layout)
+    _, block_size, num_kv_heads, head_dim = kv_cache.dims
     if jnp.dtype(q.dtype) not in KERNEL_DTYPES:
         raise NotImplementedError(f"kernel with q.dtype={q.dtype}: supported are bfloat16 and float16")
     if head_dim % 64:
         raise NotImplementedError(f"kernel with {head_dim=}: must be a multiple of 64")
-    for config in kernel_configs(head_dim, q.dtype, kv_cache_dtype(kv_cache)):
+    for config in kernel_configs(head_dim, q.dtype, kv_cache.dtype):
         if config.block_kv % block_size and block_size % config.block_kv:
             raise NotImplementedError(
                 f"kernel with {block_size=}: must divide {config.block_kv} or be a multiple of it"
@@ -175,45 +167,41 @@ def paged_attention_parts_kernels(
     q: Float[Array, "T N H"],
     kv_cache: KVCache,
     metadata: AttentionMetadata,
-    k_scale: Float[Array, ""],
-    v_scale: Float[Array, ""],
     flagged: Bool[Array, "R"],
     *,
     params: LayerAttentionParams,
-    kv_layout: KVLayout,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> tuple[Float[Array, "T N H"], Float[Array, "T N"]]:
     """`reference.attention_parts` on the kernels, arguments checked by the caller: each token's output without
     sinks and the log-sum-exp of its logits (`tiles.token_parts`), for `softmax_merge.merge_splits`. The requests
     of `flagged` (and no others: the caller decides what it cannot serve) get NaN; a query may be longer than its
     request's keys (a non-causal layer's queries over keys they are not among)."""
-    check_kernel_support(q, kv_cache, kv_layout)
+    check_kernel_support(q, kv_cache)
     if resolve_interpret(interpret) is not None:
         check_interpret_threads()
-    return _paged_attention_kernels(q, kv_cache, metadata, None, k_scale, v_scale, flagged, params=params,
-                                    kv_layout=kv_layout, interpret=interpret, parts=True)  # fmt: skip
+    return _paged_attention_kernels(q, kv_cache, metadata, None, flagged, params=params, interpret=interpret,
+                                    parts=True)  # fmt: skip
 
 
-@partial(jax.jit, static_argnames=("params", "kv_layout", "interpret", "parts"))
-def _paged_attention_kernels(
-    q, kv_cache, metadata, sinks, k_scale, v_scale, flagged=None, *, params, kv_layout, interpret, parts=False
-):
+@partial(jax.jit, static_argnames=("params", "interpret", "parts"))
+def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None, *, params, interpret, parts=False):
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = kv_cache_dims(kv_cache, kv_layout)
+    num_blocks, block_size, num_kv_heads, _ = kv_cache.dims
+    k_scale, v_scale = kv_cache.scales()
     group_size = num_q_heads // num_kv_heads
     query_lens = metadata.query_lens
     # Keys past the block table do not exist: the kernels never read past it (those requests are flagged below).
     seq_lens = jnp.minimum(metadata.seq_lens, metadata.block_tables.shape[1] * block_size)
     compute_dtype, q_scale = q.dtype, jnp.float32(1)
-    if kv_cache_dtype(kv_cache) == FP8_DTYPE and q.dtype == jnp.bfloat16:
+    if kv_cache.dtype == FP8_DTYPE and q.dtype == jnp.bfloat16:
         compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q)
     # the kernels' scalars: logit scale (sm_scale * k_scale, over q's scale), v scale, q scale
     scales = jnp.stack([params.sm_scale * k_scale / q_scale, v_scale, q_scale]).astype(jnp.float32)
     unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks) if flagged is None else flagged
     block_tables = jnp.clip(metadata.block_tables, 0, num_blocks - 1)  # never a page outside the pool
     # K and V come from one array [B, 2, ...] (passed twice, indexed on axis 1) or from the pair's two arrays
-    stacked = not is_kv_pair(kv_cache)
-    k_source, v_source = (kv_cache, kv_cache) if stacked else kv_cache
+    stacked = not kv_cache.is_pair
+    k_source, v_source = (kv_cache.data, kv_cache.data) if stacked else kv_cache.data
 
     sinks = None if sinks is None else sinks.astype(jnp.float32)
     requests = query_tiles.Requests(metadata.query_start_loc, query_lens, seq_lens, block_tables, unservable)
@@ -232,17 +220,17 @@ def _paged_attention_kernels(
         return launch_attention(
             q_source, k_source, v_source, tiles, *requests, metadata.num_actual_tokens, scales,
             sinks if direct else None, block_size=block_size, group_size=group_size, num_kv_heads=num_kv_heads,
-            params=params, kv_layout=kv_layout, stacked=stacked, direct=direct, compute_dtype=compute_dtype,
+            params=params, kv_layout=kv_cache.layout, stacked=stacked, direct=direct, compute_dtype=compute_dtype,
             config=config, interpret=interpret,
         )  # fmt: skip
 
     decode_config, prefill_config = kernel_configs(
-        head_dim, q.dtype, kv_cache_dtype(kv_cache), decode_ctas=max(1, metadata.num_reqs * num_kv_heads),
+        head_dim, q.dtype, kv_cache.dtype, decode_ctas=max(1, metadata.num_reqs * num_kv_heads),
         max_seq_len=metadata.max_seq_len,
     )  # fmt: skip
 
     def writes_tokens(config):  # whether the launch can read q and write the output in [T, N, H] itself
-        kv_itemsize = kv_cache_dtype(kv_cache).itemsize
+        kv_itemsize = kv_cache.dtype.itemsize
         return (
             config.direct_io and config.num_splits == 1 and direct_io_supported(group_size)
             and config.smem_bytes(head_dim, q.dtype.itemsize, kv_itemsize, direct=True) <= SMEM_BUDGET_BYTES

@@ -87,12 +87,12 @@ def test_write_kv_refuses_what_it_would_cast_silently():
 def test_fp8_scales_are_finite_positive_numbers(scale):
     x = random_paged_inputs(0, query_lens=[1], seq_lens=[20], kv_dtype=jnp.float8_e4m3fn, **SMALL)
     with pytest.raises(ValueError, match="k_scale"):
-        reference.paged_attention(x.q, x.kv_cache, x.metadata, k_scale=scale, v_scale=1.0)
+        reference.paged_attention(x.q, x.kv_cache.replace(k_scale=scale, v_scale=1.0), x.metadata)
 
 
 def test_a_traced_invalid_scale_gives_nan_not_a_wrong_number():
     x = random_paged_inputs(0, query_lens=[1], seq_lens=[20], kv_dtype=jnp.float8_e4m3fn, **SMALL)
-    run = jax.jit(lambda s: reference.paged_attention(x.q, x.kv_cache, x.metadata, k_scale=s, v_scale=1.0))
+    run = jax.jit(lambda s: reference.paged_attention(x.q, x.kv_cache.replace(k_scale=s, v_scale=1.0), x.metadata))
     assert np.isfinite(np.asarray(run(jnp.float32(0.5)), np.float32)).all()
     for bad in (0.0, -1.0, np.inf, np.nan):
         assert np.isnan(np.asarray(run(jnp.float32(bad)), np.float32)).all()
@@ -103,7 +103,7 @@ def unservable_cases():
     short_bound = x.metadata.replace(max_query_len=8)  # request 1 has 40 queries
     capacity = x.metadata.block_tables.shape[1] * 16
     beyond_table = x.metadata.replace(seq_lens=x.metadata.seq_lens.at[2].set(capacity + 7))
-    outside_pool = x.metadata.replace(block_tables=x.metadata.block_tables.at[0, 0].set(x.kv_cache.shape[0] + 3))
+    outside_pool = x.metadata.replace(block_tables=x.metadata.block_tables.at[0, 0].set(x.kv_cache.dims[0] + 3))
     starts = np.asarray(x.metadata.query_start_loc)
     cases = [("max_query_len below a query", short_bound, 1), ("seq_len beyond the table", beyond_table, 2),
              ("block id outside the pool", outside_pool, 0)]  # fmt: skip
@@ -137,7 +137,7 @@ def test_checked_writes_refuse_a_slot_named_twice_in_one_step():
     x = random_paged_inputs(0, query_lens=[3], seq_lens=[3], **SMALL)
     slots = jnp.asarray([17, 18, 17], jnp.int32)
     with pytest.raises(ValueError, match="slot_mapping writes slots \\[17\\] more than once"):
-        write_kv(jnp.array(x.kv_cache), x.q[:, :2], x.q[:, 2:], slots, checked=True)
+        write_kv(jnp.array(x.kv_cache.data), x.q[:, :2], x.q[:, 2:], slots, checked=True)
     with pytest.raises(ValueError, match="more than once"):
         paged_attention(x.q, x.kv_cache, x.metadata.replace(slot_mapping=slots), checked=True)
 
@@ -171,6 +171,6 @@ def test_checked_refuses_null_block_reads_and_writes_reads_of_a_block_another_re
         sinks = jnp.full(x.q.shape[1], bad, jnp.float32)
         with pytest.raises(ValueError, match=r"sinks=\[.*\] must be finite"):
             paged_attention(x.q, x.kv_cache, x.metadata, params=window, sinks=sinks, checked=True)
-    k = x.q[:2, : x.kv_cache.shape[3]]
+    k = x.q[:2, : x.kv_cache.dims[2]]
     with pytest.raises(ValueError, match=r"slot_mapping holds \[3\]: slots of the null block 0"):
         write_kv(x.kv_cache, k, k, jnp.asarray([3, PAD_SLOT_ID], jnp.int32), checked=True)

@@ -11,6 +11,7 @@ import pytest
 import jax_hybrid_attn
 from jax_hybrid_attn import (
     AttentionSpec,
+    KVCache,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     LayerAttentionParams,
@@ -35,7 +36,7 @@ VALID = random_paged_inputs(
     0, query_lens=QUERY_LENS, seq_lens=SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=8,
     block_size=BLOCK_SIZE, dtype=jnp.float32,
 )  # fmt: skip
-Q, KV, MD = VALID.q, VALID.kv_cache, VALID.metadata
+Q, KV, MD = VALID.q, VALID.kv_cache.data, VALID.metadata  # an "NHD" cache's array alone
 T, N, H = Q.shape
 NUM_BLOCKS, NUM_COLS = KV.shape[0], MD.block_tables.shape[1]
 TABLE = np.asarray(MD.block_tables)
@@ -86,7 +87,8 @@ VALID_CALLS = {
     "paged_attention": lambda: attention(),
     "paged_attention-checked": lambda: attention(checked=True),
     "paged_attention-params": lambda: with_params(sliding_window=4, logits_soft_cap=30.0, sm_scale=0.5),
-    "paged_attention-fp8": lambda: attention(kv_cache=KV.astype(FP8), k_scale=0.5, v_scale=2.0),
+    "paged_attention-fp8": lambda: attention(kv_cache=KVCache(KV.astype(FP8), k_scale=0.5, v_scale=2.0)),
+    "paged_attention-hnd": lambda: attention(kv_cache=KVCache(jnp.swapaxes(KV, 2, 3), "HND")),
     "paged_attention-kv-pair": lambda: attention(kv_cache=(KV[:, 0], KV[:, 1])),
     "write_kv-kv-pair": lambda: write(kv_cache=(jnp.array(KV[:, 0]), jnp.array(KV[:, 1]))),
     "write_kv": lambda: write(checked=True),
@@ -127,7 +129,7 @@ CASES = [
     ("kv-pair-dtypes-differ", lambda: attention(kv_cache=(KV[:, 0], KV[:, 1].astype(jnp.bfloat16))), E, "one shape and dtype"),
     ("kv-pair-rank", lambda: attention(kv_cache=(KV, KV)), E, r"kv_cache\[0\]\.shape"),
     ("kv-pair-int8", lambda: attention(kv_cache=(KV[:, 0].astype(jnp.int8), KV[:, 1].astype(jnp.int8))), E, r"kv_cache\.dtype"),
-    ("kv-layout-lowercase", lambda: attention(kv_layout="nhd"), E, "kv_layout"),
+    ("kv-layout-lowercase", lambda: attention(kv_cache=KVCache(KV, "nhd")), E, r"kv_cache\.layout='nhd'"),
     # paged_attention: options
     ("sliding-window-0", lambda: with_params(sliding_window=0), E, "sliding_window"),
     ("sliding-window-negative", lambda: with_params(sliding_window=-1), E, "sliding_window"),
@@ -151,11 +153,12 @@ CASES = [
     ("sinks-shape", lambda: attention(sinks=jnp.ones(N + 1, jnp.float32)), E, "sinks"),
     ("sinks-rank", lambda: attention(sinks=jnp.ones((N, 1), jnp.float32)), E, "sinks"),
     ("sinks-int", lambda: attention(sinks=jnp.ones(N, jnp.int32)), E, "sinks"),
-    ("k-scale-for-float-cache", lambda: attention(k_scale=0.5), E, "k_scale"),
-    ("v-scale-for-float-cache", lambda: attention(v_scale=0.5), E, "v_scale"),
-    ("fp8-k-scale-0", lambda: attention(kv_cache=KV.astype(FP8), k_scale=0.0), E, "k_scale"),
-    ("fp8-v-scale-negative", lambda: attention(kv_cache=KV.astype(FP8), v_scale=-1.0), E, "v_scale"),
-    ("fp8-k-scale-vector", lambda: attention(kv_cache=KV.astype(FP8), k_scale=jnp.ones(2)), E, "k_scale"),
+    ("k-scale-for-float-cache", lambda: attention(kv_cache=KVCache(KV, k_scale=0.5)), E, r"kv_cache\.k_scale"),
+    ("v-scale-for-float-cache", lambda: attention(kv_cache=KVCache(KV, v_scale=0.5)), E, r"kv_cache\.v_scale"),
+    ("fp8-k-scale-0", lambda: attention(kv_cache=KVCache(KV.astype(FP8), k_scale=0.0)), E, r"kv_cache\.k_scale"),
+    ("fp8-v-scale-negative", lambda: attention(kv_cache=KVCache(KV.astype(FP8), v_scale=-1.0)), E, "v_scale"),
+    ("fp8-k-scale-vector", lambda: attention(kv_cache=KVCache(KV.astype(FP8), k_scale=jnp.ones(2))), E, "k_scale"),
+    ("kv-cache-data-not-an-array", lambda: attention(kv_cache=KVCache("x")), TypeError, r"kv_cache\.data"),
     # paged_attention: metadata structure
     ("metadata-not-metadata", lambda: attention(metadata=dict(vars(MD))), E, "metadata must be"),
     *[(f"metadata-int64-{f}", int64_metadata(f), E, rf"metadata\.{f}\.dtype")
@@ -201,8 +204,8 @@ CASES = [
     ("write-checked-slot-outside-cache",
      lambda: write(slot_mapping=edited("slot_mapping", 1, NUM_BLOCKS * BLOCK_SIZE), checked=True),
      E, "slot_mapping"),  # fmt: skip
-    ("write-kv-layout", lambda: write(kv_layout="NDH"), E, "kv_layout"),
-    ("write-k-scale-for-float-cache", lambda: write(k_scale=2.0), E, "k_scale"),
+    ("write-kv-layout", lambda: write(kv_cache=KVCache(jnp.array(KV), "NDH")), E, r"kv_cache\.layout"),
+    ("write-k-scale-for-float-cache", lambda: write(kv_cache=KVCache(jnp.array(KV), k_scale=2.0)), E, "k_scale"),
     ("write-cache-rank", lambda: write(kv_cache=KV[0]), E, r"kv_cache\.shape"),
     # get_kv_cache_shape
     ("kv-shape-0-blocks", lambda: get_kv_cache_shape(0, 16, 2, 8), E, "num_blocks"),

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from jax_hybrid_attn import (
     FullAttentionSpec,
+    KVCache,
     LayerAttentionParams,
     SlidingWindowSpec,
     layer_attention,
@@ -91,13 +92,14 @@ def bases(seed: int) -> dict:
     """The valid call of each entry point for `seed`."""
     x = random_paged_inputs(seed, query_lens=[1, 6], seq_lens=[9, 20], num_q_heads=4, num_kv_heads=2, head_dim=8,
                             block_size=4, dtype=jnp.float32)  # fmt: skip
+    cache = x.kv_cache.data  # an "NHD" cache's array alone
     # slots of any block but the null block 0
-    slots = jnp.asarray(4 + np.random.default_rng(seed).permutation((x.kv_cache.shape[0] - 1) * 4)[:5], jnp.int32)
+    slots = jnp.asarray(4 + np.random.default_rng(seed).permutation((cache.shape[0] - 1) * 4)[:5], jnp.int32)
     kv = jax.random.normal(jax.random.key(seed), (2, x.q.shape[0], 2, 8), jnp.float32)
     return {
-        "paged_attention": dict(q=x.q, kv_cache=x.kv_cache, metadata=x.metadata),
-        "layer_attention": dict(q=x.q, k=kv[0], v=kv[1], kv_cache=x.kv_cache, metadata=x.metadata, params=PARAMS),
-        "write_kv": dict(kv_cache=x.kv_cache, k=x.q[:5, :2], v=x.q[:5, 2:], slot_mapping=slots),
+        "paged_attention": dict(q=x.q, kv_cache=cache, metadata=x.metadata),
+        "layer_attention": dict(q=x.q, k=kv[0], v=kv[1], kv_cache=cache, metadata=x.metadata, params=PARAMS),
+        "write_kv": dict(kv_cache=cache, k=x.q[:5, :2], v=x.q[:5, 2:], slot_mapping=slots),
         "make_attention_metadata": dict(query_lens=[1, 6], seq_lens=[9 + seed % 4, 20], num_tokens=8, block_size=4,
                                         block_tables=[[1, 2, 3, 0, 0], [4, 5, 6, 7, 8 + seed]]),  # fmt: skip
         "metadata_from_step": dict(config=STEP_CONFIG, out=step_output(), group=seed % 2, max_query_len=8,
@@ -124,9 +126,10 @@ def attention_cases(base):
     for label, v, eq in scalar_mutations(True, kind="bool"):
         cases.append(("checked", label, dict(base, checked=v), eq))
     cases += [("params", "dict", dict(base, params={"sliding_window": 6}), False),
-              ("kv_layout", "bad", dict(base, kv_layout="NDH"), False),
+              ("kv_cache", "bad layout", dict(base, kv_cache=KVCache(base["kv_cache"], "NDH")), False),
+              ("kv_cache", "HND copy", dict(base, kv_cache=KVCache(jnp.swapaxes(base["kv_cache"], 2, 3), "HND")), True),
               ("sinks", "shape", dict(base, sinks=jnp.ones(3)), False),
-              ("k_scale", "not fp8", dict(base, k_scale=2.0), False)]  # fmt: skip
+              ("kv_cache", "scale, not fp8", dict(base, kv_cache=KVCache(base["kv_cache"], k_scale=2.0)), False)]  # fmt: skip
     return cases
 
 
@@ -143,7 +146,7 @@ def layer_cases(base):
               ("params", "none", dict(base, params=None), False),
               ("sinks", "shape", dict(base, sinks=jnp.ones(3)), False),
               ("k", "none alone", dict(base, k=None), False),
-              ("kv_layout", "bad", dict(base, kv_layout="NDH"), False),
+              ("kv_cache", "bad layout", dict(base, kv_cache=KVCache(base["kv_cache"], "NDH")), False),
               ("implementation", "bad", dict(base, implementation="triton"), False)]  # fmt: skip
     return cases
 
@@ -208,6 +211,8 @@ def metadata_cases(base):
 def with_copied_cache(kw):
     """The arguments with a copy of the cache, which `write_kv` and `layer_attention` donate."""
     cache = kw.get("kv_cache")
+    if isinstance(cache, KVCache) and isinstance(cache.data, jax.Array):
+        return {**kw, "kv_cache": cache.replace(data=jnp.array(cache.data))}
     return {**kw, "kv_cache": jnp.array(cache)} if isinstance(cache, jax.Array) else kw
 
 
