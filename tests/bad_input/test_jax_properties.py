@@ -125,11 +125,12 @@ def attention_cases(base):
             cases.append((f"metadata.{field}", label, dict(base, metadata=m.replace(**{field: v}), checked=True), eq))
     for label, v, eq in scalar_mutations(True, kind="bool"):
         cases.append(("checked", label, dict(base, checked=v), eq))
+    cache = base["kv_cache"]
     cases += [("params", "dict", dict(base, params={"sliding_window": 6}), False),
-              ("kv_cache", "bad layout", dict(base, kv_cache=KVCache(base["kv_cache"], "NDH")), False),
-              ("kv_cache", "HND copy", dict(base, kv_cache=KVCache(jnp.swapaxes(base["kv_cache"], 2, 3), "HND")), True),
+              ("kv_cache", "bad layout", dict(base, kv_cache=KVCache(cache, "NDH")), False),
+              ("kv_cache", "HND copy", dict(base, kv_cache=KVCache(jnp.swapaxes(cache, 2, 3), "HND")), True),
               ("sinks", "shape", dict(base, sinks=jnp.ones(3)), False),
-              ("kv_cache", "scale, not fp8", dict(base, kv_cache=KVCache(base["kv_cache"], k_scale=2.0)), False)]  # fmt: skip
+              ("kv_cache", "scale, not fp8", dict(base, kv_cache=KVCache(cache, k_scale=2.0)), False)]  # fmt: skip
     return cases
 
 
