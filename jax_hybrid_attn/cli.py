@@ -2,11 +2,17 @@
 
     jha generate --prompt "Hello" --max-tokens 32                 # the embedded random-weight hybrid model
     jha generate --model DIR --prompt-file prompts.txt --json      # a transformers checkpoint directory
+    jha compare --model DIR --dtype bfloat16 --steps 8            # the JAX model against transformers, per layer
 
 Without ``--model`` it runs a small embedded hybrid model (sliding-window and full layers) with random weights and
 a byte-level tokenizer, so nothing is downloaded; its text is noise, its serving path is the real one. A
 progress bar over the batch goes to stderr; the report (or with ``--json`` one JSON object and nothing else) to
 stdout.
+
+``jha compare`` (the ``torch`` extra) runs `models.compare.compare_with_transformers`: it prints the table of
+per-layer differences (or with ``--json`` the report as one JSON object) and exits with 0 when every difference is
+within tolerance and the float32 greedy tokens agree, 1 when not (the report names the first layer beyond
+tolerance), 2 on an error (an unsupported model type, a bad option, torch missing).
 """
 
 import argparse
@@ -52,6 +58,14 @@ def token_id_lists(text: str) -> list[list[int]]:
     ):
         raise argparse.ArgumentTypeError(f"--prompt-token-ids={text!r} must be a JSON list of lists of ints")
     return value
+
+
+def token_ids(text: str) -> list[int]:
+    """``--prompt-ids 1,2,3`` (argparse type): token ids separated by commas or spaces."""
+    parts = [p for p in re.split(r"[\s,]+", text.strip().strip("[]")) if p]
+    if not parts or not all(re.fullmatch(r"\d+", p) for p in parts):
+        raise argparse.ArgumentTypeError(f"--prompt-ids={text!r} must be token ids such as 1,2,3")
+    return [int(p) for p in parts]
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +142,28 @@ def build_parser() -> argparse.ArgumentParser:
     s = commands.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine (the serve extra)")
     add_engine_arguments(s)
     add_serve_arguments(s)
+    add_compare_arguments(commands.add_parser(
+        "compare", help="the JAX model of a checkpoint against transformers, layer by layer (the torch extra)"))
     return parser
+
+
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    """``jha compare``'s options (`models.compare.compare_with_transformers`' arguments)."""
+    from .models.compare import DEFAULT_DTYPE, DEFAULT_GREEDY_STEPS, DTYPE_TOLERANCES
+
+    c = parser
+    c.add_argument("--model", required=True, help="a transformers checkpoint directory")
+    c.add_argument("--prompt", action="append", default=[], help="a prompt, through the checkpoint's tokenizer "
+                   "(repeatable; none: random token ids around each window and chunk of the config)")  # fmt: skip
+    c.add_argument("--prompt-ids", action="append", type=token_ids, default=[], metavar="IDS",
+                   help="a prompt as token ids, e.g. 1,2,3 (repeatable)")  # fmt: skip
+    c.add_argument("--dtype", choices=tuple(DTYPE_TOLERANCES), default=DEFAULT_DTYPE,
+                   help=f"the second run's dtype, after float32's (default: {DEFAULT_DTYPE})")  # fmt: skip
+    c.add_argument("--steps", type=int, default=DEFAULT_GREEDY_STEPS,
+                   help=f"greedy tokens compared per prompt (default: {DEFAULT_GREEDY_STEPS}; 0: none)")  # fmt: skip
+    c.add_argument("--seed", type=int, default=0, help="the default prompts' seed")
+    c.add_argument("--torch-device", default="cpu", help="where transformers runs (default: cpu)")
+    c.add_argument("--json", action="store_true", help="print the report as one JSON object and nothing else")
 
 
 def percentiles(values) -> dict[str, float] | None:
@@ -354,6 +389,18 @@ def generate(args, out=None, err=None) -> dict:
     return metrics
 
 
+def compare(args, out=None):
+    """``jha compare``: print the `ComparisonReport`'s table (or its JSON) and return the report."""
+    from .models.compare import compare_with_transformers
+
+    out = out or sys.stdout
+    prompts = [*args.prompt, *args.prompt_ids] or None
+    report = compare_with_transformers(args.model, prompts=prompts, dtype=args.dtype, greedy_steps=args.steps,
+                                       seed=args.seed, torch_device=args.torch_device)  # fmt: skip
+    print(json.dumps(report.to_dict()) if args.json else report.table(), file=out)
+    return report
+
+
 def nnx_leaves(model) -> list:
     """The model's weight arrays (to wait for their transfer)."""
     import jax
@@ -364,15 +411,20 @@ def nnx_leaves(model) -> list:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    errors = (ValueError, NotImplementedError, FileNotFoundError)
     if args.command == "serve":
         from .serve import serve as run  # FastAPI and uvicorn only for the server
+    elif args.command == "compare":
+        run, errors = compare, (*errors, ImportError)  # torch and transformers missing: the torch extra
     else:
         run = generate
     try:
-        run(args)
-    except (ValueError, NotImplementedError, FileNotFoundError) as error:
+        result = run(args)
+    except errors as error:
         print(f"jha {args.command}: error: {error}", file=sys.stderr)
         return 2
+    if args.command == "compare" and not result.passed:
+        return 1  # beyond tolerance: the table says where
     return 0
 
 

@@ -2,8 +2,9 @@
 
 from .attention_cache import AttentionCache, DenseAttention, dense_attention
 from .checkpoint_plan import CheckpointPlan, ParamSource, plan_checkpoint
+from .compare import ComparisonReport, compare_with_transformers
 from .config import LANGUAGE_MODEL_TYPES, MULTIMODAL_WRAPPERS, SUPPORTED_ARCHITECTURES, ModelConfig
-from .decoder import Decoder, KVCacheScale
+from .decoder import Decoder, DecoderIntermediates, KVCacheScale
 from .embedded import EMBEDDED_HF_CONFIG, embedded_config
 from .loading import checkpoint_tensor_names, load_model, random_model
 from .rope import RopeParameters
@@ -20,6 +21,7 @@ __all__ = [
     "ModelConfig",
     "RopeParameters",
     "Decoder",
+    "DecoderIntermediates",
     "KVCacheScale",
     "load_model",
     "random_model",
@@ -27,6 +29,8 @@ __all__ = [
     "plan_checkpoint",
     "CheckpointPlan",
     "ParamSource",
+    "compare_with_transformers",
+    "ComparisonReport",
     "describe_model",
     "model_line",
     "EMBEDDED_HF_CONFIG",

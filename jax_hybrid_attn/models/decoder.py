@@ -11,9 +11,11 @@ uses ``cache.positions``. `Decoder.__call__` runs the layers as a Python loop; t
 scans over the layers' repeating pattern (`layer_scan`), each kind of layer traced once.
 
 Shape letters: T tokens · R rows kept for the LM head · N query heads · K kv heads · H head size ·
-D hidden size · I MLP width (an expert's in an MoE) · E experts · k experts per token · V vocabulary.
+D hidden size · I MLP width (an expert's in an MoE) · E experts · k experts per token · V vocabulary ·
+L layers.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -23,13 +25,14 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from .._compat import register_pytree_dataclass
 from .attention_cache import AttentionCache
 from .config import ModelConfig
 from .layers import GatedMLP, Linear, RMSNorm, matmul, normal_param
 from .moe import GptOssMLP, Llama4MoE, Qwen3MoeMLP
 from .rope import RopeParameters, apply_rope
 
-__all__ = ["Decoder", "DecoderEnds", "KVCacheScale"]
+__all__ = ["Decoder", "DecoderEnds", "DecoderIntermediates", "KVCacheScale"]
 
 
 @functools.cache
@@ -145,16 +148,25 @@ class DecoderLayer(nnx.Module):
         self.feed_forward = mlp if llama4 else None
         self.sandwich = gemma
 
-    def __call__(self, x, cache):
+    def __call__(self, x: Float[Array, "T D"], cache: AttentionCache) -> tuple[Float[Array, "T D"], AttentionCache]:
+        x, _, cache = self.with_attention_output(x, cache)
+        return x, cache
+
+    def with_attention_output(
+        self, x: Float[Array, "T D"], cache: AttentionCache
+    ) -> tuple[Float[Array, "T D"], Float[Array, "T D"], AttentionCache]:
+        """The layer's output, its attention block's output (after ``o_proj``, before any norm after it: what a
+        hook on transformers' ``self_attn`` sees) and the cache. Under jit the second output costs nothing
+        where it is dropped, as `__call__` drops it."""
         residual = x
-        h, cache = self.self_attn(self.input_layernorm(x), cache)
+        attention, cache = self.self_attn(self.input_layernorm(x), cache)
         if self.sandwich:
-            x = residual + self.post_attention_layernorm(h)
+            x = residual + self.post_attention_layernorm(attention)
             h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-            return x + h, cache
-        x = residual + h
+            return x + h, attention, cache
+        x = residual + attention
         mlp = self.mlp if self.mlp is not None else self.feed_forward
-        return x + mlp(self.post_attention_layernorm(x)), cache
+        return x + mlp(self.post_attention_layernorm(x)), attention, cache
 
 
 class TextModel(nnx.Module):
@@ -172,6 +184,24 @@ class TextModel(nnx.Module):
         )
         style = _NORM_STYLES.get(config.architecture, "llama")
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, style=style, param_dtype=param_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderIntermediates:
+    """What a `Decoder`'s layers computed for T tokens (`Decoder.with_intermediates`), in the model's dtype.
+
+    Attributes:
+      embeddings: ``[T, D]`` the input of the first layer (Gemma's scaled embedding).
+      hidden: ``[L, T, D]`` each layer's output (L layers), before the final norm.
+      attention: ``[L, T, D]`` each layer's attention block's output, after ``o_proj``.
+    """
+
+    embeddings: Float[Array, "T D"]
+    hidden: Float[Array, "L T D"]
+    attention: Float[Array, "L T D"]
+
+
+register_pytree_dataclass(DecoderIntermediates, data_fields=["embeddings", "hidden", "attention"], meta_fields=[])
 
 
 class Decoder(nnx.Module):
@@ -218,6 +248,22 @@ class Decoder(nnx.Module):
         for layer in self.model.layers:
             x, cache = layer(x, cache)
         return ends.logits(x, logits_indices), cache
+
+    def with_intermediates(
+        self, token_ids: Int[Array, "T"], cache: AttentionCache
+    ) -> tuple[Float[Array, "T V"], DecoderIntermediates, AttentionCache]:
+        """`__call__` over every row, and what each layer computed on the way (`DecoderIntermediates`), for
+        checks against another implementation layer by layer (`models.compare`); the serving path never calls it.
+        """
+        ends = DecoderEnds(self)
+        x = embeddings = ends.embed(token_ids)
+        hidden, attention = [], []
+        for layer in self.model.layers:
+            x, attended, cache = layer.with_attention_output(x, cache)
+            hidden.append(x)
+            attention.append(attended)
+        intermediates = DecoderIntermediates(embeddings, jnp.stack(hidden), jnp.stack(attention))
+        return ends.logits(x, None), intermediates, cache
 
 
 class DecoderEnds(nnx.Module):

@@ -1,0 +1,574 @@
+"""Check a port against transformers: the same checkpoint in our `Decoder` and in transformers, layer by layer.
+
+`compare_with_transformers(DIR)` loads a transformers checkpoint directory twice: into our `Decoder`
+(`load_model`) and into the transformers class of its ``model_type`` (`TRANSFORMERS_CLASSES`, eager attention,
+on the CPU unless `torch_device` says otherwise). It runs the same prompts through both and reports, for each
+decoder layer, the largest and the mean |difference| of the layer's output (the hidden state it passes on) and of
+its attention block's output (after ``o_proj``), then of the embeddings and of the final logits; and whether the
+two generate the same greedy tokens. It runs in float32 always, and once more in `dtype` when that is not float32.
+The report names the first layer whose difference exceeds the run's tolerance, so that a wrongly read or wrongly
+used weight is pointed at.
+
+A difference is within tolerance when ``max |ours - theirs| <= tolerance * max(max |theirs|, SCALE_FLOOR)``:
+relative to the largest value of the tensor compared, absolute below `SCALE_FLOOR`. `FLOAT32_TOLERANCE` is
+the float32 run's tolerance, `DTYPE_TOLERANCES` each dtype's.
+
+transformers' side: the hidden states come from forward hooks on its decoder layers (``output_hidden_states``
+gives the embeddings; its last entry is after the final norm), the attention outputs from forward hooks on each
+layer's ``self_attn``. Our side: `Decoder.with_intermediates`, the dense forward (`DenseAttention`). Greedy
+tokens: transformers' ``generate(do_sample=False)`` (no EOS stop) against our dense forward re-run over the whole
+sequence for each new token (one compiled shape: the sequences padded to one length; every layer is causal, so
+the padding never reaches a real row); the serving engine is not involved.
+
+torch and transformers (the ``torch`` extra) are imported when a comparison runs, never at import.
+
+Shape letters: T tokens · D hidden size · V vocabulary · L layers.
+"""
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..integers import check_int
+from .attention_cache import DenseAttention
+from .config import ModelConfig
+from .loading import load_model
+
+__all__ = [
+    "DEFAULT_DTYPE",
+    "DEFAULT_GREEDY_STEPS",
+    "DTYPE_TOLERANCES",
+    "FLOAT32_TOLERANCE",
+    "SCALE_FLOOR",
+    "TRANSFORMERS_CLASSES",
+    "ComparisonReport",
+    "Difference",
+    "DtypeRun",
+    "GreedyAgreement",
+    "LayerDifference",
+    "compare_with_transformers",
+    "default_prompt_lengths",
+]
+
+FLOAT32_TOLERANCE = 1e-4
+"""The float32 run's tolerance, relative to each tensor's largest |value| (`Difference.within`): the two
+frameworks' float32 roundings differ by about 1e-6 of the scale per few layers (1e-6 after the 2 to 6 layers of the
+tiny test models); a weight 1% off is beyond it by far."""
+
+BFLOAT16_TOLERANCE = 1e-1
+"""The bfloat16 run's: bfloat16 keeps 8 significant bits (a rounding step of 2**-8 = 0.4%), and transformers and
+XLA round at different places, so that differences grow through the layers to a few percent of the scale (2% after
+the 6 layers of the tiny test models). A coarse check: a wrong weight is found by the float32 run."""
+
+DTYPE_TOLERANCES = {"float32": FLOAT32_TOLERANCE, "bfloat16": BFLOAT16_TOLERANCE}
+"""The dtypes a comparison runs in, and each run's tolerance."""
+
+SCALE_FLOOR = 1.0
+"""Below this largest |value|, a tolerance is absolute (a tensor of tiny values is never judged relative to them)."""
+
+DEFAULT_DTYPE = "bfloat16"
+"""The second run's dtype by default (the first is always float32)."""
+
+DEFAULT_GREEDY_STEPS = 8
+"""Greedy tokens generated per prompt by default."""
+
+SHORT_PROMPT_LENGTH = 5
+"""The default prompts always include one this short (all of it inside any window or chunk)."""
+
+FULL_ATTENTION_PROMPT_LENGTH = 33
+"""The default prompts' longer length for a model without windows or chunks."""
+
+TORCH_EXTRA = "torch"
+"""The extra of this package that installs torch and transformers."""
+
+TRANSFORMERS_CLASSES = {
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "gpt_oss": "GptOssForCausalLM",
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+"""The transformers class each supported ``model_type`` is compared with (`SUPPORTED_ARCHITECTURES`)."""
+
+
+# --- the report -----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Difference:
+    """|ours - theirs| of one tensor over every prompt's tokens (compared in float32).
+
+    Attributes:
+      max_abs: the largest |difference|.
+      mean_abs: the mean |difference| over every element.
+      scale: the largest |value| of transformers' tensor.
+    """
+
+    max_abs: float
+    mean_abs: float
+    scale: float
+
+    @property
+    def relative(self) -> float:
+        """`max_abs` relative to `scale` (to `SCALE_FLOOR` where the scale is smaller)."""
+        return self.max_abs / max(self.scale, SCALE_FLOOR)
+
+    def within(self, tolerance: float) -> bool:
+        return bool(self.relative <= tolerance)  # NaN is never within
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "relative": self.relative}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerDifference:
+    """One decoder layer's differences.
+
+    Attributes:
+      layer: the layer's index.
+      layer_type: its attention type (``"sliding_attention"``, ``"full_attention"``, ``"chunked_attention"``).
+      hidden: of the layer's output, the hidden state it passes on.
+      attention: of its attention block's output, after ``o_proj``.
+    """
+
+    layer: int
+    layer_type: str
+    hidden: Difference
+    attention: Difference
+
+    def beyond(self, tolerance: float) -> list[str]:
+        """What of the layer exceeds `tolerance`: ``"attention"`` and/or ``"hidden"`` (none: [])."""
+        return [name for name in ("attention", "hidden") if not getattr(self, name).within(tolerance)]
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "layer_type": self.layer_type, "hidden": self.hidden.to_dict(),
+                "attention": self.attention.to_dict()}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GreedyAgreement:
+    """One prompt's greedy tokens from both sides.
+
+    Attributes:
+      prompt: the prompt's index.
+      ours, theirs: the tokens our dense forward and transformers' ``generate`` chose.
+    """
+
+    prompt: int
+    ours: tuple[int, ...]
+    theirs: tuple[int, ...]
+
+    @property
+    def agreed(self) -> int:
+        """How many tokens agree before the first that differs."""
+        return next((i for i, (a, b) in enumerate(zip(self.ours, self.theirs)) if a != b), len(self.ours))
+
+    @property
+    def agrees(self) -> bool:
+        return self.ours == self.theirs
+
+    def to_dict(self) -> dict:
+        return {"prompt": self.prompt, "ours": list(self.ours), "theirs": list(self.theirs), "agreed": self.agreed}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DtypeRun:
+    """Both models in one dtype, on every prompt.
+
+    Attributes:
+      dtype: the weights' and activations' dtype on both sides.
+      tolerance: the run's tolerance (`DTYPE_TOLERANCES`).
+      embeddings: of the first layer's input.
+      layers: per decoder layer.
+      logits: of the final logits.
+      greedy: per prompt (empty with no greedy steps).
+      greedy_required: whether the tokens must agree for the run to pass (float32 only: in a lower precision
+        the two frameworks round differently and may break a near-tie either way).
+    """
+
+    dtype: str
+    tolerance: float
+    embeddings: Difference
+    layers: tuple[LayerDifference, ...]
+    logits: Difference
+    greedy: tuple[GreedyAgreement, ...]
+    greedy_required: bool
+
+    @property
+    def first_bad(self) -> str | None:
+        """The first place beyond tolerance, in the order the model computes: ``"embeddings"``, ``"layer 3
+        (attention)"``, ``"layer 3 (hidden)"`` (the attention block within, the rest of the layer not), ``"logits"``;
+        None when every difference is within."""
+        if not self.embeddings.within(self.tolerance):
+            return "embeddings"
+        for row in self.layers:
+            if beyond := row.beyond(self.tolerance):
+                return f"layer {row.layer} ({beyond[0]})"
+        return None if self.logits.within(self.tolerance) else "logits"
+
+    @property
+    def first_bad_layer(self) -> int | None:
+        """The index of the first decoder layer beyond tolerance (None: none is)."""
+        return next((row.layer for row in self.layers if row.beyond(self.tolerance)), None)
+
+    @property
+    def greedy_agrees(self) -> bool:
+        return all(g.agrees for g in self.greedy)
+
+    @property
+    def passed(self) -> bool:
+        return self.first_bad is None and (self.greedy_agrees or not self.greedy_required)
+
+    def to_dict(self) -> dict:
+        return {
+            "dtype": self.dtype, "tolerance": self.tolerance, "passed": self.passed, "first_bad": self.first_bad,
+            "first_bad_layer": self.first_bad_layer, "embeddings": self.embeddings.to_dict(),
+            "layers": [row.to_dict() for row in self.layers], "logits": self.logits.to_dict(),
+            "greedy": [g.to_dict() for g in self.greedy], "greedy_agrees": self.greedy_agrees,
+            "greedy_required": self.greedy_required,
+        }  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ComparisonReport:
+    """What `compare_with_transformers` found.
+
+    Attributes:
+      model_dir: the checkpoint directory.
+      model_type: its ``model_type``.
+      transformers_class: the transformers class it was compared with.
+      transformers_version: the installed transformers'.
+      prompt_lengths: the prompts' lengths in tokens.
+      greedy_steps: greedy tokens per prompt.
+      runs: the float32 run, then the other dtype's where there is one.
+    """
+
+    model_dir: str
+    model_type: str
+    transformers_class: str
+    transformers_version: str
+    prompt_lengths: tuple[int, ...]
+    greedy_steps: int
+    runs: tuple[DtypeRun, ...]
+
+    @property
+    def passed(self) -> bool:
+        """Every run passed: each difference within its run's tolerance, and the float32 greedy tokens equal."""
+        return all(run.passed for run in self.runs)
+
+    @property
+    def first_bad(self) -> str | None:
+        """The first failure of the first run that failed, with its dtype (``"float32: layer 2 (attention)"``)."""
+        for run in self.runs:
+            if run.first_bad is not None:
+                return f"{run.dtype}: {run.first_bad}"
+            if not run.passed:
+                return f"{run.dtype}: greedy tokens"
+        return None
+
+    @property
+    def first_bad_layer(self) -> int | None:
+        """The first decoder layer beyond tolerance in the float32 run, else in the other run (None: none)."""
+        return next((run.first_bad_layer for run in self.runs if run.first_bad_layer is not None), None)
+
+    def to_dict(self) -> dict:
+        """The report as JSON-ready data."""
+        return {
+            "model_dir": self.model_dir, "model_type": self.model_type, "transformers_class": self.transformers_class,
+            "transformers_version": self.transformers_version, "prompt_lengths": list(self.prompt_lengths),
+            "greedy_steps": self.greedy_steps, "passed": self.passed, "first_bad": self.first_bad,
+            "first_bad_layer": self.first_bad_layer, "runs": [run.to_dict() for run in self.runs],
+        }  # fmt: skip
+
+    def table(self) -> str:
+        """The report as a text table: one block per dtype, a row per layer, then the verdict."""
+        lengths = ", ".join(map(str, self.prompt_lengths))
+        lines = [f"{self.model_type}: jax_hybrid_attn against transformers {self.transformers_version} "
+                 f"{self.transformers_class}; {len(self.prompt_lengths)} prompts of {lengths} tokens, "
+                 f"{self.greedy_steps} greedy steps"]  # fmt: skip
+        header = f"{'':>2} {'layer':<7}{'type':<18}{'hidden max':>12}{'mean':>10}{'attn max':>12}{'mean':>10}"
+        header += f"{'max/scale':>11}"
+        for run in self.runs:
+            tolerance = run.tolerance
+            lines += ["", f"{run.dtype} (tolerance {tolerance:.0e} of each tensor's max |value|, "
+                      f"at least {SCALE_FLOOR:g})", header]  # fmt: skip
+
+            def row(name, kind, hidden, attention=None):
+                worst = max(d.relative for d in (hidden, attention) if d is not None)
+                mark = "!" if worst > tolerance or worst != worst else ""
+                attn = f"{attention.max_abs:>12.2e}{attention.mean_abs:>10.1e}" if attention else f"{'':>22}"
+                return (f"{mark:>2} {name:<7}{kind:<18}{hidden.max_abs:>12.2e}{hidden.mean_abs:>10.1e}{attn}"
+                        f"{worst:>11.1e}")  # fmt: skip
+
+            lines.append(row("embed", "", run.embeddings))
+            for layer in run.layers:
+                kind = layer.layer_type.removesuffix("_attention")
+                lines.append(row(str(layer.layer), kind, layer.hidden, layer.attention))
+            lines.append(row("logits", "", run.logits))
+            if run.greedy:
+                agreed = sum(g.agreed for g in run.greedy)
+                total = sum(len(g.ours) for g in run.greedy)
+                note = "" if run.greedy_required else " (reported, not required)"
+                lines.append(f"greedy: {agreed}/{total} tokens agree before any difference{note}")
+                for g in run.greedy:
+                    if not g.agrees:
+                        step = g.agreed
+                        lines.append(f"  prompt {g.prompt} ({self.prompt_lengths[g.prompt]} tokens): step {step} "
+                                     f"ours {g.ours[step]}, transformers {g.theirs[step]}")  # fmt: skip
+            lines.append(f"first beyond tolerance: {run.first_bad or 'none'}")
+        lines += ["", "PASS" if self.passed else f"FAIL: {self.first_bad}"]
+        return "\n".join(lines)
+
+
+# --- prompts --------------------------------------------------------------------------------------------------
+
+
+def default_prompt_lengths(config: ModelConfig, *, greedy_steps: int = DEFAULT_GREEDY_STEPS) -> tuple[int, ...]:
+    """The default prompts' lengths: `SHORT_PROMPT_LENGTH`, and for each window and chunk X of the config's
+    layers X - 1, X + 1 and 2X + 1 (just inside one, just past one, past two); `FULL_ATTENTION_PROMPT_LENGTH`
+    without windows or chunks. Each at most ``max_position_embeddings - greedy_steps``."""
+    limit = config.max_position_embeddings - greedy_steps
+    spans = set()
+    if "sliding_attention" in config.layer_types:
+        spans.add(config.sliding_window)
+    if "chunked_attention" in config.layer_types:
+        spans.add(config.attention_chunk_size)
+    wanted = {SHORT_PROMPT_LENGTH} | {n for x in spans for n in (x - 1, x + 1, 2 * x + 1)}
+    if not spans:
+        wanted.add(FULL_ATTENTION_PROMPT_LENGTH)
+    return tuple(sorted({min(n, limit) for n in wanted if n >= 1}))
+
+
+def _special_ids(config: ModelConfig) -> set[int]:
+    ids = {config.bos_token_id, config.pad_token_id, config.image_token_id, *config.eos_token_ids}
+    return {i for i in ids if i is not None}
+
+
+def _default_prompts(config: ModelConfig, *, greedy_steps: int, seed: int) -> list[list[int]]:
+    """Random token ids (`seed`), none of them a special token, of the `default_prompt_lengths`."""
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(config.vocab_size), np.fromiter(_special_ids(config), int))
+    return [rng.choice(allowed, size=n).tolist() for n in default_prompt_lengths(config, greedy_steps=greedy_steps)]
+
+
+def _token_lists(prompts, config: ModelConfig, model_dir, *, greedy_steps: int) -> list[list[int]]:
+    """`prompts` as token id lists (a string through the checkpoint's tokenizer), each checked."""
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError(f"prompts={prompts!r} must be a non-empty list of strings or of token id lists")
+    token_lists, tokenizer = [], None
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            from .tokenizer import load_tokenizer
+
+            tokenizer = tokenizer or load_tokenizer(model_dir)
+            p = tokenizer.encode(p)
+        elif isinstance(p, (bytes, np.ndarray)) or not isinstance(p, Sequence):
+            raise ValueError(f"prompts[{i}]={p!r} must be a string or a list of token ids")
+        ids = [check_int(f"prompts[{i}] token", t, minimum=0, maximum=config.vocab_size - 1) for t in p]
+        if not ids:
+            raise ValueError(f"prompts[{i}]={p!r} has no tokens")
+        if len(ids) + greedy_steps > config.max_position_embeddings:
+            raise ValueError(f"prompts[{i}] has {len(ids)} tokens: with greedy_steps={greedy_steps} beyond "
+                             f"max_position_embeddings={config.max_position_embeddings}")  # fmt: skip
+        if config.image_token_id is not None and config.image_token_id in ids:
+            raise ValueError(f"prompts[{i}] holds the image token {config.image_token_id} (images are not supported)")
+        token_lists.append(ids)
+    return token_lists
+
+
+# --- the two sides --------------------------------------------------------------------------------------------
+
+
+def _import_torch():
+    """torch and transformers, or an ImportError that says how to install them."""
+    try:
+        import torch
+        import transformers
+    except ImportError as error:
+        raise ImportError(
+            f"comparing with transformers needs torch and transformers ({error}): install this package's "
+            f"'{TORCH_EXTRA}' extra, e.g. pip install 'jax-hybrid-attn[{TORCH_EXTRA}]'"
+        ) from error
+    return torch, transformers
+
+
+def _as_array(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+class _Tensors(NamedTuple):
+    """One prompt's tensors from one side, in float32."""
+
+    embeddings: np.ndarray  # [T, D]
+    hidden: np.ndarray  # [L, T, D]
+    attention: np.ndarray  # [L, T, D]
+    logits: np.ndarray  # [T, V]
+
+
+def _ours(model, token_lists: list[list[int]], *, greedy_steps: int):
+    """Our side: per prompt its `_Tensors`, and the greedy tokens."""
+    graphdef, state = nnx.split(model)
+    length = max(map(len, token_lists)) + greedy_steps  # one padded length: one compiled shape
+
+    @jax.jit
+    def forward(state, token_ids, row):  # the greedy steps use the same function: one compiled shape
+        logits, inter, _ = nnx.merge(graphdef, state).with_intermediates(token_ids, DenseAttention(length))
+        return inter.embeddings, inter.hidden, inter.attention, logits, jnp.argmax(logits[row])
+
+    tensors, greedy = [], []
+    with jax.default_matmul_precision("highest"):
+        for ids in token_lists:
+            padded = np.zeros(length, np.int32)
+            padded[: len(ids)] = ids
+            n = len(ids)
+            embeddings, hidden, attention, logits, _ = forward(state, padded, np.int32(n - 1))
+            tensors.append(_Tensors(_as_array(embeddings[:n]), _as_array(hidden[:, :n]), _as_array(attention[:, :n]),
+                                    _as_array(logits[:n])))  # fmt: skip
+            tokens = []
+            for step in range(greedy_steps):
+                padded[n + step] = int(forward(state, padded, np.int32(n + step - 1))[-1])
+                tokens.append(int(padded[n + step]))
+            greedy.append(tokens)
+    return tensors, greedy
+
+
+def _text_layers(torch, hf_model, num_layers: int):
+    """The decoder layers of transformers' text model (a wrapper's vision tower has layers too)."""
+    found = [(name, m) for name, m in hf_model.named_modules()
+             if name.split(".")[-1] == "layers" and isinstance(m, torch.nn.ModuleList) and len(m) == num_layers
+             and "vision" not in name]  # fmt: skip
+    if len(found) != 1:
+        raise NotImplementedError(f"{type(hf_model).__name__} has {len(found)} decoder layer lists of "
+                                  f"{num_layers} layers ({[n for n, _ in found]}), not one")  # fmt: skip
+    return found[0][1]
+
+
+def _theirs(torch, hf_model, token_lists: list[list[int]], *, num_layers: int, greedy_steps: int, pad_token_id: int):
+    """transformers' side, as `_ours` returns it."""
+    layers = _text_layers(torch, hf_model, num_layers)
+    captured: dict = {}
+
+    def keep(kind, index):
+        def hook(module, args, output):
+            captured[kind, index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    hooks = [layer.register_forward_hook(keep("hidden", i)) for i, layer in enumerate(layers)]
+    hooks += [layer.self_attn.register_forward_hook(keep("attention", i)) for i, layer in enumerate(layers)]
+    device = next(hf_model.parameters()).device
+    numpy = lambda t: t.detach().to("cpu", torch.float32).numpy()[0]
+    tensors, greedy = [], []
+    try:
+        with torch.no_grad():
+            for ids in token_lists:
+                captured.clear()
+                out = hf_model(input_ids=torch.tensor([ids], device=device), output_hidden_states=True)
+                hidden = np.stack([numpy(captured["hidden", i]) for i in range(num_layers)])
+                attention = np.stack([numpy(captured["attention", i]) for i in range(num_layers)])
+                tensors.append(_Tensors(numpy(out.hidden_states[0]), hidden, attention, numpy(out.logits)))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    with torch.no_grad():
+        for ids in token_lists if greedy_steps else ():
+            input_ids = torch.tensor([ids], device=device)
+            out = hf_model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                    max_new_tokens=greedy_steps, eos_token_id=None, pad_token_id=pad_token_id)
+            greedy.append(out[0, len(ids) :].tolist())
+    return tensors, greedy
+
+
+def _difference(ours: list[_Tensors], theirs: list[_Tensors], field: str, layer: int | None = None) -> Difference:
+    """Of the tensors `field` (of `layer` for "hidden" and "attention") over every prompt."""
+    pick = lambda side: [getattr(t, field) if layer is None else getattr(t, field)[layer] for t in side]
+    ours, theirs = pick(ours), pick(theirs)
+    diffs = [np.abs(a - b) for a, b in zip(ours, theirs, strict=True)]
+    total = sum(d.size for d in diffs)
+    return Difference(max_abs=float(max(d.max() for d in diffs)), mean_abs=float(sum(d.sum() for d in diffs) / total),
+                      scale=float(max(np.abs(b).max() for b in theirs)))  # fmt: skip
+
+
+def _run(model_dir, config: ModelConfig, class_name: str, token_lists, *, dtype: str, greedy_steps: int,
+         torch_device: str) -> DtypeRun:  # fmt: skip
+    torch, transformers = _import_torch()
+    _, model = load_model(model_dir, dtype=jnp.dtype(dtype))
+    ours, our_greedy = _ours(model, token_lists, greedy_steps=greedy_steps)
+    del model
+    hf_model = getattr(transformers, class_name).from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="eager"
+    )
+    hf_model = hf_model.to(torch_device).eval()
+    pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_ids or (0,))[0]
+    theirs, their_greedy = _theirs(torch, hf_model, token_lists, num_layers=config.num_layers,
+                                   greedy_steps=greedy_steps, pad_token_id=pad)  # fmt: skip
+    del hf_model
+    layers = tuple(
+        LayerDifference(layer=i, layer_type=config.layer_types[i], hidden=_difference(ours, theirs, "hidden", i),
+                        attention=_difference(ours, theirs, "attention", i))
+        for i in range(config.num_layers)
+    )  # fmt: skip
+    greedy = tuple(GreedyAgreement(prompt=i, ours=tuple(a), theirs=tuple(b))
+                   for i, (a, b) in enumerate(zip(our_greedy, their_greedy, strict=True)))  # fmt: skip
+    return DtypeRun(dtype=dtype, tolerance=DTYPE_TOLERANCES[dtype], embeddings=_difference(ours, theirs, "embeddings"),
+                    layers=layers, logits=_difference(ours, theirs, "logits"), greedy=greedy,
+                    greedy_required=dtype == "float32")  # fmt: skip
+
+
+def compare_with_transformers(
+    model_dir: str | os.PathLike,
+    *,
+    prompts: Sequence[str | Sequence[int]] | None = None,
+    dtype: str = DEFAULT_DTYPE,
+    greedy_steps: int = DEFAULT_GREEDY_STEPS,
+    seed: int = 0,
+    torch_device: str = "cpu",
+) -> ComparisonReport:
+    """Our `Decoder` of the checkpoint directory `model_dir` against transformers' model of it, layer by layer.
+
+    Args:
+      model_dir: a transformers checkpoint directory of a supported ``model_type`` (`TRANSFORMERS_CLASSES`).
+      prompts: token id lists, or strings (encoded with the checkpoint's tokenizer); None: random token ids drawn
+        from `seed`, of the `default_prompt_lengths` (around each window and chunk of the config).
+      dtype: the second run's dtype, one of `DTYPE_TOLERANCES` (the float32 run is always made; "float32" makes
+        only that one).
+      greedy_steps: greedy tokens generated per prompt on both sides (0: none compared).
+      seed: the default prompts' seed.
+      torch_device: where transformers runs ("cpu", "cuda").
+
+    Returns: the `ComparisonReport`: per run (dtype), per layer, the hidden-state and attention-output
+      differences, the embeddings' and logits', the greedy tokens; `passed`, `first_bad`, `first_bad_layer`.
+
+    Raises: `NotImplementedError` for an unsupported ``model_type``; `ValueError` naming a bad argument;
+      `ImportError` when torch or transformers is missing (the ``torch`` extra)."""
+    if dtype not in DTYPE_TOLERANCES:
+        raise ValueError(f"dtype={dtype!r} is not supported (supported: {tuple(DTYPE_TOLERANCES)})")
+    greedy_steps = check_int("greedy_steps", greedy_steps, minimum=0)
+    seed = check_int("seed", seed, minimum=0, maximum=None)
+    if not isinstance(torch_device, str):
+        raise ValueError(f"torch_device={torch_device!r} must be a string such as 'cpu' or 'cuda'")
+    config = ModelConfig.from_dir(model_dir)  # an unsupported model_type is refused here, by name
+    class_name = TRANSFORMERS_CLASSES[config.model_type]
+    if prompts is None:
+        token_lists = _default_prompts(config, greedy_steps=greedy_steps, seed=seed)
+    else:
+        token_lists = _token_lists(prompts, config, model_dir, greedy_steps=greedy_steps)
+    _, transformers = _import_torch()
+    dtypes = ["float32"] + ([dtype] if dtype != "float32" else [])
+    runs = tuple(_run(model_dir, config, class_name, token_lists, dtype=d, greedy_steps=greedy_steps,
+                      torch_device=torch_device) for d in dtypes)  # fmt: skip
+    return ComparisonReport(
+        model_dir=os.fspath(model_dir), model_type=config.model_type, transformers_class=class_name,
+        transformers_version=transformers.__version__, prompt_lengths=tuple(map(len, token_lists)),
+        greedy_steps=greedy_steps, runs=runs,
+    )  # fmt: skip
