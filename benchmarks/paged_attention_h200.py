@@ -2,18 +2,21 @@
 
 Run from the repository root:  PYTHONPATH=. python benchmarks/paged_attention_h200.py
 (``--sections parity,decode,prefill`` picks parts; ``--sweep`` also times the configurations behind the
-kernel defaults). Prints one line per parity case and per timed case, and a summary table last. Timing: CUPTI kernel time
+kernel defaults). Prints one line per parity case and per timed case, and a summary table last, and writes the rows
+as JSON by section (``--json PATH``, default: benchmarks/paged_attention_h200.json). Timing: CUPTI kernel time
 (Mosaic GPU profiler, every kernel of the jitted call), median of 30 runs, compile excluded. Decode is
 reported in GB/s of the KV blocks a query can see, against the H200's copy ceiling (`COPY_CEILING_GBPS`); prefill
 in TFLOP/s of the visible (query, key) pairs. Peers run side by side in the same process.
 """
 
 import argparse
+import re
 import statistics
 import time
 import traceback
 import warnings
 from functools import partial
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,7 @@ from jax_hybrid_attn.layout import as_kv_cache
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 from kernel_variants import configs_changed
+from results_json import write_sections
 
 COPY_CEILING_GBPS = 4280.0
 MIXED = ([1, 1, 3, 300, 17], [1, 2049, 513, 1000, 17])  # decodes, a verification query, prefills with context
@@ -314,10 +318,51 @@ def prefill_block_size_sweep(rows):
         del q, kv_cache
 
 
+JSON_FIGURES = {  # a timing row's figures, as its fields print them
+    "ms": r"^([\d.]+) ms$",
+    "gbps": r"^([\d.]+) GB/s",
+    "tflops": r"^([\d.]+) TFLOP/s",
+    "error": r"^(?:err|err\(request 0\)|max\|diff\| vs cuDNN) (\S+)$",
+}
+
+
+def row_section(row) -> str:
+    """The section a summary row comes from."""
+    kind, name = row[:2]
+    return "parity" if kind == "parity" else "prefill" if "prefill" in name else "decode"
+
+
+def json_row(row) -> dict:
+    """A summary row as JSON: a parity row's case, batch, status and max |err|; a timing row's figures (None where
+    it has none; status "OK" or its error); a per-kernel line's text."""
+    kind, name, *fields = row
+    if kind == "parity":
+        batch, status, error = fields
+        return dict(kind=kind, name=name, batch=batch, status=status, error=float(error))
+    if name.endswith(": per kernel"):
+        return dict(kind="kernels", name=name.strip().removesuffix(": per kernel"), text=" | ".join(fields))
+    figures = dict.fromkeys(JSON_FIGURES)
+    for field in fields:
+        for key, pattern in JSON_FIGURES.items():
+            match = re.match(pattern, field)
+            if match and figures[key] is None:
+                figures[key] = float(match.group(1))
+    status = fields[0] if fields and fields[0].startswith("ERROR") else "OK"
+    return dict(kind=kind, name=name, status=status, **figures)
+
+
+def write_json(path, rows, sections, *, sweep: bool) -> None:
+    """The rows of the sections run into `path` (`results_json.write_sections`)."""
+    rows_by_section = {section: [json_row(row) for row in rows if row_section(row) == section] for section in sections}
+    write_sections(path, rows_by_section, sweep=sweep)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="parity,decode,prefill", help="comma-separated: parity, decode, prefill")
     parser.add_argument("--sweep", action="store_true", help="also time the configurations behind the defaults")
+    parser.add_argument("--json", default=str(Path(__file__).with_name("paged_attention_h200.json")),
+                        help="the JSON file of the rows, by section")  # fmt: skip
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
     rows = []
@@ -335,6 +380,7 @@ def main():
     print("\n== summary ==")
     for row in rows:
         print(" | ".join(row))
+    write_json(args.json, rows, sections, sweep=args.sweep)
 
 
 

@@ -25,15 +25,18 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
   shared-prefix-full (GPU) the same workload on 8 full-attention layers of Mistral 7B's shape (32/8 heads, head
               128), where every layer can take the cascade.
 
-Prints one line per measurement and a summary table last.
+Prints one line per measurement and a summary table last, and writes the rows as JSON by section (``--json PATH``,
+default: benchmarks/serving.json; the capacity rows as numbers, the others as their lines).
 """
 
 import argparse
+import collections
 import gc
 import itertools
 import os
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # transformers shares the GPU
 
@@ -45,8 +48,10 @@ from jax_hybrid_attn.allocator import KVCacheManager, max_concurrency
 from jax_hybrid_attn.engine import Engine, EngineConfig, KVCacheLayout, SamplingParams
 from jax_hybrid_attn.models import ModelConfig, embedded_config, load_model, random_model
 from jax_hybrid_attn.models.partitioning import tensor_parallel_config
+from results_json import write_sections
 from trace_summary import profiled
 
+RECORDS: dict[str, list[dict]] = collections.defaultdict(list)  # section -> its rows as numbers, for --json
 CAPACITY_LEN = 32_768
 CAPACITY_MEMORY = 40 * 2**30
 GEMMA3_1B = dict(
@@ -161,6 +166,10 @@ def capacity(rows: list, *, budget: int = 2048) -> None:
                 f"{fp8 / hybrid:.2f}x bf16's")  # fmt: skip
         print("capacity", line, flush=True)
         rows.append(("capacity", line))
+        RECORDS["capacity"].append(dict(
+            model=name, hybrid=hybrid, full=full, fp8=fp8, bound_hybrid=round(bound[True, "bfloat16"], 1),
+            bound_full=round(bound[False, "bfloat16"], 1),
+        ))  # fmt: skip
 
 
 def tensor_parallel_capacity(rows: list, *, sizes=(1, 2), budget: int = 2048) -> None:
@@ -589,9 +598,20 @@ def _host_phases(engine: Engine, *, steps: int) -> str:
     return ", ".join(f"{name} {seconds / steps * 1e3:.2f} ms" for name, seconds in spent.items())
 
 
+def write_json(path, rows, sections) -> None:
+    """The rows of the sections run into `path` (`results_json.write_sections`): as numbers where `RECORDS` has
+    them, else as their lines."""
+    lines = collections.defaultdict(list)
+    for section, line in rows:
+        lines[section].append({"line": line})
+    write_sections(path, {section: RECORDS.get(section) or lines[section] for section in sections})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="capacity,parity,throughput,busy")
+    parser.add_argument("--json", default=str(Path(__file__).with_name("serving.json")),
+                        help="the JSON file of the rows, by section")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--trace", metavar="DIR", help="busy: also profile a few steps into DIR (Perfetto traces)")
@@ -638,6 +658,8 @@ def main():
     print("\n== summary ==")
     for section, line in rows:
         print(f"{section} | {line}")
+    if not args.tiny:  # a dry run's figures are not the benchmark's
+        write_json(args.json, rows, args.sections.split(","))
 
 
 if __name__ == "__main__":
