@@ -6,6 +6,8 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
   capacity    (CPU is enough) at equal KV memory, concurrent 32,768-token sequences with hybrid allocation and
               with every layer allocated as full attention (`--no-hybrid`), for each family's published shape;
   parity      (GPU) the engine's greedy tokens with the Mosaic GPU kernels against its jnp reference path, bf16;
+  fp8         (GPU) a float8 KV cache against bf16 on the Gemma-3-1B shape (random weights, 12 prompts x 32 tokens):
+              greedy tokens equal, and the logit error the float8 cache adds along the bf16 tokens;
   throughput  (GPU) a Gemma-3-1B-shaped model with random bf16 weights, 256 prompts of 128-1,024 random tokens,
               64 greedy tokens each: ours (a cold run, compiles included, then a warm one) and transformers'
               `generate_batch` with `paged|sdpa` on the same weights and prompts, in the same process;
@@ -26,7 +28,7 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
               128), where every layer can take the cascade.
 
 Prints one line per measurement and a summary table last, and writes the rows as JSON by section (``--json PATH``,
-default: benchmarks/serving.json; the capacity rows as numbers, the others as their lines).
+default: benchmarks/serving.json; the capacity and fp8 rows as numbers, the others as their lines).
 """
 
 import argparse
@@ -36,6 +38,7 @@ import itertools
 import os
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # transformers shares the GPU
@@ -43,10 +46,11 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # transformers 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jax_hybrid_attn.allocator import KVCacheManager, max_concurrency
 from jax_hybrid_attn.engine import Engine, EngineConfig, KVCacheLayout, SamplingParams
-from jax_hybrid_attn.models import ModelConfig, embedded_config, load_model, random_model
+from jax_hybrid_attn.models import DenseAttention, ModelConfig, embedded_config, load_model, random_model
 from jax_hybrid_attn.models.partitioning import tensor_parallel_config
 from results_json import write_sections
 from trace_summary import profiled
@@ -243,6 +247,52 @@ def parity(rows: list) -> None:
         line = f"{name} | first tokens equal {first:.0%} | all tokens equal {same:.0%}"
         print("parity", line, flush=True)
         rows.append(("parity", line))
+
+
+def fp8_agreement(rows: list, *, shape: dict, num_prompts: int = 12, max_tokens: int = 32) -> None:
+    """A float8 (e4m3) KV cache against the model's bfloat16 one, the same random-weight model on the kernels:
+    the greedy tokens (each request's first, and all of them), and the logit error that the float8 cache adds,
+    along the bfloat16 engine's tokens (teacher-forced): the dense forward with each layer's K/V read back as the
+    float8 cache holds them (`DenseAttention(kv_dtype=...)`) against the plain one, at every generated position."""
+    config = ModelConfig.from_hf(shape)
+    model = random_model(config, seed=0, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, config.vocab_size, int(n)).tolist() for n in rng.integers(20, 700, num_prompts)]
+    tokens = {}
+    for dtype in (None, "float8_e4m3fn"):
+        engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=num_prompts, max_model_len=1024,
+                                                    max_num_batched_tokens=1024, kv_cache_dtype=dtype))  # fmt: skip
+        tokens[dtype], _ = greedy(engine, prompts, max_tokens)
+        del engine
+    bf16, fp8 = tokens[None], tokens["float8_e4m3fn"]
+    first = np.mean([a[0] == b[0] for a, b in zip(bf16, fp8)])
+    agreed = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(bf16, fp8)]
+    graphdef, state = nnx.split(model)
+
+    @partial(jax.jit, static_argnames="kv_dtype")
+    def logits(state, token_ids, *, kv_dtype):
+        return nnx.merge(graphdef, state)(token_ids, DenseAttention(token_ids.shape[0], kv_dtype=kv_dtype))[0]
+
+    errors, scales = [], []
+    length = max(map(len, prompts)) + max_tokens  # one padded length, one compile: the layers are causal
+    for prompt, generated in zip(prompts, bf16):
+        ids = prompt + generated[:-1]
+        padded = jnp.asarray(ids + [0] * (length - len(ids)), jnp.int32)
+        positions = slice(len(prompt) - 1, len(ids))  # where each generated token was drawn
+        plain = logits(state, padded, kv_dtype=None)[positions]
+        quantized = logits(state, padded, kv_dtype=jnp.float8_e4m3fn)[positions]
+        errors.append(np.abs(np.asarray(quantized - plain, np.float32)))
+        scales.append(float(jnp.abs(plain).max()))
+    max_error, mean_error = max(e.max() for e in errors), np.mean([e.mean() for e in errors])
+    line = (f"{len(prompts)} prompts x {max_tokens} tokens | first tokens equal {first:.0%} | tokens equal before the "
+            f"first difference {sum(agreed) / (len(prompts) * max_tokens):.0%} | logit error max {max_error:.3g} "
+            f"mean {mean_error:.3g} (largest |logit| {max(scales):.3g})")  # fmt: skip
+    print("fp8", line, flush=True)
+    rows.append(("fp8", line))
+    RECORDS["fp8"].append(dict(prompts=len(prompts), max_tokens=max_tokens, first_tokens_equal=float(first),
+                               tokens_agreed=sum(agreed), tokens=len(prompts) * max_tokens,
+                               logit_error_max=float(max_error), logit_error_mean=float(mean_error),
+                               largest_logit=max(scales)))  # fmt: skip
 
 
 def prefill_flops(config: ModelConfig, model, prompt_lens) -> float:
@@ -631,6 +681,8 @@ def main():
             capacity(rows)
         elif section == "parity":
             parity(rows)
+        elif section == "fp8":
+            fp8_agreement(rows, shape=TINY if args.tiny else GEMMA3_1B)
         elif section == "busy":
             for unroll in unroll_variants:
                 busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256,

@@ -6,16 +6,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .layout import FP8_DTYPE, FP8_MAX, KVArrays, KVCache, like_given
+from .layout import KVArrays, KVCache, like_given, stored_values
 from .validation import check_write_kv_args
 
 __all__ = ["write_kv"]
-
-
-def _quantize(x, scale, dtype):
-    if dtype != FP8_DTYPE:
-        return x.astype(dtype)
-    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(dtype)
 
 
 def write_kv_traced(kv_cache: KVCache, k: Float[Array, "T K H"], v: Float[Array, "T K H"],
@@ -27,8 +21,8 @@ def write_kv_traced(kv_cache: KVCache, k: Float[Array, "T K H"], v: Float[Array,
     block = jnp.where(in_cache, slot_mapping // block_size, num_blocks)
     offset = jnp.where(in_cache, slot_mapping % block_size, 0)
     k_scale, v_scale = kv_cache.scales()
-    k = _quantize(k, k_scale, kv_cache.dtype)
-    v = _quantize(v, v_scale, kv_cache.dtype)
+    k = stored_values(k, k_scale, kv_cache.dtype)
+    v = stored_values(v, v_scale, kv_cache.dtype)
     # Each index form selects [T, K, H]: advanced indices come first when a slice separates them.
     nhd = kv_cache.layout == "NHD"
     if kv_cache.is_pair:

@@ -53,6 +53,14 @@ def get_kv_cache_shape(
     return (num_blocks, 2, num_kv_heads, block_size, head_size)
 
 
+def stored_values(x: jax.Array, scale: Float[Array, ""], dtype) -> jax.Array:
+    """What a cache of `dtype` stores for the keys or values `x`: x itself in that dtype, or for float8_e4m3fn
+    ``x / scale``, saturated at ±448 (`FP8_MAX`) rather than NaN."""
+    if jnp.dtype(dtype) != FP8_DTYPE:
+        return x.astype(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(dtype)
+
+
 def is_kv_pair(arrays) -> bool:
     """Whether the arrays are a ``(k_cache, v_cache)`` pair rather than one array."""
     return isinstance(arrays, (tuple, list))

@@ -123,3 +123,29 @@ def test_layer_attention_on_a_kv_pair_equals_one_array(kv_layout):
     np.testing.assert_array_equal(np.asarray(out_pair), np.asarray(out))
     np.testing.assert_array_equal(np.asarray(k_cache), np.asarray(cache[:, 0]))
     np.testing.assert_array_equal(np.asarray(v_cache), np.asarray(cache[:, 1]))
+
+
+def test_a_dense_forward_with_a_float8_kv_dtype_equals_attention_over_a_float8_cache():
+    """`DenseAttention(kv_dtype=float8_e4m3fn)` models what a paged float8 cache computes: one request's prefill
+    written by `write_kv` at the layer's scales (some values saturated) and attended by the reference."""
+    from jax_hybrid_attn import make_attention_metadata, reference
+    from jax_hybrid_attn.models import DenseAttention
+
+    rng = np.random.default_rng(6)
+    num_tokens, k_scale, v_scale = 11, jnp.float32(0.04), jnp.float32(0.02)
+    q = jnp.asarray(rng.standard_normal((num_tokens, 4, HEAD_DIM)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((num_tokens, NUM_KV_HEADS, HEAD_DIM)) * 4, jnp.float32) for _ in range(2))
+    k = k.at[0, 0, 0].set(100.0)  # beyond 448 * k_scale: saturates
+    params = LayerAttentionParams(sliding_window=5)
+    dense, _ = DenseAttention(num_tokens, kv_dtype=jnp.float8_e4m3fn).attend(
+        0, q, k, v, params=params, k_scale=k_scale, v_scale=v_scale
+    )
+    plain, _ = DenseAttention(num_tokens).attend(0, q, k, v, params=params)
+    table = np.arange(1, 1 + -(-num_tokens // BLOCK_SIZE))[None]
+    metadata = make_attention_metadata([num_tokens], [num_tokens], table, block_size=BLOCK_SIZE)
+    cache = KVCache(jnp.zeros(get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), jnp.float8_e4m3fn),
+                    k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    cache = write_kv(cache, k, v, metadata.slot_mapping)
+    paged = reference.paged_attention(q, cache, metadata, params=params)
+    np.testing.assert_allclose(np.asarray(dense), np.asarray(paged), atol=2e-5, rtol=2e-5)
+    assert np.abs(np.asarray(dense) - np.asarray(plain)).max() > 1e-3, "float8 rounding shows"

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from .._compat import register_pytree_dataclass
+from ..layout import FP8_DTYPE, stored_values
 from ..masks import attention_mask
 from ..params import LayerAttentionParams, check_params, resolve_sm_scale
 
@@ -94,9 +95,13 @@ class DenseAttention:
 
     Attributes:
       num_tokens: T, the sequence's length (static).
+      kv_dtype: None, or float8_e4m3fn: each layer's k and v pass through what a float8 cache stores and reads
+        back (divided by the layer's scales, rounded and saturated, multiplied back) before attending, so that
+        the dense forward gives what a paged float8 cache computes (static).
     """
 
     num_tokens: int
+    kv_dtype: object = None
 
     @property
     def positions(self) -> Int[Array, "T"]:
@@ -107,8 +112,18 @@ class DenseAttention:
         return self
 
     def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None):
-        del layer, k_scale, v_scale  # nothing is cached
+        del layer  # nothing is cached
+        if self.kv_dtype is not None:
+            k, v = (_stored_and_read(x, scale, self.kv_dtype) for x, scale in ((k, k_scale), (v, v_scale)))
         return dense_attention(q, k, v, params=params, sinks=sinks), self
 
 
-register_pytree_dataclass(DenseAttention, data_fields=[], meta_fields=["num_tokens"])
+def _stored_and_read(x, scale, kv_dtype):
+    """`x` as a `kv_dtype` cache stores it (`layout.stored_values`) and the attention reads it back."""
+    if jnp.dtype(kv_dtype) != FP8_DTYPE:
+        raise NotImplementedError(f"DenseAttention with kv_dtype={kv_dtype}: only {FP8_DTYPE} is modelled")
+    scale = jnp.float32(1) if scale is None else scale
+    return (stored_values(x, scale, FP8_DTYPE).astype(jnp.float32) * scale).astype(x.dtype)
+
+
+register_pytree_dataclass(DenseAttention, data_fields=[], meta_fields=["num_tokens", "kv_dtype"])
