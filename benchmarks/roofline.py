@@ -8,6 +8,7 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/roofline.py [--wor
      P1 causal prefill, one 8,192-token request      P0 causal prefill, 8 × 4,096
      P2 prefill 8 × 8,192, window 1,024              P3 prefill 8 × 4,096, chunk 1,024
      F1 decode 64 × 8k, fp8 e4m3 KV (beside bf16)    D2 decode 64 × 32k, window 1,024
+     F2 D2 with an fp8 KV cache                      F3 P0 with an fp8 KV cache
      D0 decode 64 × 2k                               V  decode 64 × 8k variants (head_dim 64/256, blocks
                                                         32/64, GQA 8:1, MHA, soft cap, sinks, HND, K/V pair)
    Each is checked against the reference before it is timed. Peers in the same run: cuDNN (dense, through
@@ -81,11 +82,13 @@ def workloads(tiny: bool) -> list[Workload]:
     items = [
         Workload("P1", "causal prefill 1 x 8192", 1, 8192, 8192),
         Workload("P0", "causal prefill 8 x 4096", 8, 4096, 4096),
+        Workload("F3", "causal prefill 8 x 4096, fp8 KV", 8, 4096, 4096, kv_dtype=FP8),
         Workload("P2", "prefill 8 x 8192, window 1024", 8, 8192, 8192, params=window),
         Workload("P3", "prefill 8 x 4096, chunk 1024", 8, 4096, 4096, params=chunk),
         Workload("F1", "decode 64 x 8k, bf16 KV", 64, 1, 8192),
         Workload("F1", "decode 64 x 8k, fp8 KV", 64, 1, 8192, kv_dtype=FP8),
         Workload("D2", "decode 64 x 32k, window 1024", 64, 1, 32768, params=window),
+        Workload("F2", "decode 64 x 32k, window 1024, fp8 KV", 64, 1, 32768, params=window, kv_dtype=FP8),
         Workload("D0", "decode 64 x 2k", 64, 1, 2048),
         Workload("V", "decode 64 x 8k, head_dim 64", 64, 1, 8192, head_dim=64),
         Workload("V", "decode 64 x 8k, head_dim 256", 64, 1, 8192, head_dim=256),
@@ -385,7 +388,7 @@ def _line(row: dict) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="P1,P0,P2,P3,F1,D2,D0,V", help="comma-separated workload ids")
+    parser.add_argument("--workloads", default="P1,P0,P2,P3,F1,F2,F3,D2,D0,V", help="comma-separated workload ids")
     parser.add_argument("--json", default=str(Path(__file__).with_name("roofline.json")))
     parser.add_argument("--calls", type=int, default=50, help="back-to-back calls per timing")
     parser.add_argument("--no-peers", action="store_true")
