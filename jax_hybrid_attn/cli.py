@@ -148,19 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    """``jha compare``'s options (`models.compare.compare_with_transformers`' arguments)."""
-    from .models.compare import DEFAULT_DTYPE, DEFAULT_GREEDY_STEPS, DTYPE_TOLERANCES
-
+    """``jha compare``'s options (`models.compare.compare_with_transformers`' arguments, which it checks; unset:
+    its defaults). The parser imports nothing of the models: every command parses its arguments first."""
     c = parser
     c.add_argument("--model", required=True, help="a transformers checkpoint directory")
     c.add_argument("--prompt", action="append", default=[], help="a prompt, through the checkpoint's tokenizer "
                    "(repeatable; none: random token ids around each window and chunk of the config)")  # fmt: skip
     c.add_argument("--prompt-ids", action="append", type=token_ids, default=[], metavar="IDS",
                    help="a prompt as token ids, e.g. 1,2,3 (repeatable)")  # fmt: skip
-    c.add_argument("--dtype", choices=tuple(DTYPE_TOLERANCES), default=DEFAULT_DTYPE,
-                   help=f"the second run's dtype, after float32's (default: {DEFAULT_DTYPE})")  # fmt: skip
-    c.add_argument("--steps", type=int, default=DEFAULT_GREEDY_STEPS,
-                   help=f"greedy tokens compared per prompt (default: {DEFAULT_GREEDY_STEPS}; 0: none)")  # fmt: skip
+    c.add_argument("--dtype", help="the second run's dtype, after float32's: bfloat16 (the default) or float32 "
+                   "(that run only)")  # fmt: skip
+    c.add_argument("--steps", type=int, help="greedy tokens compared per prompt (default: 8; 0: none)")
     c.add_argument("--seed", type=int, default=0, help="the default prompts' seed")
     c.add_argument("--torch-device", default="cpu", help="where transformers runs (default: cpu)")
     c.add_argument("--json", action="store_true", help="print the report as one JSON object and nothing else")
@@ -395,8 +393,9 @@ def compare(args, out=None):
 
     out = out or sys.stdout
     prompts = [*args.prompt, *args.prompt_ids] or None
-    report = compare_with_transformers(args.model, prompts=prompts, dtype=args.dtype, greedy_steps=args.steps,
-                                       seed=args.seed, torch_device=args.torch_device)  # fmt: skip
+    options = {name: value for name, value in (("dtype", args.dtype), ("greedy_steps", args.steps)) if value is not None}
+    report = compare_with_transformers(args.model, prompts=prompts, seed=args.seed, torch_device=args.torch_device,
+                                       **options)  # fmt: skip
     print(json.dumps(report.to_dict()) if args.json else report.table(), file=out)
     return report
 

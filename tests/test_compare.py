@@ -221,3 +221,17 @@ def test_importing_compare_and_the_cli_imports_no_torch():
     code = "import sys, jax_hybrid_attn.models.compare, jax_hybrid_attn.cli; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_parser_imports_no_model_code_and_its_help_gives_the_functions_defaults():
+    from jax_hybrid_attn.models.compare import DEFAULT_DTYPE, DEFAULT_GREEDY_STEPS
+
+    code = ("import sys\nfrom jax_hybrid_attn.cli import build_parser\nbuild_parser().parse_args(['compare', "
+            "'--model', 'x'])\nprint('jax_hybrid_attn.models' in sys.modules)")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+    from jax_hybrid_attn.cli import build_parser
+
+    compare_parser = build_parser()._subparsers._group_actions[0].choices["compare"]
+    help_text = " ".join(compare_parser.format_help().split())
+    assert f"{DEFAULT_DTYPE} (the default)" in help_text and f"(default: {DEFAULT_GREEDY_STEPS};" in help_text
