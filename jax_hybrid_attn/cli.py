@@ -393,7 +393,8 @@ def compare(args, out=None):
 
     out = out or sys.stdout
     prompts = [*args.prompt, *args.prompt_ids] or None
-    options = {name: value for name, value in (("dtype", args.dtype), ("greedy_steps", args.steps)) if value is not None}
+    given = {"dtype": args.dtype, "greedy_steps": args.steps}
+    options = {name: value for name, value in given.items() if value is not None}
     report = compare_with_transformers(args.model, prompts=prompts, seed=args.seed, torch_device=args.torch_device,
                                        **options)  # fmt: skip
     print(json.dumps(report.to_dict()) if args.json else report.table(), file=out)
