@@ -1,6 +1,7 @@
 """The kernels against the H200's ceilings and their peers: every kernel workload and goal in one process.
 
 Run from the repository root:  PYTHONPATH=. python benchmarks/roofline.py [--workloads P1,P0,...] [--json PATH]
+[--variant fp8_qk=1] (ours again with those KernelConfig fields, beside the default)
 (``--tiny`` runs ours only, at tiny shapes, in Mosaic GPU interpret mode: a CPU dry run of the script.)
 
 1. Ceilings: memory bandwidth (a 4 GiB bf16 array copied, and read once) and the bf16 matmul (8,192³).
@@ -41,6 +42,7 @@ import numpy as np
 from jax_hybrid_attn import CAUSAL, KVCache, LayerAttentionParams, make_attention_metadata, paged_attention, reference
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES
+from kernel_variants import configs_changed, parse_variant
 from trace_summary import profiled
 
 INPUT_COPIES = 3
@@ -172,7 +174,8 @@ def parity_error(w: Workload, fn, q, kv_cache, metadata, sinks) -> float:
     return float(jnp.abs(ours.astype(jnp.float32) - expected.astype(jnp.float32)).max())
 
 
-def run_ours(w: Workload, *, ceiling_gbps: float | None, interpret: bool, calls: int, trace: str | None) -> dict:
+def run_ours(w: Workload, *, ceiling_gbps: float | None, interpret: bool, calls: int, trace: str | None,
+             variant: str = "") -> dict:  # fmt: skip
     argument_sets = []
     for seed in range(1 if interpret else INPUT_COPIES):
         q, kv_cache, metadata, sinks = inputs(w, seed)
@@ -180,7 +183,8 @@ def run_ours(w: Workload, *, ceiling_gbps: float | None, interpret: bool, calls:
     fn = jax.jit(partial(paged_attention, **options(w, sinks), interpret=interpret))
     error = parity_error(w, fn, *argument_sets[0], sinks)
     tolerance = TOLERANCES[jnp.dtype(jnp.bfloat16)]["atol"] * (4 if w.kv_dtype == FP8 else 1)
-    row = dict(id=w.id, name=w.name, impl="ours", parity_error=error, parity="PASS" if error <= tolerance else "FAIL")
+    impl = f"ours ({variant})" if variant else "ours"
+    row = dict(id=w.id, name=w.name, impl=impl, parity_error=error, parity="PASS" if error <= tolerance else "FAIL")
     row["ms"] = per_call_ms(fn, argument_sets, calls=calls)
     row["kernel_ms"] = cupti_ms(fn, argument_sets[0], repeats=10)
     if trace:  # what the host does per call, and how many GPU ops a call runs
@@ -395,6 +399,8 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="ours only, tiny shapes, interpret mode (CPU dry run)")
     parser.add_argument("--trace", metavar="DIR", help="also profile ours per workload into DIR: GPU ops and host "
                         "time per call")  # fmt: skip
+    parser.add_argument("--variant", action="append", default=[], help="also ours with these KernelConfig fields "
+                        "on both kernels, beside the default, e.g. fp8_qk=1 (comma-separated FIELD=INT; repeatable)")
     args = parser.parse_args()
     if args.tiny:
         os.environ.setdefault("PJRT_NPROC", "8")
@@ -404,15 +410,19 @@ def main():
     print(f"ceilings: {_ceilings_line(limits)}", flush=True)
     rows = []
     for w in (w for w in workloads(args.tiny) if w.id in wanted):
-        try:
-            rows.append(run_ours(w, ceiling_gbps=limits["stream_gbps"], interpret=args.tiny, calls=args.calls,
-                                 trace=args.trace))  # fmt: skip
-        except Exception as error:
-            traceback.print_exc(limit=2)
-            rows.append(dict(id=w.id, name=w.name, impl="ours", error=f"{type(error).__name__}: {str(error)[:200]}"))
-        print(_line(rows[-1]), flush=True)
-        for line in rows[-1].get("host_per_call", ()):
-            print(f"    host per call: {line}", flush=True)
+        for variant in ["", *args.variant]:
+            options = parse_variant(variant) if variant else {}
+            try:
+                with configs_changed(decode=options, prefill=options):
+                    rows.append(run_ours(w, ceiling_gbps=limits["stream_gbps"], interpret=args.tiny, calls=args.calls,
+                                         trace=args.trace, variant=variant))  # fmt: skip
+            except Exception as error:
+                traceback.print_exc(limit=2)
+                impl = f"ours ({variant})" if variant else "ours"
+                rows.append(dict(id=w.id, name=w.name, impl=impl, error=f"{type(error).__name__}: {str(error)[:200]}"))
+            print(_line(rows[-1]), flush=True)
+            for line in rows[-1].get("host_per_call", ()):
+                print(f"    host per call: {line}", flush=True)
         if not (args.no_peers or args.tiny):
             for row in peer_rows(w, limits["stream_gbps"], calls=args.calls):
                 rows.append(row)

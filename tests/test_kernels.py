@@ -75,14 +75,22 @@ def test_kernel_matches_reference(case):
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
 
 
-def with_kernel_options(monkeypatch, **options):
-    """Both kernels (decode and prefill) with these `KernelConfig` options."""
+@pytest.fixture
+def kernel_options(monkeypatch):
+    """``kernel_options(**options)``: both kernels (decode and prefill) with these `KernelConfig` options for the
+    rest of the test. The kernels' compiled calls hold the options they were traced with: they are dropped when the
+    options change and when the test ends, so that no other test runs them."""
     original = mixed_batch.kernel_configs
 
-    def replaced(*args, **kwargs):
-        return tuple(dataclasses.replace(c, **options) for c in original(*args, **kwargs))
+    def use(**options):
+        def replaced(*args, **kwargs):
+            return tuple(dataclasses.replace(c, **options) for c in original(*args, **kwargs))
 
-    monkeypatch.setattr(mixed_batch, "kernel_configs", replaced)
+        monkeypatch.setattr(mixed_batch, "kernel_configs", replaced)
+        mixed_batch._paged_attention_kernels.clear_cache()
+
+    yield use
+    mixed_batch._paged_attention_kernels.clear_cache()
 
 
 @pytest.mark.parametrize("kv_fp8", [False, True])
@@ -96,6 +104,28 @@ def test_no_races_detected(kv_fp8):
     out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
     assert not races_found()
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
+             causal=True, dtype=jnp.bfloat16, kv_fp8=True, kv_layout="NHD", batch=([1, 20, 20], [40, 33, 150])),
+        dict(block_size=32, heads=(4, 4), mask=dict(attention_chunk_size=64), logits_soft_cap=30.0,
+             with_sinks=False, causal=True, dtype=jnp.float16, kv_fp8=True, kv_layout="HND", kv_pair=True,
+             batch=([1, 70], [200, 330])),
+    ],
+    ids=["bf16-q-window-sinks", "fp16-q-chunk-softcap-hnd-pair"],
+)  # fmt: skip
+def test_fp8_qk_matches_reference_without_races(case, kernel_options):
+    """`KernelConfig.fp8_qk`: QK on float8 tensor cores from the K ring, q in two float8 parts, decode tiles and
+    two-consumer prefill tiles: as exact as the float16 QK (the outputs differ from it only in rounding)."""
+    float16_qk, _ = run_case(case, seed=3)
+    kernel_options(fp8_qk=True)
+    out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
+    assert not races_found()
+    assert np.isfinite(out).all() and not np.array_equal(out, float16_qk), "the float8 QK path ran"
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
 
 
 def test_mixed_batch_equals_its_parts():
@@ -203,9 +233,9 @@ def test_float16_query_passes_nonfinite_and_zero_through():
     assert float(scale) == 1.0 and bool(jnp.isnan(mixed_batch.float16_query(q, scale)[0, 0, 3]))
 
 
-def test_a_config_beyond_shared_memory_raises(monkeypatch):
+def test_a_config_beyond_shared_memory_raises(kernel_options):
     """head_dim 256 fits two consumers with a ring of two 128-key stages, not with four."""
-    with_kernel_options(monkeypatch, num_stages=4)
+    kernel_options(num_stages=4)
     inputs = random_paged_inputs(0, query_lens=[40], seq_lens=[40], num_q_heads=2, num_kv_heads=1, head_dim=256,
                                  block_size=16, dtype=jnp.bfloat16)  # fmt: skip
     with pytest.raises(NotImplementedError, match="bytes of shared memory"):

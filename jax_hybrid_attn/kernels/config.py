@@ -28,6 +28,9 @@ class KernelConfig:
         `setmaxnreg` only moves registers between warpgroups: an increase beyond that waits forever).
       direct_io: read q and write the output in [T, N, H] in the kernel where the launch allows it (one split, G
         in 1, 2, 4, 8; `mixed_batch`), rather than packing q into tiles and gathering the output per token.
+      fp8_qk: with a float8_e4m3fn cache, the QK product on float8 tensor cores straight from the K ring (no
+        float16 staging of K): q split into two float8 parts (``q = hi + lo``, about bfloat16's precision), two
+        wgmmas; V is staged in float16 as without it. Both launches of a call must agree (`mixed_batch`).
       profile_dir: the debug switch: when set, Mosaic GPU's on-device profiler records up to `PROFILE_RANGES`
         named phases per warpgroup and writes a Perfetto trace there (`benchmarks/kernel_timeline.py`; it slows
         the kernel).
@@ -41,6 +44,7 @@ class KernelConfig:
     consumer_registers: int = 232
     producer_registers: int = 40
     direct_io: bool = True
+    fp8_qk: bool = False
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -73,13 +77,17 @@ class KernelConfig:
 
     def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int, *, direct: bool = False) -> int:
         """Shared memory on the GPU: q/output tiles (with `direct`, and their untiled copies for q and the output
-        in [T, N, H]), the K and V ring, fp8 staging buffers (barriers aside)."""
+        in [T, N, H]), the K and V ring, fp8 staging buffers (with `fp8_qk`: V's only, and q's two float8 parts)
+        (barriers aside)."""
         query_tiles = 2 if direct else 1  # with `direct`, the untiled staging copy too
         q_tiles = self.num_consumers * (query_tiles * ROWS * head_dim * q_itemsize + ROWS * 4)
         ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
-        staging = (
-            self.num_consumers * 2 * self.block_kv * head_dim * q_itemsize if kv_itemsize != q_itemsize else 0
-        )
+        if kv_itemsize == q_itemsize:
+            return q_tiles + ring
+        if self.fp8_qk:
+            staging = self.num_consumers * (self.block_kv * head_dim * q_itemsize + 2 * ROWS * head_dim * kv_itemsize)
+        else:
+            staging = self.num_consumers * 2 * self.block_kv * head_dim * q_itemsize
         return q_tiles + ring + staging
 
 

@@ -126,18 +126,25 @@ def lowering_for_sms(count: int):
         _sm_count = before
 
 
-def float16_query_scale(q: Float[Array, "T N H"]) -> Float[Array, ""]:
+FLOAT16_QUERY_EXPONENT = 14
+"""`float16_query_scale` puts q's largest magnitude in [2^14, 2^15): within float16 (65504)."""
+FLOAT8_QUERY_EXPONENT = 7
+"""... and with `KernelConfig.fp8_qk` in [2^7, 2^8): within float8_e4m3fn (448), for q's two float8 parts."""
+
+
+def float16_query_scale(q: Float[Array, "T N H"], *, exponent: int = FLOAT16_QUERY_EXPONENT) -> Float[Array, ""]:
     """The power of two that q is multiplied by on its way to float16, for a float8 cache (the logits are
     multiplied by its inverse).
 
     sm90 converts e4m3 to float16 in one instruction, to bfloat16 only through float32, so the kernels convert
     each K/V step more cheaply when they compute in float16. Scaled by this power of two (exact), q's largest
-    magnitude lies in [2^14, 2^15): float16 holds it (up to 65504) and keeps 10 mantissa bits, more than
-    bfloat16's 7. A q holding inf or NaN is not scaled (1), so they reach the output as on the reference path."""
+    magnitude lies in [2^exponent, 2^(exponent + 1)): float16 holds it (up to 65504) and keeps 10 mantissa bits,
+    more than bfloat16's 7 (`FLOAT8_QUERY_EXPONENT`: float8 parts hold it too). A q holding inf or NaN is not
+    scaled (1), so they reach the output as on the reference path."""
     largest = jnp.max(jnp.abs(q)).astype(jnp.float32)
     scalable = jnp.isfinite(largest) & (largest > 0)
-    exponent = jnp.where(scalable, jnp.floor(jnp.log2(jnp.where(scalable, largest, 1.0))) - 14, 0).astype(jnp.int32)
-    return jnp.ldexp(jnp.float32(1), -exponent)
+    shift = jnp.where(scalable, jnp.floor(jnp.log2(jnp.where(scalable, largest, 1.0))) - exponent, 0)
+    return jnp.ldexp(jnp.float32(1), -shift.astype(jnp.int32))
 
 
 def float16_query(q: Float[Array, "..."], scale: Float[Array, ""]) -> Float[Array, "..."]:
@@ -192,8 +199,17 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
     query_lens = metadata.query_lens
     # Keys past the block table do not exist: the kernels never read past it (those requests are flagged below).
     seq_lens = jnp.minimum(metadata.seq_lens, metadata.block_tables.shape[1] * block_size)
+    decode_config, prefill_config = kernel_configs(
+        head_dim, q.dtype, kv_cache.dtype, decode_ctas=max(1, metadata.num_reqs * num_kv_heads),
+        max_seq_len=metadata.max_seq_len,
+    )  # fmt: skip
+    if decode_config.fp8_qk != prefill_config.fp8_qk:  # q is scaled once for both launches
+        raise ValueError(f"{decode_config.fp8_qk=} and {prefill_config.fp8_qk=} must agree")
     compute_dtype, q_scale = q.dtype, jnp.float32(1)
-    if kv_cache.dtype == FP8_DTYPE and q.dtype == jnp.bfloat16:
+    scaled_q = kv_cache.dtype == FP8_DTYPE and (decode_config.fp8_qk or q.dtype == jnp.bfloat16)
+    if kv_cache.dtype == FP8_DTYPE and decode_config.fp8_qk:
+        compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q, exponent=FLOAT8_QUERY_EXPONENT)
+    elif kv_cache.dtype == FP8_DTYPE and q.dtype == jnp.bfloat16:
         compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q)
     # the kernels' scalars: logit scale (sm_scale * k_scale, over q's scale), v scale, q scale
     scales = jnp.stack([params.sm_scale * k_scale / q_scale, v_scale, q_scale]).astype(jnp.float32)
@@ -215,7 +231,7 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
                 num_tokens=num_tokens, rows=config.rows,
             )  # fmt: skip
             q_source = query_tiles.pack_query_rows(q, tokens, heads)
-            if compute_dtype != q.dtype:
+            if scaled_q:
                 q_source = float16_query(q_source, q_scale)
         return launch_attention(
             q_source, k_source, v_source, tiles, *requests, metadata.num_actual_tokens, scales,
@@ -223,11 +239,6 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
             params=params, kv_layout=kv_cache.layout, stacked=stacked, direct=direct, compute_dtype=compute_dtype,
             config=config, interpret=interpret,
         )  # fmt: skip
-
-    decode_config, prefill_config = kernel_configs(
-        head_dim, q.dtype, kv_cache.dtype, decode_ctas=max(1, metadata.num_reqs * num_kv_heads),
-        max_seq_len=metadata.max_seq_len,
-    )  # fmt: skip
 
     def writes_tokens(config):  # whether the launch can read q and write the output in [T, N, H] itself
         kv_itemsize = kv_cache.dtype.itemsize

@@ -14,7 +14,8 @@ outside the tile's range (a block's unwritten tail, or a clamped duplicate block
 sees are zeroed first: stale or NaN memory must not reach ``0 * V``. With two consumers, consumer 0 zeroes
 and signals consumer 1 through the slot's barrier. A float8_e4m3fn cache is converted to the compute dtype (q's,
 or float16 for a bfloat16 q) in each consumer's staging buffers (zeroing happens there); its k scale multiplies
-the logits and its v scale the output. P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
+the logits and its v scale the output. With `KernelConfig.fp8_qk` K is not staged: QK runs on float8 tensor cores
+straight from the ring, q split once per tile into two float8 parts (hi + lo, two wgmmas). P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
 which runs wgmma only from shared memory, it goes through a shared-memory tile instead.
 
 Packed tiles (q gathered into [NT, K, rows, H]): each split writes its normalized partial output and its
@@ -76,6 +77,8 @@ def paged_attention_cta(
     converts = k_ref.dtype != dtype  # float8 cache: consumers convert each step into staging buffers
     if converts and dtype != jnp.float16:  # sm90 converts e4m3 to float16 in one instruction, to bfloat16 not at all
         raise ValueError(f"a {k_ref.dtype} cache needs compute_dtype float16, not {dtype}")
+    fp8_qk = converts and config.fp8_qk  # QK on float8 tensor cores straight from the K ring
+    stages_k = converts and not fp8_qk
     block_kv, num_stages, num_consumers = config.block_kv, config.num_stages, config.num_consumers
     # A step's block_kv keys come from several whole pages (S <= block_kv) or from a part of one (S > block_kv)
     pages_per_step = max(1, block_kv // block_size)
@@ -168,9 +171,10 @@ def paged_attention_cta(
                 with jax.named_scope("issue V"):
                     issue(step, pages, v_ring, v_loaded, 1)
 
-        def consumer(wg, q_smem, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, extras):
+        def consumer(wg, q_parts, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, extras):
             """Online softmax of consumer `wg`'s 64 query rows over the CTA's key steps: masked edge steps, unmasked
-            inner steps, masked edge steps. Long for the reason the kernel is: its helpers share its registers'
+            inner steps, masked edge steps. `q_parts`: the QK product's left operands, summed (q's tile, or with
+            `fp8_qk` its two float8 parts). Long for the reason the kernel is: its helpers share its registers'
             layouts and the ring's barriers."""
             k_staging, v_staging, p_smem, v_zeroed, schedule = extras
             my_offset, my_len = consumer_rows(tile, wg)  # the same for every split
@@ -226,7 +230,7 @@ def paged_attention_cta(
             def key_operand(step, slot):
                 """The K operand of this step (converted into staging for a float8 cache, which frees the slot)."""
                 plgpu.barrier_wait(k_loaded.at[slot])
-                if not converts:
+                if not stages_k:
                     return k_ring.at[slot]
                 k = stage(k_ring.at[slot], k_staging, step, zero=False)
                 plgpu.barrier_arrive(k_consumed.at[slot])
@@ -261,14 +265,15 @@ def paged_attention_cta(
 
                 def compute_qk(acc_ref):
                     with jax.named_scope("QK issue, turn"):
-                        plgpu.wgmma(acc_ref, q_smem, k.transpose((1, 0)))
+                        for q_part in q_parts:
+                            plgpu.wgmma(acc_ref, q_part, k.transpose((1, 0)))
                         if schedule is not None:
                             take_turn(schedule)
                     with jax.named_scope("QK wait"):
                         return acc_ref[...]
 
                 scores = pl.run_scoped(compute_qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-                if not converts:
+                if not stages_k:
                     plgpu.barrier_arrive(k_consumed.at[slot])
                 with jax.named_scope("softmax"):
                     p, m_new, l_i, alpha = online_softmax(step, scores, m_i, l_i, masked=masked)
@@ -323,8 +328,8 @@ def paged_attention_cta(
         """Each element's row, in the wgmma accumulator's register layout."""
         return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
 
-    def body(q_smem, lse_smem, rows_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
-             k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
+    def body(q_smem, q8_smem, lse_smem, rows_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded,
+             v_loaded, k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
         wg = lax.axis_index("wg")
         tile, kv_head, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
         ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
@@ -400,13 +405,20 @@ def paged_attention_cta(
                 plgpu.barrier_wait(q_loaded.at[wg])
                 if direct:  # into the wgmma's tiled, swizzled layout (rows past the tokens hold stale values)
                     q_rows = plgpu.load(rows_smem.at[wg], layout=copy_layout)
-                    if q_ref.dtype != dtype:  # a bfloat16 q scaled into float16 (`mixed_batch.float16_query`)
+                    if q_ref.dtype != dtype or fp8_qk:  # q scaled into float16 (`mixed_batch.float16_query`)
                         q_rows = q_rows.astype(jnp.float32) * scales_ref[2]
                     q_smem[wg] = q_rows.astype(dtype)
                     plgpu.commit_smem()
+                if fp8_qk:  # q's two float8 parts, once per tile: hi = float8(q), lo = float8(q - hi)
+                    q_rows = q_smem[wg].astype(jnp.float32)
+                    high = q_rows.astype(k_ref.dtype)
+                    q8_smem[wg, 0] = high
+                    q8_smem[wg, 1] = (q_rows - high.astype(jnp.float32)).astype(k_ref.dtype)
+                    plgpu.commit_smem()
+                q_parts = (q8_smem.at[wg, 0], q8_smem.at[wg, 1]) if fp8_qk else (q_smem.at[wg],)
                 if schedule is not None:
                     pl.when(wg == 1)(partial(take_turn, schedule))
-                acc, m_i, l_i = consumer(wg, q_smem.at[wg], *ring, extras)
+                acc, m_i, l_i = consumer(wg, q_parts, *ring, extras)
                 if schedule is not None:
                     pl.when(wg == 0)(partial(take_turn, schedule))
                 out = normalized(acc, m_i, l_i, kv_head)
@@ -447,11 +459,12 @@ def paged_attention_cta(
     pl.run_scoped(
         body,
         plgpu.SMEM((num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
+        plgpu.SMEM((num_consumers, 2, ROWS, head_dim), k_ref.dtype, transforms=kv_transforms) if fp8_qk else None,
         None if direct else plgpu.SMEM((num_consumers, ROWS), jnp.float32),  # log-sum-exps
         plgpu.SMEM((num_consumers, ROWS, head_dim), o_ref.dtype) if direct else None,
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
-        staging,
+        staging if stages_k else None,
         staging,
         None
         if p_in_registers
