@@ -15,8 +15,9 @@ sees are zeroed first: stale or NaN memory must not reach ``0 * V``. With two co
 and signals consumer 1 through the slot's barrier. A float8_e4m3fn cache is converted to the compute dtype (q's,
 or float16 for a bfloat16 q) in each consumer's staging buffers (zeroing happens there); its k scale multiplies
 the logits and its v scale the output. With `KernelConfig.fp8_qk` K is not staged: QK runs on float8 tensor cores
-straight from the ring, q split once per tile into two float8 parts (hi + lo, two wgmmas). P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
-which runs wgmma only from shared memory, it goes through a shared-memory tile instead.
+straight from the ring, q split once per tile into two float8 parts (hi + lo, two wgmmas). P stays in registers
+for the PV wgmma on the GPU; in CPU interpret mode, which runs wgmma only from shared memory, it goes through a
+shared-memory tile instead.
 
 Packed tiles (q gathered into [NT, K, rows, H]): each split writes its normalized partial output and its
 log-sum-exp; `tiles.merge_splits` combines them with the sinks, which enter the denominator only. With `direct`
