@@ -15,9 +15,10 @@ sees are zeroed first: stale or NaN memory must not reach ``0 * V``. With two co
 and signals consumer 1 through the slot's barrier. A float8_e4m3fn cache is converted to the compute dtype (q's,
 or float16 for a bfloat16 q) in each consumer's staging buffers (zeroing happens there); its k scale multiplies
 the logits and its v scale the output. With `KernelConfig.fp8_qk` K is not staged: QK runs on float8 tensor cores
-straight from the ring, q split once per tile into two float8 parts (hi + lo, two wgmmas). P stays in registers
-for the PV wgmma on the GPU; in CPU interpret mode, which runs wgmma only from shared memory, it goes through a
-shared-memory tile instead.
+straight from the ring, q split once per tile into two float8 parts (hi + lo, two wgmmas); with
+`KernelConfig.producer_stages_v` a decode tile's producer converts V into a float16 ring while the consumer
+computes, a few steps behind its loads. P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
+which runs wgmma only from shared memory, it goes through a shared-memory tile instead.
 
 Packed tiles (q gathered into [NT, K, rows, H]): each split writes its normalized partial output and its
 log-sum-exp; `tiles.merge_splits` combines them with the sinks, which enter the denominator only. With `direct`
@@ -80,6 +81,8 @@ def paged_attention_cta(
         raise ValueError(f"a {k_ref.dtype} cache needs compute_dtype float16, not {dtype}")
     fp8_qk = converts and config.fp8_qk  # QK on float8 tensor cores straight from the K ring
     stages_k = converts and not fp8_qk
+    # V converted by the producer, off the consumers' path: one consumer only (`KernelConfig.producer_stages_v`)
+    producer_stages_v = converts and config.producer_stages_v and config.num_consumers == 1
     block_kv, num_stages, num_consumers = config.block_kv, config.num_stages, config.num_consumers
     # A step's block_kv keys come from several whole pages (S <= block_kv) or from a part of one (S > block_kv)
     pages_per_step = max(1, block_kv // block_size)
@@ -141,7 +144,7 @@ def paged_attention_cta(
             keys = lax.broadcasted_iota(jnp.int32, v.shape, 0) + first_key
             return jnp.where((keys >= key_lo) & (keys <= key_hi), v, jnp.zeros_like(v))
 
-        def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed):
+        def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, v_half, v_ready):
             def load_pages(step):
                 """The step's pages, read from the block table together (their latencies overlap) and used for K and V."""
                 blocks = [
@@ -158,8 +161,24 @@ def paged_attention_cta(
                     ring_rows = pl.ds(p * rows_per_page, rows_per_page)
                     plgpu.copy_gmem_to_smem(kv_source(page, kv, rows), ring.at[slot, ring_rows], loaded.at[slot])
 
-            @pl.loop(my_lo, my_hi)
-            def _(step):
+            def convert_v(step):
+                """With `producer_stages_v`: the step's float8 V, loaded, into its float16 slot once the consumers
+                released that slot's earlier step, foreign rows zeroed, 64 rows at a time."""
+                slot = ring_slot(step)
+                plgpu.barrier_wait(v_loaded.at[slot])
+                pl.when(step - my_lo >= num_stages)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+                for first_row in range(0, block_kv, ROWS):
+                    rows = pl.ds(first_row, ROWS)
+                    converted = v_ring[slot, rows].astype(dtype)
+                    v_half[slot, rows] = zero_foreign_rows(converted, step * block_kv + first_row)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(v_ready.at[slot])
+
+            # With `producer_stages_v` the producer converts each step `lag` steps after issuing its loads, so that
+            # `num_stages` steps' loads stay in flight; a float8 slot is reloaded only after its step was converted
+            lag = num_stages - 1
+
+            def load_step(step):
                 slot = ring_slot(step)
                 reused = step - my_lo >= num_stages  # the slot held an earlier step: wait until consumed
                 pages = load_pages(step)
@@ -167,12 +186,23 @@ def paged_attention_cta(
                     pl.when(reused)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
                 with jax.named_scope("issue K"):
                     issue(step, pages, k_ring, k_loaded, 0)
-                with jax.named_scope("wait V slot"):
-                    pl.when(reused)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+                if not producer_stages_v:  # else converting the slot's earlier step freed it
+                    with jax.named_scope("wait V slot"):
+                        pl.when(reused)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
                 with jax.named_scope("issue V"):
                     issue(step, pages, v_ring, v_loaded, 1)
 
-        def consumer(wg, q_parts, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, extras):
+            if not producer_stages_v:
+                pl.loop(my_lo, my_hi)(load_step)
+                return
+
+            @pl.loop(my_lo, my_hi + lag)
+            def _(position):
+                pl.when(position < my_hi)(lambda: load_step(position))
+                with jax.named_scope("convert V"):
+                    pl.when(position - lag >= my_lo)(lambda: convert_v(position - lag))
+
+        def consumer(wg, q_parts, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, v_half, v_ready, extras):
             """Online softmax of consumer `wg`'s 64 query rows over the CTA's key steps: masked edge steps, unmasked
             inner steps, masked edge steps. `q_parts`: the QK product's left operands, summed (q's tile, or with
             `fp8_qk` its two float8 parts). Long for the reason the kernel is: its helpers share its registers'
@@ -282,14 +312,18 @@ def paged_attention_cta(
                 if schedule is not None:
                     plgpu.barrier_arrive(schedule)
                 with jax.named_scope("wait V"):
-                    plgpu.barrier_wait(v_loaded.at[slot])
-                    v = prepare_v(step, slot, masked=masked)
+                    if producer_stages_v:
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        v = v_half.at[slot]
+                    else:
+                        plgpu.barrier_wait(v_loaded.at[slot])
+                        v = prepare_v(step, slot, masked=masked)
                 if schedule is not None:
                     with jax.named_scope("wait turn"):
                         plgpu.barrier_wait(schedule)
                 with jax.named_scope("PV"):
                     acc = accumulate_pv(acc, p, v)
-                if not converts:
+                if not converts or producer_stages_v:
                     plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l_i
 
@@ -329,11 +363,11 @@ def paged_attention_cta(
         """Each element's row, in the wgmma accumulator's register layout."""
         return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
 
-    def body(q_smem, q8_smem, lse_smem, rows_smem, k_ring, v_ring, k_staging, v_staging, p_smem, q_loaded, k_loaded,
-             v_loaded, k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
+    def body(q_smem, q8_smem, lse_smem, rows_smem, k_ring, v_ring, v_half, k_staging, v_staging, p_smem, q_loaded,
+             k_loaded, v_loaded, k_consumed, v_consumed, v_ready, v_zeroed, schedule):  # fmt: skip
         wg = lax.axis_index("wg")
         tile, kv_head, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
-        ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
+        ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, v_half, v_ready)
 
         @pl.when(wg == num_consumers)
         def _():
@@ -465,8 +499,9 @@ def paged_attention_cta(
         plgpu.SMEM((num_consumers, ROWS, head_dim), o_ref.dtype) if direct else None,
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
+        plgpu.SMEM(ring_shape, dtype, transforms=q_transforms) if producer_stages_v else None,
         staging if stages_k else None,
-        staging,
+        None if producer_stages_v else staging,
         None
         if p_in_registers
         else plgpu.SMEM((num_consumers, ROWS, block_kv), dtype, transforms=q_transforms),
@@ -475,6 +510,7 @@ def paged_attention_cta(
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages) if producer_stages_v else None,  # "V converted", per ring slot
         # One per ring slot: consumer 0 may zero the next step's slot (edge steps come in pairs when a tile's
         # keys span two steps) before consumer 1 has waited for this one; with one barrier its phase would
         # complete twice unobserved. A slot is zeroed again only after consumer 1 released it.
