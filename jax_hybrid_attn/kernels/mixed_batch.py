@@ -205,12 +205,12 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
     )  # fmt: skip
     if decode_config.fp8_qk != prefill_config.fp8_qk:  # q is scaled once for both launches
         raise ValueError(f"{decode_config.fp8_qk=} and {prefill_config.fp8_qk=} must agree")
+    fp8_qk = kv_cache.dtype == FP8_DTYPE and decode_config.fp8_qk
+    scaled_q = fp8_qk or (kv_cache.dtype == FP8_DTYPE and q.dtype == jnp.bfloat16)  # q scaled into float16
     compute_dtype, q_scale = q.dtype, jnp.float32(1)
-    scaled_q = kv_cache.dtype == FP8_DTYPE and (decode_config.fp8_qk or q.dtype == jnp.bfloat16)
-    if kv_cache.dtype == FP8_DTYPE and decode_config.fp8_qk:
-        compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q, exponent=FLOAT8_QUERY_EXPONENT)
-    elif kv_cache.dtype == FP8_DTYPE and q.dtype == jnp.bfloat16:
-        compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q)
+    if scaled_q:
+        exponent = FLOAT8_QUERY_EXPONENT if fp8_qk else FLOAT16_QUERY_EXPONENT
+        compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q, exponent=exponent)
     # the kernels' scalars: logit scale (sm_scale * k_scale, over q's scale), v scale, q scale
     scales = jnp.stack([params.sm_scale * k_scale / q_scale, v_scale, q_scale]).astype(jnp.float32)
     unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks) if flagged is None else flagged
