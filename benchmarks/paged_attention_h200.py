@@ -162,8 +162,8 @@ MASKS = [("full", CAUSAL), ("window 1024", LayerAttentionParams(sliding_window=1
          ("chunk 1024", LayerAttentionParams(attention_chunk_size=1024))]
 
 
-def parity_section(rows):
-    for name, inputs_kwargs, options in PARITY_CASES:
+def parity_section(rows, *, match: str = ""):
+    for name, inputs_kwargs, options in (case for case in PARITY_CASES if match in case[0]):
         for batch_name, (query_lens, seq_lens) in [("mixed", MIXED), ("decodes", DECODES)]:
             start = time.time()
             try:
@@ -205,7 +205,7 @@ def decode_section(rows, *, sweep):
         for label, params in MASKS:
             full_ms = time_decode(rows, f"decode B=64 ctx={seq_len} {label}", q, kv_cache, metadata, dict(params=params), full_ms,
                                   breakdown=seq_len == 32768 and label != "full")  # fmt: skip
-        fp8_cache = KVCache((kv_cache * 0.5).astype(jnp.float8_e4m3fn), k_scale=2.0, v_scale=2.0)
+        fp8_cache = KVCache((kv_cache * 0.5).astype(jnp.float8_e4m3fn), k_scale=jnp.float32(2), v_scale=jnp.float32(2))
         time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV", q, fp8_cache, metadata, {}, None)
         time_decode(rows, f"decode B=64 ctx={seq_len} full, fp8 KV, fp16 q", q.astype(jnp.float16), fp8_cache, metadata, {}, None)
         del fp8_cache
@@ -361,6 +361,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sections", default="parity,decode,prefill", help="comma-separated: parity, decode, prefill")
     parser.add_argument("--sweep", action="store_true", help="also time the configurations behind the defaults")
+    parser.add_argument("--match", default="", help="parity: only the cases whose name contains this text")
     parser.add_argument("--json", default=str(Path(__file__).with_name("paged_attention_h200.json")),
                         help="the JSON file of the rows, by section")  # fmt: skip
     args = parser.parse_args()
@@ -368,7 +369,7 @@ def main():
     rows = []
     sections = args.sections.split(",")
     if "parity" in sections:
-        parity_section(rows)
+        parity_section(rows, match=args.match)
     if "decode" in sections:
         decode_section(rows, sweep=args.sweep)
         if args.sweep:

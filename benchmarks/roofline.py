@@ -1,7 +1,7 @@
 """The kernels against the H200's ceilings and their peers: every kernel workload and goal in one process.
 
 Run from the repository root:  PYTHONPATH=. python benchmarks/roofline.py [--workloads P1,P0,...] [--json PATH]
-[--variant fp8_qk=1] (ours again with those KernelConfig fields, beside the default)
+[--variant num_stages=3] (ours again with those KernelConfig fields, beside the default)
 (``--tiny`` runs ours only, at tiny shapes, in Mosaic GPU interpret mode: a CPU dry run of the script.)
 
 1. Ceilings: memory bandwidth (a 4 GiB bf16 array copied, and read once) and the bf16 matmul (8,192³).
@@ -131,7 +131,8 @@ def inputs(w: Workload, seed: int):
         k_cache, v_cache = jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
     k_cache, v_cache = k_cache.astype(w.kv_dtype), v_cache.astype(w.kv_dtype)
     arrays = (k_cache, v_cache) if w.kv_pair else jnp.stack([k_cache, v_cache], axis=1)
-    kv_cache = KVCache(arrays, w.kv_layout, *((1 / scale, 1 / scale) if w.kv_dtype == FP8 else (None, None)))
+    scales = (jnp.float32(1 / scale),) * 2 if w.kv_dtype == FP8 else (None, None)  # arrays, as an engine holds them
+    kv_cache = KVCache(arrays, w.kv_layout, *scales)
     tables = 1 + np.random.default_rng(seed).permutation(num_blocks - 1).reshape(w.num_reqs, blocks_per_req)
     metadata = make_attention_metadata([w.query_len] * w.num_reqs, [w.seq_len] * w.num_reqs, tables,
                                        block_size=w.block_size)  # fmt: skip
@@ -400,7 +401,7 @@ def main():
     parser.add_argument("--trace", metavar="DIR", help="also profile ours per workload into DIR: GPU ops and host "
                         "time per call")  # fmt: skip
     parser.add_argument("--variant", action="append", default=[], help="also ours with these KernelConfig fields "
-                        "on both kernels, beside the default, e.g. fp8_qk=1 (comma-separated FIELD=INT; repeatable)")
+                        "on both kernels, beside the default, e.g. num_stages=3 (comma-separated FIELD=INT; repeatable)")
     args = parser.parse_args()
     if args.tiny:
         os.environ.setdefault("PJRT_NPROC", "8")

@@ -130,6 +130,7 @@ class PagedAttentionBackend:
         self.interpret = interpret
         self.num_kv_cache_groups = 1 + max(layer.kv_cache_group for layer in self.layers.values())
         self._sinks: dict[str, jax.Array] = {}
+        self._scales: dict[tuple, KVCache] = {}  # per layer and scale values: the scales on the device, no data
         self._caches: dict[str, jax.Array] = {}
         self._exported: dict[str, weakref.ref] = {}
         self._aliases: dict[tuple, bool] = {}
@@ -286,9 +287,9 @@ class PagedAttentionBackend:
                                  "out.contiguous() and copy back, or no out")  # fmt: skip
             if padded_tokens == num_tokens:  # XLA writes the result into out's memory; else it is copied there
                 out_jax = to_jax(out, name="out", already_ordered=True)
-        scales_and_layout = KVCache(None, self.kv_layout, spec.k_scale, spec.v_scale)
+        scales_and_layout, sinks = self._layer_scales(layer, spec), self._layer_sinks(layer, spec)
         result, new_cache = _layer_step(
-            self._packed, q_jax, k_jax, v_jax, cache_jax, scales_and_layout, self._layer_sinks(layer, spec), out_jax,
+            self._packed, q_jax, k_jax, v_jax, cache_jax, scales_and_layout, sinks, out_jax,
             layout=self._layout, group=spec.kv_cache_group, params=spec.params, implementation=self.implementation,
             interpret=self.interpret,
         )  # fmt: skip
@@ -399,6 +400,17 @@ class PagedAttentionBackend:
             return held[1]
         alignment = PACKED_FIELD_ALIGNMENT if kv_cache.is_cuda else ALIGNMENT  # kernels run on the GPU only
         return to_jax(kv_cache, name="kv_cache", alignment=alignment, already_ordered=True)
+
+    def _layer_scales(self, layer: str, spec: AttentionLayer) -> KVCache:
+        """The layer's cache layout and KV scales, without its data: the scales imported once per layer (numbers
+        passed to the compiled step would be sent to the device at every call)."""
+        key = (layer, spec.k_scale, spec.v_scale)
+        if key not in self._scales:
+            scales = [None if scale is None else to_jax(torch.tensor(scale, dtype=torch.float32,
+                                                                     device=self._plan_device), name=name)
+                      for name, scale in (("k_scale", spec.k_scale), ("v_scale", spec.v_scale))]  # fmt: skip
+            self._scales[key] = KVCache(None, self.kv_layout, *scales)
+        return self._scales[key]
 
     def _layer_sinks(self, layer: str, spec: AttentionLayer) -> jax.Array | None:
         if spec.sinks is None:

@@ -77,6 +77,7 @@ class KVCache:
       layout: "NHD" or "HND".
       k_scale, v_scale: a float8_e4m3fn cache's per-tensor scales, numbers or float scalar arrays (it stores
         ``k / k_scale`` and ``v / v_scale``); None is 1. Other dtypes take none: their values are stored as is.
+        A jitted function sends a number to the device at each call: keep them as arrays in a serving loop.
     """
 
     data: KVArrays

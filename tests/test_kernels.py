@@ -117,28 +117,12 @@ def test_no_races_detected(kv_fp8):
     ],
     ids=["bf16-q-window-sinks", "fp16-q-chunk-softcap-hnd-pair"],
 )  # fmt: skip
-@pytest.mark.parametrize("options", [dict(fp8_qk=True), dict(producer_stages_v=True),
-                                     dict(fp8_qk=True, producer_stages_v=True)], ids=str)  # fmt: skip
-def test_float8_variants_match_reference_without_races(case, options, kernel_options, monkeypatch):
-    """`KernelConfig.fp8_qk` (QK on float8 tensor cores from the K ring, q in two float8 parts: as exact as the
-    float16 QK, the outputs differ from it only in rounding) and `producer_stages_v` (the decode tiles' V converted
-    by the producer: the same arithmetic), on decode tiles and two-consumer prefill tiles."""
-    float16_qk, _ = run_case(case, seed=3)
-    kernel_options(**options)
-    launched, launch = [], mixed_batch.launch_attention
-
-    def recorded(*args, **kwargs):
-        launched.append(kwargs["config"])
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr(mixed_batch, "launch_attention", recorded)
+def test_float8_cache_matches_reference_without_races(case):
+    """A float8 cache: QK on float8 tensor cores from the K ring (q in two float8 parts), V staged in float16, in
+    decode tiles and two-consumer prefill tiles, without races between the warpgroups."""
     out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
     assert not races_found()
-    assert all(all(getattr(config, name) == value for name, value in options.items()) for config in launched)
-    assert any(config.num_consumers == 1 for config in launched), "a decode launch"
     assert np.isfinite(out).all()
-    if "fp8_qk" in options:
-        assert not np.array_equal(out, float16_qk), "the float8 QK path ran"
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
 
 
@@ -231,7 +215,8 @@ def test_float16_query_is_exact_and_in_range(magnitude):
     scale = mixed_batch.float16_query_scale(q)
     q16, factor = mixed_batch.float16_query(q, scale), 1 / scale
     assert q16.dtype == jnp.float16
-    assert float(jnp.abs(q16.astype(jnp.float32)).max()) < 2.0**15
+    largest = float(jnp.abs(q16.astype(jnp.float32)).max())
+    assert 2.0**mixed_batch.QUERY_EXPONENT <= largest < 2.0 ** (mixed_batch.QUERY_EXPONENT + 1)
     # bfloat16 values scaled by a power of two fit float16 exactly while they stay above its normal range
     normal = jnp.abs(q16.astype(jnp.float32)) >= 2.0**-14
     np.testing.assert_array_equal(

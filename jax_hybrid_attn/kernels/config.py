@@ -28,13 +28,6 @@ class KernelConfig:
         `setmaxnreg` only moves registers between warpgroups: an increase beyond that waits forever).
       direct_io: read q and write the output in [T, N, H] in the kernel where the launch allows it (one split, G
         in 1, 2, 4, 8; `mixed_batch`), rather than packing q into tiles and gathering the output per token.
-      fp8_qk: with a float8_e4m3fn cache, the QK product on float8 tensor cores straight from the K ring (no
-        float16 staging of K): q split into two float8 parts (``q = hi + lo``, about bfloat16's precision), two
-        wgmmas; V is staged in float16 as without it. Both launches of a call must agree (`mixed_batch`).
-      producer_stages_v: with a float8_e4m3fn cache and one consumer (decode tiles), the producer warpgroup
-        converts each step's V into a float16 ring (`num_stages` slots) while the consumer computes, instead of
-        the consumer converting it on its own path (two-consumer tiles leave their producer too few registers
-        for it, and stage V in the consumers).
       profile_dir: the debug switch: when set, Mosaic GPU's on-device profiler records up to `PROFILE_RANGES`
         named phases per warpgroup and writes a Perfetto trace there (`benchmarks/kernel_timeline.py`; it slows
         the kernel).
@@ -48,8 +41,6 @@ class KernelConfig:
     consumer_registers: int = 232
     producer_registers: int = 40
     direct_io: bool = True
-    fp8_qk: bool = False
-    producer_stages_v: bool = False
     profile_dir: str = ""
 
     def __post_init__(self):
@@ -82,18 +73,15 @@ class KernelConfig:
 
     def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int, *, direct: bool = False) -> int:
         """Shared memory on the GPU: q/output tiles (with `direct`, and their untiled copies for q and the output
-        in [T, N, H]), the K and V ring, fp8 staging buffers (K, or with `fp8_qk` q in two float8 parts; V per
-        consumer, or with `producer_stages_v` a float16 V ring), barriers aside."""
+        in [T, N, H]), the K and V ring, and for a float8 cache V's float16 staging buffer and q's two float8 parts
+        (barriers aside)."""
         query_tiles = 2 if direct else 1  # with `direct`, the untiled staging copy too
         q_tiles = self.num_consumers * (query_tiles * ROWS * head_dim * q_itemsize + ROWS * 4)
         ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
         if kv_itemsize == q_itemsize:
             return q_tiles + ring
-        step_bytes = self.block_kv * head_dim * q_itemsize  # one step of K or V in float16
-        staged_k = 2 * ROWS * head_dim * kv_itemsize if self.fp8_qk else step_bytes  # q's float8 parts, or K
-        if self.producer_stages_v and self.num_consumers == 1:
-            return q_tiles + ring + staged_k + self.num_stages * step_bytes  # V's float16 ring
-        return q_tiles + ring + self.num_consumers * (staged_k + step_bytes)
+        staging = self.num_consumers * (self.block_kv * head_dim * q_itemsize + 2 * ROWS * head_dim * kv_itemsize)
+        return q_tiles + ring + staging
 
 
 def default_config(head_dim: int, q_itemsize: int, kv_itemsize: int, *, num_splits: int, num_consumers: int):

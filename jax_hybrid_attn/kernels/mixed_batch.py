@@ -5,8 +5,9 @@ speculative-verification queries) run as decode tiles, one per request with its 
 (flash-decoding) and one consumer warpgroup; longer queries run as prefill tiles of ``128 // G`` tokens with two
 consumer warpgroups, which read q and write their output rows in [T, N, H] themselves when G is 1, 2, 4 or 8
 (else through packed rows and a gather, as decode tiles do). The split is computed on the device, with no host
-round trip. A float8_e4m3fn cache's k scale multiplies the logits in the kernel and its v scale the output; with a
-bfloat16 query the kernels compute in float16 (`float16_query_scale`).
+round trip. A float8_e4m3fn cache's k scale multiplies the logits in the kernel and its v scale the output; q is
+scaled by a power of two into float16 (`float16_query_scale`) and split in the kernel into two float8 parts for
+the QK product on float8 tensor cores.
 """
 
 import contextlib
@@ -126,24 +127,23 @@ def lowering_for_sms(count: int):
         _sm_count = before
 
 
-FLOAT16_QUERY_EXPONENT = 14
-"""`float16_query_scale` puts q's largest magnitude in [2^14, 2^15): within float16 (65504)."""
-FLOAT8_QUERY_EXPONENT = 7
-"""... and with `KernelConfig.fp8_qk` in [2^7, 2^8): within float8_e4m3fn (448), for q's two float8 parts."""
+QUERY_EXPONENT = 7
+"""`float16_query_scale` puts q's largest magnitude in [2^7, 2^8): within float8_e4m3fn (448) for q's two float8
+parts, and far inside float16 (65504)."""
 
 
-def float16_query_scale(q: Float[Array, "T N H"], *, exponent: int = FLOAT16_QUERY_EXPONENT) -> Float[Array, ""]:
+def float16_query_scale(q: Float[Array, "T N H"]) -> Float[Array, ""]:
     """The power of two that q is multiplied by on its way to float16, for a float8 cache (the logits are
     multiplied by its inverse).
 
     sm90 converts e4m3 to float16 in one instruction, to bfloat16 only through float32, so the kernels convert
-    each K/V step more cheaply when they compute in float16. Scaled by this power of two (exact), q's largest
-    magnitude lies in [2^exponent, 2^(exponent + 1)): float16 holds it (up to 65504) and keeps 10 mantissa bits,
-    more than bfloat16's 7 (`FLOAT8_QUERY_EXPONENT`: float8 parts hold it too). A q holding inf or NaN is not
-    scaled (1), so they reach the output as on the reference path."""
+    each V step more cheaply when they compute in float16. Scaled by this power of two (exact), q's largest
+    magnitude lies in [2^QUERY_EXPONENT, 2^(QUERY_EXPONENT + 1)): its float8 parts hold it (up to 448), and
+    float16 keeps 10 mantissa bits, more than bfloat16's 7. A q holding inf or NaN is not scaled (1), so they
+    reach the output as on the reference path."""
     largest = jnp.max(jnp.abs(q)).astype(jnp.float32)
     scalable = jnp.isfinite(largest) & (largest > 0)
-    shift = jnp.where(scalable, jnp.floor(jnp.log2(jnp.where(scalable, largest, 1.0))) - exponent, 0)
+    shift = jnp.where(scalable, jnp.floor(jnp.log2(jnp.where(scalable, largest, 1.0))) - QUERY_EXPONENT, 0)
     return jnp.ldexp(jnp.float32(1), -shift.astype(jnp.int32))
 
 
@@ -203,14 +203,10 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
         head_dim, q.dtype, kv_cache.dtype, decode_ctas=max(1, metadata.num_reqs * num_kv_heads),
         max_seq_len=metadata.max_seq_len,
     )  # fmt: skip
-    if decode_config.fp8_qk != prefill_config.fp8_qk:  # q is scaled once for both launches
-        raise ValueError(f"{decode_config.fp8_qk=} and {prefill_config.fp8_qk=} must agree")
-    fp8_qk = kv_cache.dtype == FP8_DTYPE and decode_config.fp8_qk
-    scaled_q = fp8_qk or (kv_cache.dtype == FP8_DTYPE and q.dtype == jnp.bfloat16)  # q scaled into float16
+    scaled_q = kv_cache.dtype == FP8_DTYPE  # q scaled into float16, split into float8 parts in the kernel
     compute_dtype, q_scale = q.dtype, jnp.float32(1)
     if scaled_q:
-        exponent = FLOAT8_QUERY_EXPONENT if fp8_qk else FLOAT16_QUERY_EXPONENT
-        compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q, exponent=exponent)
+        compute_dtype, q_scale = jnp.dtype(jnp.float16), float16_query_scale(q)
     # the kernels' scalars: logit scale (sm_scale * k_scale, over q's scale), v scale, q scale
     scales = jnp.stack([params.sm_scale * k_scale / q_scale, v_scale, q_scale]).astype(jnp.float32)
     unservable = unservable_requests(metadata, block_size=block_size, num_blocks=num_blocks) if flagged is None else flagged

@@ -12,13 +12,13 @@ take turns on the tensor cores (a schedule barrier, as FlashAttention-3 does).
 Masks are applied only on steps that straddle an edge of a consumer's key range. On a step that holds keys
 outside the tile's range (a block's unwritten tail, or a clamped duplicate block), V rows that no query
 sees are zeroed first: stale or NaN memory must not reach ``0 * V``. With two consumers, consumer 0 zeroes
-and signals consumer 1 through the slot's barrier. A float8_e4m3fn cache is converted to the compute dtype (q's,
-or float16 for a bfloat16 q) in each consumer's staging buffers (zeroing happens there); its k scale multiplies
-the logits and its v scale the output. With `KernelConfig.fp8_qk` K is not staged: QK runs on float8 tensor cores
-straight from the ring, q split once per tile into two float8 parts (hi + lo, two wgmmas); with
-`KernelConfig.producer_stages_v` a decode tile's producer converts V into a float16 ring while the consumer
-computes, a few steps behind its loads. P stays in registers for the PV wgmma on the GPU; in CPU interpret mode,
-which runs wgmma only from shared memory, it goes through a shared-memory tile instead.
+and signals consumer 1 through the slot's barrier. With a float8_e4m3fn cache, QK runs on float8 tensor cores
+straight from the K ring, q split once per tile into two float8 parts (hi + lo, two wgmmas: about bfloat16's
+precision), and V is converted to float16 in each consumer's staging buffer (zeroing happens there) for the PV
+product, whose operand must be K-major in float8; its k scale multiplies the logits and its v scale the output.
+P stays in registers
+for the PV wgmma on the GPU; in CPU interpret mode, which runs wgmma only from shared memory, it goes through a
+shared-memory tile instead.
 
 Packed tiles (q gathered into [NT, K, rows, H]): each split writes its normalized partial output and its
 log-sum-exp; `tiles.merge_splits` combines them with the sinks, which enter the denominator only. With `direct`
@@ -76,13 +76,10 @@ def paged_attention_cta(
     """
     head_dim = q_ref.shape[-1]
     dtype = compute_dtype  # the wgmma operands'
-    converts = k_ref.dtype != dtype  # float8 cache: consumers convert each step into staging buffers
+    # float8 cache: QK on float8 tensor cores from the K ring, V converted by the consumers into staging buffers
+    converts = k_ref.dtype != dtype
     if converts and dtype != jnp.float16:  # sm90 converts e4m3 to float16 in one instruction, to bfloat16 not at all
         raise ValueError(f"a {k_ref.dtype} cache needs compute_dtype float16, not {dtype}")
-    fp8_qk = converts and config.fp8_qk  # QK on float8 tensor cores straight from the K ring
-    stages_k = converts and not fp8_qk
-    # V converted by the producer, off the consumers' path: one consumer only (`KernelConfig.producer_stages_v`)
-    producer_stages_v = converts and config.producer_stages_v and config.num_consumers == 1
     block_kv, num_stages, num_consumers = config.block_kv, config.num_stages, config.num_consumers
     # A step's block_kv keys come from several whole pages (S <= block_kv) or from a part of one (S > block_kv)
     pages_per_step = max(1, block_kv // block_size)
@@ -144,7 +141,7 @@ def paged_attention_cta(
             keys = lax.broadcasted_iota(jnp.int32, v.shape, 0) + first_key
             return jnp.where((keys >= key_lo) & (keys <= key_hi), v, jnp.zeros_like(v))
 
-        def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, v_half, v_ready):
+        def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed):
             def load_pages(step):
                 """The step's pages, read from the block table together (their latencies overlap) and used for K and V."""
                 blocks = [
@@ -161,24 +158,8 @@ def paged_attention_cta(
                     ring_rows = pl.ds(p * rows_per_page, rows_per_page)
                     plgpu.copy_gmem_to_smem(kv_source(page, kv, rows), ring.at[slot, ring_rows], loaded.at[slot])
 
-            def convert_v(step):
-                """With `producer_stages_v`: the step's float8 V, loaded, into its float16 slot once the consumers
-                released that slot's earlier step, foreign rows zeroed, 64 rows at a time."""
-                slot = ring_slot(step)
-                plgpu.barrier_wait(v_loaded.at[slot])
-                pl.when(step - my_lo >= num_stages)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
-                for first_row in range(0, block_kv, ROWS):
-                    rows = pl.ds(first_row, ROWS)
-                    converted = v_ring[slot, rows].astype(dtype)
-                    v_half[slot, rows] = zero_foreign_rows(converted, step * block_kv + first_row)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(v_ready.at[slot])
-
-            # With `producer_stages_v` the producer converts each step `lag` steps after issuing its loads, so that
-            # `num_stages` steps' loads stay in flight; a float8 slot is reloaded only after its step was converted
-            lag = num_stages - 1
-
-            def load_step(step):
+            @pl.loop(my_lo, my_hi)
+            def _(step):
                 slot = ring_slot(step)
                 reused = step - my_lo >= num_stages  # the slot held an earlier step: wait until consumed
                 pages = load_pages(step)
@@ -186,28 +167,17 @@ def paged_attention_cta(
                     pl.when(reused)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
                 with jax.named_scope("issue K"):
                     issue(step, pages, k_ring, k_loaded, 0)
-                if not producer_stages_v:  # else converting the slot's earlier step freed it
-                    with jax.named_scope("wait V slot"):
-                        pl.when(reused)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+                with jax.named_scope("wait V slot"):
+                    pl.when(reused)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
                 with jax.named_scope("issue V"):
                     issue(step, pages, v_ring, v_loaded, 1)
 
-            if not producer_stages_v:
-                pl.loop(my_lo, my_hi)(load_step)
-                return
-
-            @pl.loop(my_lo, my_hi + lag)
-            def _(position):
-                pl.when(position < my_hi)(lambda: load_step(position))
-                with jax.named_scope("convert V"):
-                    pl.when(position - lag >= my_lo)(lambda: convert_v(position - lag))
-
-        def consumer(wg, q_parts, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, v_half, v_ready, extras):
+        def consumer(wg, q_parts, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, extras):
             """Online softmax of consumer `wg`'s 64 query rows over the CTA's key steps: masked edge steps, unmasked
-            inner steps, masked edge steps. `q_parts`: the QK product's left operands, summed (q's tile, or with
-            `fp8_qk` its two float8 parts). Long for the reason the kernel is: its helpers share its registers'
+            inner steps, masked edge steps. `q_parts`: the QK product's left operands, summed (q's tile, or for a
+            float8 cache its two float8 parts). Long for the reason the kernel is: its helpers share its registers'
             layouts and the ring's barriers."""
-            k_staging, v_staging, p_smem, v_zeroed, schedule = extras
+            v_staging, p_smem, v_zeroed, schedule = extras
             my_offset, my_len = consumer_rows(tile, wg)  # the same for every split
             my_first_q_pos = first_q_pos + my_offset
             # Steps whose keys every query of this consumer sees need no mask.
@@ -258,15 +228,6 @@ def paged_attention_cta(
 
                 return v_ring.at[slot]
 
-            def key_operand(step, slot):
-                """The K operand of this step (converted into staging for a float8 cache, which frees the slot)."""
-                plgpu.barrier_wait(k_loaded.at[slot])
-                if not stages_k:
-                    return k_ring.at[slot]
-                k = stage(k_ring.at[slot], k_staging, step, zero=False)
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                return k
-
             def online_softmax(step, scores, m_i, l_i, *, masked):
                 """The step's raw scores -> base-2 logits (scaled, soft-capped, masked on edge steps) -> p in q's dtype,
                 the new row maxima and sums, and the factor alpha that rescales what was accumulated before."""
@@ -292,7 +253,8 @@ def paged_attention_cta(
                 # The named scopes are the phases of `benchmarks/kernel_timeline.py` (Mosaic GPU's on-device profiler);
                 # without `KernelConfig.profile_dir` they emit nothing.
                 with jax.named_scope("wait K"):
-                    k = key_operand(step, slot)
+                    plgpu.barrier_wait(k_loaded.at[slot])
+                    k = k_ring.at[slot]
 
                 def compute_qk(acc_ref):
                     with jax.named_scope("QK issue, turn"):
@@ -304,26 +266,21 @@ def paged_attention_cta(
                         return acc_ref[...]
 
                 scores = pl.run_scoped(compute_qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-                if not stages_k:
-                    plgpu.barrier_arrive(k_consumed.at[slot])
+                plgpu.barrier_arrive(k_consumed.at[slot])
                 with jax.named_scope("softmax"):
                     p, m_new, l_i, alpha = online_softmax(step, scores, m_i, l_i, masked=masked)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if schedule is not None:
                     plgpu.barrier_arrive(schedule)
                 with jax.named_scope("wait V"):
-                    if producer_stages_v:
-                        plgpu.barrier_wait(v_ready.at[slot])
-                        v = v_half.at[slot]
-                    else:
-                        plgpu.barrier_wait(v_loaded.at[slot])
-                        v = prepare_v(step, slot, masked=masked)
+                    plgpu.barrier_wait(v_loaded.at[slot])
+                    v = prepare_v(step, slot, masked=masked)
                 if schedule is not None:
                     with jax.named_scope("wait turn"):
                         plgpu.barrier_wait(schedule)
                 with jax.named_scope("PV"):
                     acc = accumulate_pv(acc, p, v)
-                if not converts or producer_stages_v:
+                if not converts:
                     plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l_i
 
@@ -363,11 +320,11 @@ def paged_attention_cta(
         """Each element's row, in the wgmma accumulator's register layout."""
         return plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
 
-    def body(q_smem, q8_smem, lse_smem, rows_smem, k_ring, v_ring, v_half, k_staging, v_staging, p_smem, q_loaded,
-             k_loaded, v_loaded, k_consumed, v_consumed, v_ready, v_zeroed, schedule):  # fmt: skip
+    def body(q_smem, q8_smem, lse_smem, rows_smem, k_ring, v_ring, v_staging, p_smem, q_loaded, k_loaded, v_loaded,
+             k_consumed, v_consumed, v_zeroed, schedule):  # fmt: skip
         wg = lax.axis_index("wg")
         tile, kv_head, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
-        ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed, v_half, v_ready)
+        ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
 
         @pl.when(wg == num_consumers)
         def _():
@@ -389,7 +346,6 @@ def paged_attention_cta(
                 plgpu.set_max_registers(config.consumer_registers, action="increase")
             rows = pl.ds(wg * ROWS, ROWS)
             extras = (
-                None if k_staging is None else k_staging.at[wg],
                 None if v_staging is None else v_staging.at[wg],
                 None if p_smem is None else p_smem.at[wg],
                 v_zeroed,
@@ -440,17 +396,17 @@ def paged_attention_cta(
                 plgpu.barrier_wait(q_loaded.at[wg])
                 if direct:  # into the wgmma's tiled, swizzled layout (rows past the tokens hold stale values)
                     q_rows = plgpu.load(rows_smem.at[wg], layout=copy_layout)
-                    if q_ref.dtype != dtype or fp8_qk:  # q scaled into float16 (`mixed_batch.float16_query`)
+                    if converts:  # q scaled into float16 (`mixed_batch.float16_query`)
                         q_rows = q_rows.astype(jnp.float32) * scales_ref[2]
                     q_smem[wg] = q_rows.astype(dtype)
                     plgpu.commit_smem()
-                if fp8_qk:  # q's two float8 parts, once per tile: hi = float8(q), lo = float8(q - hi)
+                if converts:  # q's two float8 parts, once per tile: hi = float8(q), lo = float8(q - hi)
                     q_rows = q_smem[wg].astype(jnp.float32)
                     high = q_rows.astype(k_ref.dtype)
                     q8_smem[wg, 0] = high
                     q8_smem[wg, 1] = (q_rows - high.astype(jnp.float32)).astype(k_ref.dtype)
                     plgpu.commit_smem()
-                q_parts = (q8_smem.at[wg, 0], q8_smem.at[wg, 1]) if fp8_qk else (q_smem.at[wg],)
+                q_parts = (q8_smem.at[wg, 0], q8_smem.at[wg, 1]) if converts else (q_smem.at[wg],)
                 if schedule is not None:
                     pl.when(wg == 1)(partial(take_turn, schedule))
                 acc, m_i, l_i = consumer(wg, q_parts, *ring, extras)
@@ -488,20 +444,15 @@ def paged_attention_cta(
     copy_layout = plgpu.Layout.SMEM_GMEM_COPY((ROWS, head_dim), q_ref.dtype, q_transforms[1].swizzle)
     kv_transforms = smem_transforms(head_dim, k_ref.dtype)
     ring_shape = (num_stages, block_kv, head_dim)
-    staging = (
-        plgpu.SMEM((num_consumers, block_kv, head_dim), dtype, transforms=q_transforms) if converts else None
-    )
     pl.run_scoped(
         body,
         plgpu.SMEM((num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
-        plgpu.SMEM((num_consumers, 2, ROWS, head_dim), k_ref.dtype, transforms=kv_transforms) if fp8_qk else None,
+        plgpu.SMEM((num_consumers, 2, ROWS, head_dim), k_ref.dtype, transforms=kv_transforms) if converts else None,
         None if direct else plgpu.SMEM((num_consumers, ROWS), jnp.float32),  # log-sum-exps
         plgpu.SMEM((num_consumers, ROWS, head_dim), o_ref.dtype) if direct else None,
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
-        plgpu.SMEM(ring_shape, dtype, transforms=q_transforms) if producer_stages_v else None,
-        staging if stages_k else None,
-        None if producer_stages_v else staging,
+        plgpu.SMEM((num_consumers, block_kv, head_dim), dtype, transforms=q_transforms) if converts else None,
         None
         if p_in_registers
         else plgpu.SMEM((num_consumers, ROWS, block_kv), dtype, transforms=q_transforms),
@@ -510,7 +461,6 @@ def paged_attention_cta(
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=num_stages) if producer_stages_v else None,  # "V converted", per ring slot
         # One per ring slot: consumer 0 may zero the next step's slot (edge steps come in pairs when a tile's
         # keys span two steps) before consumer 1 has waited for this one; with one barrier its phase would
         # complete twice unobserved. A slot is zeroed again only after consumer 1 released it.
