@@ -123,7 +123,10 @@ def _stored_and_read(x, scale, kv_dtype):
     if jnp.dtype(kv_dtype) != FP8_DTYPE:
         raise NotImplementedError(f"DenseAttention with kv_dtype={kv_dtype}: only {FP8_DTYPE} is modelled")
     scale = jnp.float32(1) if scale is None else scale
-    return (stored_values(x, scale, FP8_DTYPE).astype(jnp.float32) * scale).astype(x.dtype)
+    # The barrier keeps the float8 values: XLA's GPU compiler drops a convert pair (f32 -> float8 -> f32) as excess
+    # precision, which would leave the cache's rounding out.
+    stored = jax.lax.optimization_barrier(stored_values(x, scale, FP8_DTYPE))
+    return (stored.astype(jnp.float32) * scale).astype(x.dtype)
 
 
 register_pytree_dataclass(DenseAttention, data_fields=[], meta_fields=["num_tokens", "kv_dtype"])
