@@ -17,8 +17,9 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
               K/V each layer's window, chunk or context covers), the time they take at the read ceiling
               measured in the same run, the engine's wall time, the kernel time, kernels per layer and the
               share of the wall time the GPU runs kernels or copies (CUPTI profile); and the engine's step
-              time against its jitted calls replayed back to back. ``--unroll-decode-layers off,on``: busy and
-              throughput with the decode steps' layers scanned and unrolled, side by side;
+              time against its jitted calls replayed back to back. ``--engine-variant FIELD=INT,...`` (repeatable):
+              busy and throughput also with these EngineConfig fields changed, beside the default, e.g.
+              ``--engine-variant unroll_decode_layers=1 --engine-variant fuse_projections=0``;
   shared-prefix (GPU) the Gemma-3-1B shape, 256 prompts of one 4,096-token system prompt (in the prefix cache
               from an earlier request) and 64-512 tokens of their own, 64 greedy tokens: the engine with cascade
               attention on (the cost rule picks per step) and off, a cold and a warm run each; decode step time
@@ -336,8 +337,24 @@ def matmul_ceiling_tflops(*, calls: int = 20) -> float:
     return 2.0 * size**3 * calls / ((time.perf_counter() - started) * 1e12)
 
 
+def parse_engine_variant(text: str) -> dict:
+    """``"unroll_decode_layers=1,fuse_projections=0"`` -> those `EngineConfig` fields (bools from 0 / 1)."""
+    defaults = EngineConfig()
+    variant = {}
+    for setting in text.split(","):
+        name, value = setting.split("=")
+        if not hasattr(defaults, name):
+            raise SystemExit(f"--engine-variant: EngineConfig has no field {name!r}")
+        variant[name] = bool(int(value)) if isinstance(getattr(defaults, name), bool) else int(value)
+    return variant
+
+
+def variant_label(variant: dict) -> str:
+    return ",".join(f"{name}={int(value)}" for name, value in variant.items())
+
+
 def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: dict,
-               decode_steps: tuple[int, ...] = (1,), unroll: tuple[bool, ...] = (False,)) -> None:  # fmt: skip
+               decode_steps: tuple[int, ...] = (1,), variants: tuple[dict, ...] = ({},)) -> None:  # fmt: skip
     import torch
     import transformers
 
@@ -370,13 +387,12 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
             results["transformers generate_batch paged|sdpa"] = (hf_tokens, seconds)
             del hf_model, out
             torch.cuda.empty_cache()
-        for steps, unrolled in itertools.product(decode_steps, unroll):
+        for steps, variant in itertools.product(decode_steps, variants):
             engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
-                                                        max_model_len=2048, decode_steps=steps,
-                                                        unroll_decode_layers=unrolled))  # fmt: skip
+                                                        max_model_len=2048, decode_steps=steps, **variant))  # fmt: skip
             label = "ours" if decode_steps == (1,) else f"ours, {steps} decode steps per call"
-            if len(unroll) > 1:
-                label += ", decode layers unrolled" if unrolled else ", decode layers scanned"
+            if variant:
+                label += f" ({variant_label(variant)})"
             results[f"{label}, cold (compiles included)"] = greedy(engine, prompts, max_tokens)
             stats_cold = engine.stats
             engine.reset()
@@ -392,12 +408,14 @@ def throughput(rows: list, *, num_prompts: int, transformers_too: bool, shape: d
                     f"{stats_cold.compile_time:.0f} s")  # fmt: skip
             print("throughput", line, flush=True)
             summaries.append(("throughput", line))
-    if len(unroll) > 1:
-        scanned, unrolled = (results[f"ours, decode layers {kind}, warm"][0] for kind in ("scanned", "unrolled"))
-        line = ("ours, decode layers unrolled: greedy tokens equal to scanned's "
-                f"{np.mean([a == b for x, y in zip(unrolled, scanned) for a, b in zip(x, y)]):.1%}")  # fmt: skip
-        print("throughput", line, flush=True)
-        summaries.append(("throughput", line))
+    default = results.get("ours, warm", (None,))[0]
+    for variant in variants:
+        if variant and default is not None and decode_steps == (1,):
+            tokens = results[f"ours ({variant_label(variant)}), warm"][0]
+            line = (f"ours ({variant_label(variant)}): greedy tokens equal to the default's "
+                    f"{np.mean([a == b for x, y in zip(tokens, default) for a, b in zip(x, y)]):.1%}")  # fmt: skip
+            print("throughput", line, flush=True)
+            summaries.append(("throughput", line))
     one_step = results.get("ours, 1 decode steps per call, warm", (None,))[0]
     for steps in decode_steps:
         if steps != 1 and one_step is not None:
@@ -481,7 +499,7 @@ def shared_prefix(rows: list, *, shape: dict, num_prompts: int, prefix_len: int 
 
 
 def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int = 20, trace: str | None = None,
-               unroll: bool = False) -> None:  # fmt: skip
+               variant: dict | None = None) -> None:  # fmt: skip
     """The share of a decode step's wall time that the GPU is busy: `num_requests` requests decode together.
     Timed: the engine's steps (wall), and the same step's jitted calls replayed back to back on copies of its
     inputs (no host work in between but XLA's own). Profiled (CUPTI, under `trace` or a temporary directory): the
@@ -490,7 +508,7 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     config = ModelConfig.from_hf(shape)
     model = random_model(config, seed=0, dtype=jnp.bfloat16)
     engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=num_requests, max_num_batched_tokens=8192,
-                                                max_model_len=2048, unroll_decode_layers=unroll))  # fmt: skip
+                                                max_model_len=2048, **(variant or {})))  # fmt: skip
     rng = np.random.default_rng(0)
     sampling = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for n in rng.integers(128, 1025, num_requests):
@@ -504,7 +522,8 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     floor = {key: (value + decode_step_bytes(engine, model)[key]) / 2 for key, value in floor_before.items()}
     read_gbps = read_ceiling_gbps()
     floor_ms = floor["total"] / (read_gbps * 1e6)
-    line = (f"decode step of {num_requests} requests, layers {'unrolled' if unroll else 'scanned'}: must read "
+    label = f" ({variant_label(variant)})" if variant else ""
+    line = (f"decode step of {num_requests} requests{label}: must read "
             f"{floor['weights'] / 1e9:.2f} GB of weights + "
             f"{floor['kv'] / 1e9:.2f} GB of covered K/V = {floor['total'] / 1e9:.2f} GB, {floor_ms:.2f} ms at the "
             f"read ceiling measured here ({read_gbps:,.0f} GB/s); the engine's step {timed['step_ms']:.2f} ms = "
@@ -668,11 +687,11 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 1B shape (a dry run on a CPU)")
     parser.add_argument("--decode-steps", default="1",
                         help="throughput: ours with each of these EngineConfig.decode_steps, e.g. 1,8 (default: 1)")  # fmt: skip
-    parser.add_argument("--unroll-decode-layers", default="off",
-                        help="busy, throughput: the engine with EngineConfig.unroll_decode_layers off, on, or both "
-                             "side by side (off,on)")  # fmt: skip
+    parser.add_argument("--engine-variant", action="append", default=[],
+                        help="busy, throughput: also the engine with these EngineConfig fields, beside the default, "
+                             "e.g. unroll_decode_layers=1 (comma-separated FIELD=INT; repeatable)")  # fmt: skip
     args = parser.parse_args()
-    unroll_variants = tuple({"off": False, "on": True}[value] for value in args.unroll_decode_layers.split(","))
+    variants = ({}, *map(parse_engine_variant, args.engine_variant))
     rows: list = []
     print(f"jax {jax.__version__}, devices {jax.devices()}", flush=True)
     for section in args.sections.split(","):
@@ -684,9 +703,9 @@ def main():
         elif section == "fp8":
             fp8_agreement(rows, shape=TINY if args.tiny else GEMMA3_1B)
         elif section == "busy":
-            for unroll in unroll_variants:
+            for variant in variants:
                 busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256,
-                           trace=args.trace, unroll=unroll)  # fmt: skip
+                           trace=args.trace, variant=variant)  # fmt: skip
         elif section in ("shared-prefix", "shared-prefix-full"):
             shape = GEMMA3_1B if section == "shared-prefix" else FULL_ATTENTION_8L
             if args.tiny:
@@ -703,7 +722,7 @@ def main():
             shape = TINY if args.tiny else GEMMA3_1B
             throughput(rows, num_prompts=args.num_prompts, transformers_too=not args.no_transformers, shape=shape,
                        decode_steps=tuple(int(k) for k in args.decode_steps.split(",")),
-                       unroll=unroll_variants)  # fmt: skip
+                       variants=variants)  # fmt: skip
         else:
             raise SystemExit(f"unknown section {section!r}")
         print(f"{section}: {time.perf_counter() - started:.0f} s", flush=True)

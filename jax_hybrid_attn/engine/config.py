@@ -75,6 +75,12 @@ class EngineConfig:
         pattern (`models.layer_scan`): their matmuls then read each layer's weights in place, where a scan copies
         them out of their stack first (about a dozen copy kernels per layer on a GPU), at the cost of a longer
         compile of those steps (every layer's kernels apart). Mixed steps stay scanned.
+      fuse_projections: serve layers whose q/k/v projections, and dense MLPs' gate/up projections, are fused into
+        one Linear each, their weights concatenated once when the engine stacks them
+        (`models.layer_scan.ScannedDecoder.from_decoder`): one matmul per group, where XLA would otherwise
+        concatenate the weights inside the scanned layers at every step. The model passed in keeps transformers'
+        layout. Ignored when ``tensor_parallel`` > 1: a fused ``[q|k|v]`` weight cannot be split column-parallel
+        by whole heads.
     """
 
     block_size: int | None = None
@@ -96,6 +102,7 @@ class EngineConfig:
     decode_steps: int = 1
     cascade_attention: str = "auto"
     unroll_decode_layers: bool = False
+    fuse_projections: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", check_int("tensor_parallel", self.tensor_parallel))
@@ -109,7 +116,8 @@ class EngineConfig:
                 object.__setattr__(self, name, check_int(name, getattr(self, name), maximum=None))
         if self.num_blocks is not None and self.kv_memory is not None:
             raise ValueError(f"give at most one of num_blocks={self.num_blocks} and kv_memory={self.kv_memory}")
-        for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only", "unroll_decode_layers"):
+        for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only", "unroll_decode_layers",
+                     "fuse_projections"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, maximum=2**32 - 1))
         if self.kv_cache_dtype is not None:

@@ -79,8 +79,9 @@ class ModelRunner:
     """Weights, caches, allocator and compiled step functions of one engine (see the module docstring).
 
     Args:
-      model: the `Decoder`; its layer weights are stacked into new arrays (the decoder's stay as they are). An
-        abstract one (`nnx.eval_shape`) makes a runner that only traces and lowers (nothing is allocated).
+      model: the `Decoder`; its layer weights are stacked into new arrays, their projections fused with
+        ``config.fuse_projections`` (the decoder's weights stay as they are). An abstract one (`nnx.eval_shape`)
+        makes a runner that only traces and lowers (nothing is allocated).
       model_config: its `ModelConfig`.
       config: the `EngineConfig`.
       max_model_len: the engine's resolved ``max_model_len``.
@@ -96,7 +97,10 @@ class ModelRunner:
         else:  # heads and MLP split over the mesh; everything else (allocator, metadata) replicated
             graphdef, state, run_config = shard_model(model, self.mesh, TENSOR_AXIS)
             decoder, stack = nnx.merge(graphdef, state), self._stack_sharded
-        self.model = ScannedDecoder.from_decoder(decoder, **({} if stack is None else {"stack": stack}))
+        # fused [q|k|v] and [gate|up] weights on one device only: split column-parallel, a shard would mix them
+        fuse = config.fuse_projections and self.mesh is None
+        self.model = ScannedDecoder.from_decoder(decoder, fuse_projections=fuse,
+                                                 **({} if stack is None else {"stack": stack}))  # fmt: skip
         kv_memory = None if config.kv_memory is None else config.kv_memory * config.tensor_parallel
         if config.kv_cache_dtype not in (None, jnp.dtype(model.dtype), FP8_DTYPE):
             raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} must be the model's dtype "

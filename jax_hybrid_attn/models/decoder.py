@@ -8,7 +8,8 @@ weight ``[out, in]``), so that loading a checkpoint is one name-for-name copy (`
 
 Each layer calls ``cache.attend(layer, q, k, v, params=config.layer_params(layer), sinks=...)`` once; RoPE
 uses ``cache.positions``. `Decoder.__call__` runs the layers as a Python loop; the serving engine runs them as
-scans over the layers' repeating pattern (`layer_scan`), each kind of layer traced once.
+scans over the layers' repeating pattern (`layer_scan`), each kind of layer traced once, on copies of the layers
+whose q/k/v and gate/up projections are fused into one Linear each (`DecoderLayer.fuse_projections`).
 
 Shape letters: T tokens · R rows kept for the LM head · N query heads · K kv heads · H head size ·
 D hidden size · I MLP width (an expert's in an MoE) · E experts · k experts per token · V vocabulary ·
@@ -28,7 +29,7 @@ from jaxtyping import Array, Float, Int
 from .._compat import register_pytree_dataclass
 from .attention_cache import AttentionCache
 from .config import ModelConfig
-from .layers import GatedMLP, Linear, RMSNorm, matmul, normal_param
+from .layers import GatedMLP, Linear, RMSNorm, concatenate_weights, matmul, normal_param
 from .moe import GptOssMLP, Llama4MoE, Qwen3MoeMLP
 from .rope import RopeParameters, apply_rope
 
@@ -65,7 +66,11 @@ class KVCacheScale(nnx.Variable):
 
 
 class Attention(nnx.Module):
-    """One layer's q/k/v projections, q/k norms, RoPE, the cache's attention and the output projection."""
+    """One layer's q/k/v projections, q/k norms, RoPE, the cache's attention and the output projection.
+
+    `fuse_projections` turns q/k/v into one ``qkv_proj`` (one matmul for the three, the same products). That form
+    is for serving (`layer_scan.ScannedDecoder`): its parameter names are no longer transformers', so a checkpoint
+    loads into the unfused form."""
 
     def __init__(self, config: ModelConfig, layer: int, *, rngs, dtype, param_dtype):
         d, n, kv, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
@@ -74,6 +79,7 @@ class Attention(nnx.Module):
         self.q_proj = Linear(d, n * h, bias=bias, **common)
         self.k_proj = Linear(d, kv * h, bias=bias, **common)
         self.v_proj = Linear(d, kv * h, bias=bias, **common)
+        self.qkv_proj = nnx.data(None)  # `fuse_projections`: q's, k's and v's weights ``[(N + 2K)H, D]``
         self.o_proj = Linear(n * h, d, bias=bias, **common)
         qk_norm_style = _QK_NORM_STYLES.get(config.architecture)
         if qk_norm_style is not None:  # per head, before RoPE
@@ -88,15 +94,31 @@ class Attention(nnx.Module):
         self.layer = layer
         self.config = config
 
+    def fuse_projections(self) -> None:
+        """Replace `q_proj`, `k_proj` and `v_proj` by one `qkv_proj` whose weight is theirs concatenated
+        (``[(N + 2K)H, D]``: q's rows, then k's, then v's), their biases likewise where the family has them. This
+        module's new Linear holds the concatenation: the old ones are left as they are, so a copy of a module
+        (`nnx.merge` of its split) fuses without touching the original."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        weight = concatenate_weights([part.weight.get_value() for part in parts])
+        bias = None if parts[0].bias is None else concatenate_weights([part.bias.get_value() for part in parts])
+        self.qkv_proj = Linear.of_weight(weight, bias, dtype=parts[0].dtype)
+        self.q_proj = self.k_proj = self.v_proj = None
+
     def __call__(
         self, x: Float[Array, "T D"], cache: AttentionCache
     ) -> tuple[Float[Array, "T D"], AttentionCache]:
         config, layer = self.config, self.layer
         num_tokens = x.shape[0]
         h = config.head_dim
-        q = self.q_proj(x).reshape(num_tokens, config.num_heads, h)
-        k = self.k_proj(x).reshape(num_tokens, config.num_kv_heads, h)
-        v = self.v_proj(x).reshape(num_tokens, config.num_kv_heads, h)
+        if self.qkv_proj is not None:
+            q_width, kv_width = config.num_heads * h, config.num_kv_heads * h
+            q, k, v = jnp.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(num_tokens, config.num_heads, h)
+        k = k.reshape(num_tokens, config.num_kv_heads, h)
+        v = v.reshape(num_tokens, config.num_kv_heads, h)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         positions = cache.positions
@@ -118,7 +140,11 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention and MLP with residuals; Gemma adds a norm after each (four norms per layer)."""
+    """Pre-norm attention and MLP with residuals; Gemma adds a norm after each (four norms per layer).
+
+    `fuse_projections` gives it one q/k/v projection and one gate/up projection: the serving form
+    (`layer_scan.ScannedDecoder`), whose parameter names are no longer transformers' (checkpoints load into the
+    unfused form)."""
 
     def __init__(self, config: ModelConfig, layer: int, *, rngs, dtype, param_dtype):
         common = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -147,6 +173,15 @@ class DecoderLayer(nnx.Module):
         self.mlp = None if llama4 else mlp
         self.feed_forward = mlp if llama4 else None
         self.sandwich = gemma
+
+    def fuse_projections(self) -> None:
+        """Fuse the attention's q/k/v projections (`Attention.fuse_projections`) and a dense MLP's gate and up
+        projections (`GatedMLP.fuse_projections`); an MoE MLP stays as it is. The layer then computes what it
+        did, from the same products."""
+        self.self_attn.fuse_projections()
+        mlp = self.mlp if self.mlp is not None else self.feed_forward
+        if isinstance(mlp, GatedMLP):
+            mlp.fuse_projections()
 
     def __call__(self, x: Float[Array, "T D"], cache: AttentionCache) -> tuple[Float[Array, "T D"], AttentionCache]:
         x, _, cache = self.with_attention_output(x, cache)

@@ -10,6 +10,12 @@ scans Gemma 3 the same way). A scan's trip count is static, so on a GPU it makes
 The layers reach their KV cache through ``cache.at_layer(i)``: inside a scan the layer index is traced, and the
 cache finds the layer's tensor and group from it (`engine.paged_cache.PagedCache`).
 
+The stacked weights can be those of layers whose q/k/v projections and gate/up projections are fused
+(`ScannedDecoder.from_decoder(..., fuse_projections=True)`, `DecoderLayer.fuse_projections`): each layer then runs
+one matmul per group on weights concatenated once, here. Left apart, XLA merges each group's matmuls into one
+itself, by concatenating their weights inside the scan's body, at every step, on top of copying each sliced
+weight.
+
 Shape letters: T tokens · D hidden size · V vocabulary · R rows kept for the LM head.
 """
 
@@ -68,6 +74,25 @@ def _stack(states: list[nnx.State]) -> nnx.State:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *states)
 
 
+def _layer_split(layer: nnx.Module, *, fuse_projections: bool) -> tuple[nnx.GraphDef, nnx.State]:
+    """`nnx.split` of `layer`, or, with `fuse_projections`, of a copy of it with its projections fused. The copy
+    (`nnx.merge` of the layer's split) has modules of its own around the layer's arrays (none is copied), so
+    fusing it replaces the copy's Linears and leaves the layer as it was."""
+    graph, state = nnx.split(layer)
+    if not fuse_projections:
+        return graph, state
+    copy = nnx.merge(graph, state)
+    copy.fuse_projections()
+    return nnx.split(copy)
+
+
+def _stacked_position(layers, indices: list[int], *, stack, fuse_projections: bool):
+    """The graph of layer ``indices[0]`` and the stacked weights of `indices` (`_layer_split` of each). The
+    layers' own fused weights are dropped on return: only the stack stays."""
+    splits = [_layer_split(layers[i], fuse_projections=fuse_projections) for i in indices]
+    return splits[0][0], stack([state for _, state in splits])
+
+
 @dataclasses.dataclass(frozen=True)
 class ScannedDecoder:
     """A `Decoder` laid out for scans over its layers: its ends (`DecoderEnds`) and, per `LayerRun` and position
@@ -75,7 +100,9 @@ class ScannedDecoder:
 
     It is a pytree: the weights are its leaves, the graphs and runs static, so a jitted step takes it as an
     argument. `from_decoder` stacks the layer weights into new arrays: the decoder's own stay as they are (drop
-    the decoder to free them).
+    the decoder to free them). With ``fuse_projections`` the stacked layers are fused copies of the decoder's
+    (`DecoderLayer.fuse_projections`): one q/k/v matmul and one gate/up matmul per layer, on weights concatenated
+    once when stacked, where the scan's body would otherwise concatenate them at every step.
 
     Attributes:
       runs: the `layer_runs` of the layers' kinds.
@@ -91,17 +118,21 @@ class ScannedDecoder:
     layer_weights: tuple[tuple[nnx.State, ...], ...]
 
     @classmethod
-    def from_decoder(cls, decoder: Decoder, *, stack=_stack) -> "ScannedDecoder":
+    def from_decoder(cls, decoder: Decoder, *, stack=_stack, fuse_projections: bool = False) -> "ScannedDecoder":
         """Lay `decoder` out for scans. `stack` makes a stacked state of a list of layer states (default:
-        `jnp.stack` of each leaf, on the leaves' device)."""
+        `jnp.stack` of each leaf, on the leaves' device). `fuse_projections`: stack fused copies of the layers
+        (`DecoderLayer.fuse_projections`; the decoder is left unchanged), one position of a period at a time, so
+        that at most one position's fused layers exist apart from their stack."""
         config: ModelConfig = decoder.config
         runs = layer_runs([config.layer_kind(i) for i in range(config.num_layers)])
         ends_graph, ends = nnx.split(DecoderEnds(decoder))
         layers = decoder.model.layers
         graphs, weights = [], []
         for run in runs:
-            graphs.append(tuple(nnx.graphdef(layers[run.start + j]) for j in range(run.period)))
-            weights.append(tuple(stack([nnx.state(layers[i]) for i in run.layers(j)]) for j in range(run.period)))
+            positions = [_stacked_position(layers, run.layers(j), stack=stack, fuse_projections=fuse_projections)
+                         for j in range(run.period)]  # fmt: skip
+            graphs.append(tuple(graph for graph, _ in positions))
+            weights.append(tuple(stacked for _, stacked in positions))
         return cls(runs, ends_graph, ends, tuple(graphs), tuple(weights))
 
     def __call__(

@@ -12,7 +12,17 @@ from flax import nnx
 
 from .config import ModelConfig
 
-__all__ = ["INIT_STD", "PRECISION", "GatedMLP", "Linear", "RMSNorm", "activation", "matmul", "normal_param"]
+__all__ = [
+    "INIT_STD",
+    "PRECISION",
+    "GatedMLP",
+    "Linear",
+    "RMSNorm",
+    "activation",
+    "concatenate_weights",
+    "matmul",
+    "normal_param",
+]
 
 PRECISION = jax.lax.Precision.HIGHEST
 """float32 products at full precision on every backend (a GPU would use TF32 otherwise); bf16 is unaffected."""
@@ -32,6 +42,18 @@ def matmul(x, w_t):
     return jnp.matmul(x, w_t, precision=PRECISION)
 
 
+def concatenate_weights(parts):
+    """`parts` (arrays of equal trailing shapes and one dtype) concatenated along their first axis; where they are
+    `jax.ShapeDtypeStruct`s (the weights of a model made by `nnx.eval_shape`), the `jax.ShapeDtypeStruct` of that
+    concatenation."""
+    if all(isinstance(part, jax.ShapeDtypeStruct) for part in parts):
+        first = parts[0]
+        if any(part.shape[1:] != first.shape[1:] or part.dtype != first.dtype for part in parts):
+            raise ValueError(f"cannot concatenate {[(part.shape, part.dtype) for part in parts]} along axis 0")
+        return jax.ShapeDtypeStruct((sum(part.shape[0] for part in parts), *first.shape[1:]), first.dtype)
+    return jnp.concatenate(parts, axis=0)
+
+
 def activation(name: str):
     if name == "silu":
         return jax.nn.silu
@@ -39,12 +61,26 @@ def activation(name: str):
 
 
 class Linear(nnx.Module):
-    """``x @ weight.T + bias`` with transformers' ``[out, in]`` weight."""
+    """``x @ weight.T + bias`` with transformers' ``[out, in]`` weight: random as built (normal weight, zero bias),
+    or holding given ones (`of_weight`)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, rngs, dtype, param_dtype):
         self.weight = normal_param(rngs, (out_features, in_features), param_dtype)
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if bias else None
         self.dtype = dtype
+
+    @classmethod
+    def of_weight(cls, weight, bias, *, dtype) -> "Linear":
+        """A Linear holding `weight` ``[out, in]`` and `bias` ``[out]`` (None: no bias) as they are, arrays or
+        `jax.ShapeDtypeStruct`s, computing in `dtype`. Nothing random is drawn: the Linear is built abstractly
+        (`nnx.eval_shape`), then given the weights."""
+        out_features, in_features = weight.shape
+        linear = nnx.eval_shape(lambda: cls(in_features, out_features, bias=bias is not None, rngs=nnx.Rngs(0),
+                                            dtype=dtype, param_dtype=weight.dtype))  # fmt: skip
+        linear.weight = nnx.Param(weight)
+        if bias is not None:
+            linear.bias = nnx.Param(bias)
+        return linear
 
     def __call__(self, x):
         y = matmul(x, self.weight[...].astype(self.dtype).T)
@@ -81,15 +117,33 @@ class RMSNorm(nnx.Module):
 
 
 class GatedMLP(nnx.Module):
-    """``down(act(gate(x)) * up(x))``."""
+    """``down(act(gate(x)) * up(x))``.
+
+    `fuse_projections` turns ``gate`` and ``up`` into one ``gate_up_proj`` (one matmul for both, the same products).
+    That form is for serving (`layer_scan.ScannedDecoder`): its parameter names are no longer transformers', so a
+    checkpoint loads into the unfused form."""
 
     def __init__(self, config: ModelConfig, intermediate_size: int, *, rngs, dtype, param_dtype):
         d = config.hidden_size
         common = dict(bias=False, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.gate_proj = Linear(d, intermediate_size, **common)
         self.up_proj = Linear(d, intermediate_size, **common)
+        self.gate_up_proj = nnx.data(None)  # `fuse_projections`: gate's and up's weights ``[2I, D]``
         self.down_proj = Linear(intermediate_size, d, **common)
         self.act = config.hidden_act
 
+    def fuse_projections(self) -> None:
+        """Replace `gate_proj` and `up_proj` by one `gate_up_proj` whose weight is theirs concatenated
+        (``[2I, D]``, gate first). This module's new Linear holds the concatenation: the old ones are left as
+        they are, so a copy of a module (`nnx.merge` of its split) fuses without touching the original."""
+        gate, up = self.gate_proj, self.up_proj
+        weight = concatenate_weights([gate.weight.get_value(), up.weight.get_value()])
+        self.gate_up_proj = Linear.of_weight(weight, None, dtype=gate.dtype)
+        self.gate_proj = self.up_proj = None
+
     def __call__(self, x):
-        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(activation(self.act)(gate) * up)
