@@ -51,13 +51,18 @@ MAX_TOKENS = 7
 
 def tiny_model(family: str, seed: int = 0):
     config = ModelConfig.from_hf(FAMILIES[family]().to_dict())
+    return config, perturbed_decoder(config, seed)
+
+
+def perturbed_decoder(config: ModelConfig, seed: int) -> Decoder:
+    """A random `Decoder` of `config`, every parameter perturbed: norm weights start at one (or zero), biases and
+    sinks at zero, so that each one matters."""
     model = Decoder(config, rngs=nnx.Rngs(seed))
-    # Norm weights start at one (or zero), biases and sinks at zero: perturb every parameter so each one matters
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     leaves = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
-    return config, nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
 @partial(jax.jit, static_argnums=0)

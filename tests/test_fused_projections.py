@@ -19,21 +19,15 @@ from jax_hybrid_attn.models.layer_scan import ScannedDecoder
 from jax_hybrid_attn.models.layers import GatedMLP, Linear, concatenate_weights
 
 from .hf_families import FAMILIES  # skips the module without transformers and torch
-from .test_engine import PROMPTS, dense_greedy, tiny_model
+from .test_engine import PROMPTS, dense_greedy, perturbed_decoder, tiny_model
 
 NUM_TOKENS = 19
 
 
 def _family_model(family: str, seed: int = 0) -> tuple[ModelConfig, Decoder]:
-    """`family`'s tiny model of `hf_families`, every parameter perturbed (biases, norms and sinks not at their
-    initial constants), float32."""
+    """`family`'s tiny model of `hf_families`, every parameter perturbed, float32."""
     config = ModelConfig.from_hf(FAMILIES[family][0]().to_dict())
-    model = Decoder(config, rngs=nnx.Rngs(seed))
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    leaves = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
-    return config, nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    return config, perturbed_decoder(config, seed)
 
 
 @jax.jit
