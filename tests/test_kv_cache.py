@@ -149,3 +149,17 @@ def test_a_dense_forward_with_a_float8_kv_dtype_equals_attention_over_a_float8_c
     paged = reference.paged_attention(q, cache, metadata, params=params)
     np.testing.assert_allclose(np.asarray(dense), np.asarray(paged), atol=2e-5, rtol=2e-5)
     assert np.abs(np.asarray(dense) - np.asarray(plain)).max() > 1e-3, "float8 rounding shows"
+
+
+def test_the_float8_rounding_of_a_dense_forward_survives_compilation():
+    """XLA's GPU compiler drops a convert pair (f32 -> float8 -> f32) as excess precision: the float8 values of
+    `DenseAttention(kv_dtype=float8_e4m3fn)` must reach the attention through an optimization barrier."""
+    from jax_hybrid_attn.models import DenseAttention
+
+    def attend(q, k, v):
+        return DenseAttention(3, kv_dtype=jnp.float8_e4m3fn).attend(0, q, k, v, params=LayerAttentionParams())[0]
+
+    x = jnp.ones((3, NUM_KV_HEADS, HEAD_DIM), jnp.bfloat16)
+    text = jax.jit(attend).lower(x, x, x).as_text()
+    barriers = [line for line in text.splitlines() if "optimization_barrier" in line]
+    assert len(barriers) == 2 and all("f8E4M3FN" in line for line in barriers), barriers
