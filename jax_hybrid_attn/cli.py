@@ -9,6 +9,11 @@ a byte-level tokenizer, so nothing is downloaded; its text is noise, its serving
 progress bar over the batch goes to stderr; the report (or with ``--json`` one JSON object and nothing else) to
 stdout.
 
+Compiled steps are kept across processes in ``$XDG_CACHE_HOME/jax_hybrid_attn`` (``~/.cache/jax_hybrid_attn``), or
+in ``--compilation-cache DIR`` or ``$JHA_COMPILATION_CACHE``, so that a second run starts without compiling:
+``--no-compilation-cache`` (or ``JHA_COMPILATION_CACHE=off``) keeps none. An entry is keyed by this package's
+source, JAX's version, the device and the engine's options; delete the directory to reclaim its space.
+
 ``jha compare`` (the ``torch`` extra) runs `models.compare.compare_with_transformers`: it prints the table of
 per-layer differences (or with ``--json`` the report as one JSON object) and exits with 0 when every difference is
 within tolerance and the float32 greedy tokens agree, 1 when not (the report names the first layer beyond
@@ -35,6 +40,9 @@ DEFAULT_PROMPTS = (
     "In a hybrid model, full-attention layers",
 )
 KV_CACHE_DTYPE_NAMES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}  # vLLM's names
+COMPILATION_CACHE_VARIABLE = "JHA_COMPILATION_CACHE"
+"""The compilation cache's directory when ``--compilation-cache`` is not given; "off" (or empty) for none."""
+CACHE_SUBDIRECTORY = "jax_hybrid_attn"  # under $XDG_CACHE_HOME, else ~/.cache
 MEMORY_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -100,9 +108,47 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a prompt prefix every decode shares, read once per step (default: auto, where it pays)")  # fmt: skip
     g.add_argument("--unroll-decode-layers", action="store_true",
                    help="decode steps with the layers unrolled: no copies of weights, a longer compile")  # fmt: skip
-    g.add_argument("--compilation-cache", metavar="DIR",
-                   help="keep compiled steps in DIR (JAX's persistent compilation cache, every entry and XLA's GPU "
-                        "autotuning kept): later runs start faster")  # fmt: skip
+    cache = g.add_mutually_exclusive_group()
+    cache.add_argument("--compilation-cache", metavar="DIR",
+                       help="keep compiled steps in DIR (JAX's persistent compilation cache, every entry and XLA's "
+                            f"GPU autotuning kept): later runs start faster (default: ${COMPILATION_CACHE_VARIABLE}, "
+                            f"else $XDG_CACHE_HOME/{CACHE_SUBDIRECTORY} or ~/.cache/{CACHE_SUBDIRECTORY})")  # fmt: skip
+    cache.add_argument("--no-compilation-cache", action="store_true", help="compile every step, keep none")
+
+
+def default_compilation_cache() -> str | None:
+    """Where compiled steps are kept without ``--compilation-cache``: ``$JHA_COMPILATION_CACHE`` (None for "off"
+    or empty), else ``$XDG_CACHE_HOME/jax_hybrid_attn``, else ``~/.cache/jax_hybrid_attn``."""
+    chosen = os.environ.get(COMPILATION_CACHE_VARIABLE)
+    if chosen is not None:
+        return None if chosen.strip().lower() in ("", "off") else chosen
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, CACHE_SUBDIRECTORY)
+
+
+def enable_compilation_cache(args, *, log=None) -> None:
+    """Resolve ``args.compilation_cache`` (``--compilation-cache DIR``, else `default_compilation_cache`; None with
+    ``--no-compilation-cache``) and point JAX's persistent cache there, before anything compiles. A default directory
+    that cannot be written is left out with a warning; a ``--compilation-cache`` that cannot, raises ValueError."""
+    given = args.compilation_cache
+    directory = None if args.no_compilation_cache else given or default_compilation_cache()
+    if directory is not None:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            if not os.access(directory, os.W_OK | os.X_OK):
+                raise PermissionError(f"{directory!r} is not writable")
+        except OSError as error:
+            if given:
+                raise ValueError(f"--compilation-cache={given!r} cannot be written: {error}") from error
+            print(f"warning: the compilation cache {directory!r} cannot be written ({error}): every step compiles "
+                  f"(set {COMPILATION_CACHE_VARIABLE} or --compilation-cache, or --no-compilation-cache)",
+                  file=log or sys.stderr)  # fmt: skip
+            directory = None
+    args.compilation_cache = directory
+    if directory is not None:
+        from .engine.step_cache import use_compilation_cache
+
+        use_compilation_cache(directory)
 
 
 def make_engine_config(args):
@@ -321,10 +367,7 @@ def generate(args, out=None, err=None) -> dict:
     from .engine.engine import resolve
     from .models import describe_model, load_tokenizer, model_line, plan_checkpoint
 
-    if args.compilation_cache:
-        from .engine.step_cache import use_compilation_cache
-
-        use_compilation_cache(args.compilation_cache)
+    enable_compilation_cache(args)
     startup = {"import": time.perf_counter() - started}
     started = time.perf_counter()
     engine_config = make_engine_config(args)

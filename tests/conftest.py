@@ -1,5 +1,5 @@
-"""Test session setup: enough CPU client threads for Mosaic GPU interpret mode; the vLLM tests only with vLLM;
-a worker's memory mappings kept below the kernel's limit.
+"""Test session setup: enough CPU client threads for Mosaic GPU interpret mode; no compilation cache of the CLI's;
+the vLLM tests only with vLLM; a worker's memory mappings kept below the kernel's limit.
 
 The variable is read when the CPU backend starts, so it is set here, before any test runs a computation
 (`jax_hybrid_attn._compat.check_interpret_threads` explains why).
@@ -16,8 +16,12 @@ import os
 from pathlib import Path
 
 from jax_hybrid_attn._compat import INTERPRET_CPU_THREADS
+from jax_hybrid_attn.cli import COMPILATION_CACHE_VARIABLE
 
 os.environ.setdefault("PJRT_NPROC", str(INTERPRET_CPU_THREADS))
+# The CLI keeps compiled steps in the user's cache directory by default; the tests (and the servers and CLIs they
+# start as subprocesses) compile theirs, and those that test the cache point it at a directory of their own.
+os.environ[COMPILATION_CACHE_VARIABLE] = "off"
 
 # The vLLM plugin's tests need vLLM, which pins its own torch: they run in their own environment
 # (scripts/test-vllm) and are not collected where vLLM is not installed.

@@ -156,3 +156,52 @@ def test_a_batch_of_image_prompts_is_refused_before_the_weights_load(capsys, sav
     code, out, err = run(capsys, "--model", str(path), "--prompt-token-ids", json.dumps([[5, IMAGE_TOKEN, 6], [IMAGE_TOKEN]]))
     assert code == 2 and out == ""
     assert "every prompt would be refused (2)" in err and "images are not supported" in err
+
+
+@pytest.mark.parametrize(
+    ("variable", "xdg", "want"),
+    [(None, "/xdg", "/xdg/jax_hybrid_attn"), ("/mine", "/xdg", "/mine"), ("off", "/xdg", None), ("", None, None),
+     (None, None, "~/.cache/jax_hybrid_attn")],
+)  # fmt: skip
+def test_the_compilation_cache_defaults_to_the_users_cache_directory(monkeypatch, variable, xdg, want):
+    from jax_hybrid_attn.cli import COMPILATION_CACHE_VARIABLE, default_compilation_cache
+
+    for name, value in ((COMPILATION_CACHE_VARIABLE, variable), ("XDG_CACHE_HOME", xdg)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setenv("HOME", "/home/someone")
+    assert default_compilation_cache() == (want and want.replace("~", "/home/someone"))
+
+
+def test_the_compilation_cache_is_enabled_where_it_can_be_written(monkeypatch, tmp_path, capsys):
+    from jax_hybrid_attn.cli import COMPILATION_CACHE_VARIABLE, build_parser, enable_compilation_cache
+    from jax_hybrid_attn.engine import step_cache
+
+    enabled = []
+    monkeypatch.setattr(step_cache, "use_compilation_cache", enabled.append)  # not for the rest of the process
+    parse = build_parser().parse_args
+    monkeypatch.setenv(COMPILATION_CACHE_VARIABLE, str(tmp_path / "default"))
+    args = parse(["generate"])
+    enable_compilation_cache(args)
+    assert args.compilation_cache == str(tmp_path / "default") and (tmp_path / "default").is_dir()
+    args = parse(["generate", "--compilation-cache", str(tmp_path / "given")])
+    enable_compilation_cache(args)
+    assert args.compilation_cache == str(tmp_path / "given")
+    args = parse(["generate", "--no-compilation-cache"])
+    enable_compilation_cache(args)
+    assert args.compilation_cache is None
+    assert enabled == [str(tmp_path / "default"), str(tmp_path / "given")]
+
+    blocked = tmp_path / "a file"
+    blocked.write_text("")
+    monkeypatch.setenv(COMPILATION_CACHE_VARIABLE, str(blocked / "cache"))
+    args = parse(["generate"])
+    enable_compilation_cache(args)  # the default directory: a warning, and no cache
+    assert args.compilation_cache is None and "cannot be written" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--compilation-cache="):
+        enable_compilation_cache(parse(["generate", "--compilation-cache", str(blocked / "cache")]))
+    assert len(enabled) == 2
+    with pytest.raises(SystemExit):
+        parse(["generate", "--compilation-cache", str(tmp_path), "--no-compilation-cache"])

@@ -43,14 +43,11 @@ def build_engine(args: argparse.Namespace, *, log=sys.stderr) -> tuple[Engine, o
     """(the engine, its tokenizer) of the engine options (as ``jha generate`` builds them); not compiled yet."""
     import jax
 
-    from ..cli import load, make_engine_config, model_config, model_dtype, nnx_leaves
+    from ..cli import enable_compilation_cache, load, make_engine_config, model_config, model_dtype, nnx_leaves
     from ..engine import lower_ahead
     from ..models import describe_model, load_tokenizer, model_line, plan_checkpoint
 
-    if args.compilation_cache:
-        from ..engine.step_cache import use_compilation_cache
-
-        use_compilation_cache(args.compilation_cache)
+    enable_compilation_cache(args, log=log)
     engine_config = make_engine_config(args)
     plan = None if args.model is None else plan_checkpoint(args.model)
     config = model_config(args) if plan is None else plan.config
