@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from jax_hybrid_attn._compat import INTERPRET_CPU_THREADS
-from jax_hybrid_attn.cli import COMPILATION_CACHE_VARIABLE
+from jax_hybrid_attn.engine_options import COMPILATION_CACHE_VARIABLE
 
 os.environ.setdefault("PJRT_NPROC", str(INTERPRET_CPU_THREADS))
 # The CLI keeps compiled steps in the user's cache directory by default; the tests (and the servers and CLIs they

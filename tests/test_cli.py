@@ -38,7 +38,8 @@ def test_the_report_and_no_hybrid(capsys, tmp_path):
 
 
 def test_the_kv_cache_dtype_flag_takes_vllms_names():
-    from jax_hybrid_attn.cli import build_parser, make_engine_config
+    from jax_hybrid_attn.cli import build_parser
+    from jax_hybrid_attn.engine_options import make_engine_config
 
     for flag, name in (("auto", None), ("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn")):
         dtype = make_engine_config(build_parser().parse_args(["generate", "--kv-cache-dtype", flag])).kv_cache_dtype
@@ -46,7 +47,8 @@ def test_the_kv_cache_dtype_flag_takes_vllms_names():
 
 
 def test_the_unroll_decode_layers_flag_reaches_the_engine_config():
-    from jax_hybrid_attn.cli import build_parser, make_engine_config
+    from jax_hybrid_attn.cli import build_parser
+    from jax_hybrid_attn.engine_options import make_engine_config
 
     for flags, unrolled in (([], False), (["--unroll-decode-layers"], True)):
         assert make_engine_config(build_parser().parse_args(["generate", *flags])).unroll_decode_layers is unrolled
@@ -94,7 +96,7 @@ def test_malformed_token_ids_are_refused_by_the_parser(capsys):
 
 
 def test_memory_sizes_parse_with_units():
-    from jax_hybrid_attn.cli import memory_size
+    from jax_hybrid_attn.engine_options import memory_size
 
     assert [memory_size(t) for t in ("2GiB", "512MB", "1e9", "4096")] == [2 * 2**30, 512 * 10**6, 10**9, 4096]
     with pytest.raises(Exception, match="kv-memory"):
@@ -164,7 +166,7 @@ def test_a_batch_of_image_prompts_is_refused_before_the_weights_load(capsys, sav
      (None, None, "~/.cache/jax_hybrid_attn")],
 )  # fmt: skip
 def test_the_compilation_cache_defaults_to_the_users_cache_directory(monkeypatch, variable, xdg, want):
-    from jax_hybrid_attn.cli import COMPILATION_CACHE_VARIABLE, default_compilation_cache
+    from jax_hybrid_attn.engine_options import COMPILATION_CACHE_VARIABLE, default_compilation_cache
 
     for name, value in ((COMPILATION_CACHE_VARIABLE, variable), ("XDG_CACHE_HOME", xdg)):
         if value is None:
@@ -176,7 +178,8 @@ def test_the_compilation_cache_defaults_to_the_users_cache_directory(monkeypatch
 
 
 def test_the_compilation_cache_is_enabled_where_it_can_be_written(monkeypatch, tmp_path, capsys):
-    from jax_hybrid_attn.cli import COMPILATION_CACHE_VARIABLE, build_parser, enable_compilation_cache
+    from jax_hybrid_attn.cli import build_parser
+    from jax_hybrid_attn.engine_options import COMPILATION_CACHE_VARIABLE, enable_compilation_cache
     from jax_hybrid_attn.engine import step_cache
 
     enabled = []

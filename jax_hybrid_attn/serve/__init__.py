@@ -26,7 +26,7 @@ MAX_CHOICES = 16
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """``jha serve``'s own options (the engine's come from `jax_hybrid_attn.cli.add_engine_arguments`)."""
+    """``jha serve``'s own options (the engine's come from `jax_hybrid_attn.engine_options.add_engine_arguments`)."""
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"the address to listen on (default: {DEFAULT_HOST})")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default: {DEFAULT_PORT})")
     parser.add_argument("--served-model-name", default=None,

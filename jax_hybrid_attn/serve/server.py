@@ -2,8 +2,8 @@
 (`build_server`), and uvicorn serving them (`run`).
 
 The engine process loads the model as ``jha generate`` loads it (the same options,
-`jax_hybrid_attn.cli.add_engine_arguments`, through `build_engine`); once it has, the server listens while the
-engine compiles its step shapes (``/health`` says 503 until they are), then serves.
+`jax_hybrid_attn.engine_options.add_engine_arguments`, through `build_engine`); once it has, the server listens
+while the engine compiles its step shapes (``/health`` says 503 until they are), then serves.
 """
 
 import argparse
@@ -43,7 +43,14 @@ def build_engine(args: argparse.Namespace, *, log=sys.stderr) -> tuple[Engine, o
     """(the engine, its tokenizer) of the engine options (as ``jha generate`` builds them); not compiled yet."""
     import jax
 
-    from ..cli import enable_compilation_cache, load, make_engine_config, model_config, model_dtype, nnx_leaves
+    from ..engine_options import (
+        enable_compilation_cache,
+        load,
+        make_engine_config,
+        model_config,
+        model_dtype,
+        nnx_leaves,
+    )
     from ..engine import lower_ahead
     from ..models import describe_model, load_tokenizer, model_line, plan_checkpoint
 
