@@ -24,15 +24,7 @@ import time
 
 import numpy as np
 
-from .engine_options import (
-    add_engine_arguments,
-    enable_compilation_cache,
-    load,
-    make_engine_config,
-    model_config,
-    model_dtype,
-    nnx_leaves,
-)
+from .engine_options import add_engine_arguments, load_planned, plan_model
 
 __all__ = ["main"]
 
@@ -235,26 +227,17 @@ def generate(args, out=None, err=None) -> dict:
     from tqdm import tqdm
 
     started = time.perf_counter()
-    import jax
-
-    from .engine import Engine, SamplingParams, lower_ahead
+    from .engine import Engine, SamplingParams
     from .engine.engine import resolve
-    from .models import describe_model, load_tokenizer, model_line, plan_checkpoint
 
-    enable_compilation_cache(args)
     startup = {"import": time.perf_counter() - started}
     started = time.perf_counter()
-    engine_config = make_engine_config(args)
-    plan = None if args.model is None else plan_checkpoint(args.model)  # no tensor read yet
-    config = model_config(args) if plan is None else plan.config
-    tokenizer = load_tokenizer(args.model)
+    planned = plan_model(args, log=err)
+    engine_config, tokenizer = planned.engine_config, planned.tokenizer
     token_lists = prompt_token_lists(args, tokenizer)
-    refuse_if_nothing_runs(token_lists, config, resolve(config, engine_config)[1])  # before loading or compiling
-    description = describe_model(config, plan=plan)
-    print(model_line(description), file=err)
-    lowering = lower_ahead(config, engine_config, dtype=model_dtype(args))  # while the weights load
-    config, model = load(args, plan=plan)
-    jax.block_until_ready(nnx_leaves(model))
+    max_model_len = resolve(planned.config, engine_config)[1]
+    refuse_if_nothing_runs(token_lists, planned.config, max_model_len)  # before loading or compiling
+    config, model, lowering = load_planned(args, planned)
     startup["load"] = time.perf_counter() - started
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -284,7 +267,7 @@ def generate(args, out=None, err=None) -> dict:
     startup["first_token_since_start"] = first_token[0] - PROCESS_START if first_token else None
     bar.close()
     metrics = report(engine, outputs, wall, startup)
-    metrics["model"] = description
+    metrics["model"] = planned.description
     metrics["compile_timeline"] = compile_timeline
     if args.json:
         payload = {

@@ -8,12 +8,13 @@ source, JAX's version, the device and the engine's options; delete the directory
 """
 
 import argparse
+import dataclasses
 import os
 import re
 import sys
 
-__all__ = ["add_engine_arguments", "enable_compilation_cache", "load", "make_engine_config", "model_config",
-           "model_dtype"]
+__all__ = ["ModelPlan", "add_engine_arguments", "enable_compilation_cache", "load", "load_planned",
+           "make_engine_config", "model_config", "model_dtype", "plan_model"]
 
 KV_CACHE_DTYPE_NAMES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}  # vLLM's names
 COMPILATION_CACHE_VARIABLE = "JHA_COMPILATION_CACHE"
@@ -155,3 +156,49 @@ def nnx_leaves(model) -> list:
     from flax import nnx
 
     return jax.tree.leaves(nnx.state(model))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    """What the options name, before any weight is read (`plan_model`).
+
+    Attributes:
+      engine_config: the `EngineConfig` of the options.
+      plan: the checkpoint's `CheckpointPlan` (None for the embedded model).
+      config: the model's `ModelConfig`.
+      tokenizer: its tokenizer (the byte tokenizer for the embedded model).
+      description: `models.describe_model` of it.
+    """
+
+    engine_config: object
+    plan: object
+    config: object
+    tokenizer: object
+    description: dict
+
+
+def plan_model(args, *, log=None) -> ModelPlan:
+    """The compilation cache enabled (`enable_compilation_cache`), the `EngineConfig`, the checkpoint's plan, config
+    and tokenizer (no tensor read yet); the model's line printed to `log` (stderr)."""
+    from .models import describe_model, load_tokenizer, model_line, plan_checkpoint
+
+    enable_compilation_cache(args, log=log)
+    plan = None if args.model is None else plan_checkpoint(args.model)
+    config = model_config(args) if plan is None else plan.config
+    planned = ModelPlan(make_engine_config(args), plan, config, load_tokenizer(args.model),
+                        describe_model(config, plan=plan))  # fmt: skip
+    print(model_line(planned.description), file=log or sys.stderr)
+    return planned
+
+
+def load_planned(args, planned: ModelPlan):
+    """(model config, model on the device, the step functions' lowering): the lowering starts first
+    (`engine.lower_ahead`, in worker processes on a GPU), so that it runs while the weights load."""
+    import jax
+
+    from .engine import lower_ahead
+
+    lowering = lower_ahead(planned.config, planned.engine_config, dtype=model_dtype(args))
+    config, model = load(args, plan=planned.plan)
+    jax.block_until_ready(nnx_leaves(model))
+    return config, model, lowering

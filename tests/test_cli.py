@@ -150,11 +150,11 @@ def test_a_checkpoint_serves_transformers_greedy_tokens_and_says_what_it_serves(
 
 
 def test_a_batch_of_image_prompts_is_refused_before_the_weights_load(capsys, saved, monkeypatch):
-    import jax_hybrid_attn.cli as cli
+    import jax_hybrid_attn.engine_options as engine_options
     from tests.hf_families import IMAGE_TOKEN
 
     _, path = saved("gemma3")
-    monkeypatch.setattr(cli, "load", lambda *args, **kwargs: pytest.fail("the weights were loaded"))
+    monkeypatch.setattr(engine_options, "load", lambda *args, **kwargs: pytest.fail("the weights were loaded"))
     code, out, err = run(capsys, "--model", str(path), "--prompt-token-ids", json.dumps([[5, IMAGE_TOKEN, 6], [IMAGE_TOKEN]]))
     assert code == 2 and out == ""
     assert "every prompt would be refused (2)" in err and "images are not supported" in err

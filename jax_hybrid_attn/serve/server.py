@@ -41,28 +41,11 @@ class Server:
 
 def build_engine(args: argparse.Namespace, *, log=sys.stderr) -> tuple[Engine, object]:
     """(the engine, its tokenizer) of the engine options (as ``jha generate`` builds them); not compiled yet."""
-    import jax
+    from ..engine_options import load_planned, plan_model
 
-    from ..engine_options import (
-        enable_compilation_cache,
-        load,
-        make_engine_config,
-        model_config,
-        model_dtype,
-        nnx_leaves,
-    )
-    from ..engine import lower_ahead
-    from ..models import describe_model, load_tokenizer, model_line, plan_checkpoint
-
-    enable_compilation_cache(args, log=log)
-    engine_config = make_engine_config(args)
-    plan = None if args.model is None else plan_checkpoint(args.model)
-    config = model_config(args) if plan is None else plan.config
-    tokenizer = load_tokenizer(args.model)
-    print(model_line(describe_model(config, plan=plan)), file=log)
-    lowering = lower_ahead(config, engine_config, dtype=model_dtype(args))  # while the weights load
-    config, model = load(args, plan=plan)
-    jax.block_until_ready(nnx_leaves(model))
+    planned = plan_model(args, log=log)
+    config, model, lowering = load_planned(args, planned)
+    engine_config, tokenizer = planned.engine_config, planned.tokenizer
     engine = Engine(model, config, engine_config, eos_token_ids=tokenizer.eos_token_ids, lowering=lowering)
     return engine, tokenizer
 
