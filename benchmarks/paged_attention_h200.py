@@ -49,6 +49,9 @@ PARITY_CASES = [  # (name, random_paged_inputs kwargs, attention options)
     ("K/V pair gqa4 d256 bs16 window 512", dict(num_q_heads=4, num_kv_heads=1, head_dim=256, block_size=16, kv_pair=True), dict(params=LayerAttentionParams(sliding_window=512))),
     ("K/V pair HND fp8 gqa8 d128 bs32 sinks", dict(num_q_heads=64, num_kv_heads=8, head_dim=128, block_size=32, kv_pair=True, kv_layout="HND", kv_dtype=jnp.float8_e4m3fn, with_sinks=True), {}),
     ("K/V pair gqa2 d64 bs256 softcap", dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=256, kv_pair=True), dict(params=LayerAttentionParams(logits_soft_cap=50.0))),
+    ("fp8 kv HND_VT gqa4 bs64 d128 window 512", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=64, kv_dtype=jnp.float8_e4m3fn, kv_layout="HND_VT"), dict(params=LayerAttentionParams(sliding_window=512))),
+    ("fp8 kv HND_VT mqa d256 bs128 chunk 256 sinks", dict(num_q_heads=8, num_kv_heads=1, head_dim=256, block_size=128, kv_dtype=jnp.float8_e4m3fn, kv_layout="HND_VT", with_sinks=True), dict(params=LayerAttentionParams(attention_chunk_size=256, logits_soft_cap=30.0))),
+    ("K/V pair fp8 HND_VT fp16 q d64 bs256 non-causal", dict(num_q_heads=16, num_kv_heads=2, head_dim=64, block_size=256, kv_pair=True, kv_layout="HND_VT", kv_dtype=jnp.float8_e4m3fn, dtype=jnp.float16, causal=False), dict(params=LayerAttentionParams(causal=False))),
 ]  # fmt: skip
 
 

@@ -10,6 +10,7 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/roofline.py [--wor
      P2 prefill 8 × 8,192, window 1,024              P3 prefill 8 × 4,096, chunk 1,024
      F1 decode 64 × 8k, fp8 e4m3 KV (beside bf16)    D2 decode 64 × 32k, window 1,024
      F2 D2 with an fp8 KV cache                      F3 P0 with an fp8 KV cache
+     (F1-F3 also with the fp8 cache in "HND_VT", V transposed per 64-token block)
      D0 decode 64 × 2k                               V  decode 64 × 8k variants (head_dim 64/256, blocks
                                                         32/64, GQA 8:1, MHA, soft cap, sinks, HND, K/V pair)
    Each is checked against the reference before it is timed. Peers in the same run: cuDNN (dense, through
@@ -85,12 +86,18 @@ def workloads(tiny: bool) -> list[Workload]:
         Workload("P1", "causal prefill 1 x 8192", 1, 8192, 8192),
         Workload("P0", "causal prefill 8 x 4096", 8, 4096, 4096),
         Workload("F3", "causal prefill 8 x 4096, fp8 KV", 8, 4096, 4096, kv_dtype=FP8),
+        Workload("F3", "causal prefill 8 x 4096, fp8 KV, HND_VT block 64", 8, 4096, 4096, kv_dtype=FP8,
+                 kv_layout="HND_VT", block_size=64),  # fmt: skip
         Workload("P2", "prefill 8 x 8192, window 1024", 8, 8192, 8192, params=window),
         Workload("P3", "prefill 8 x 4096, chunk 1024", 8, 4096, 4096, params=chunk),
         Workload("F1", "decode 64 x 8k, bf16 KV", 64, 1, 8192),
         Workload("F1", "decode 64 x 8k, fp8 KV", 64, 1, 8192, kv_dtype=FP8),
+        Workload("F1", "decode 64 x 8k, fp8 KV, HND_VT block 64", 64, 1, 8192, kv_dtype=FP8, kv_layout="HND_VT",
+                 block_size=64),  # fmt: skip
         Workload("D2", "decode 64 x 32k, window 1024", 64, 1, 32768, params=window),
         Workload("F2", "decode 64 x 32k, window 1024, fp8 KV", 64, 1, 32768, params=window, kv_dtype=FP8),
+        Workload("F2", "decode 64 x 32k, window 1024, fp8 KV, HND_VT block 64", 64, 1, 32768, params=window,
+                 kv_dtype=FP8, kv_layout="HND_VT", block_size=64),  # fmt: skip
         Workload("D0", "decode 64 x 2k", 64, 1, 2048),
         Workload("V", "decode 64 x 8k, head_dim 64", 64, 1, 8192, head_dim=64),
         Workload("V", "decode 64 x 8k, head_dim 256", 64, 1, 8192, head_dim=256),
@@ -127,8 +134,10 @@ def inputs(w: Workload, seed: int):
     shape = (num_blocks, w.block_size, w.num_kv_heads, w.head_dim)
     scale = 8.0 if w.kv_dtype == FP8 else 1.0
     k_cache, v_cache = (jax.random.normal(key, shape, jnp.bfloat16) * scale for key in (key_k, key_v))
-    if w.kv_layout == "HND":
+    if w.kv_layout != "NHD":
         k_cache, v_cache = jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
+    if w.kv_layout == "HND_VT":  # V transposed per block and head, in the same shape
+        v_cache = jnp.swapaxes(v_cache, 2, 3).reshape(v_cache.shape)
     k_cache, v_cache = k_cache.astype(w.kv_dtype), v_cache.astype(w.kv_dtype)
     arrays = (k_cache, v_cache) if w.kv_pair else jnp.stack([k_cache, v_cache], axis=1)
     scales = (jnp.float32(1 / scale),) * 2 if w.kv_dtype == FP8 else (None, None)  # arrays, as an engine holds them

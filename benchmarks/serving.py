@@ -6,8 +6,9 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
   capacity    (CPU is enough) at equal KV memory, concurrent 32,768-token sequences with hybrid allocation and
               with every layer allocated as full attention (`--no-hybrid`), for each family's published shape;
   parity      (GPU) the engine's greedy tokens with the Mosaic GPU kernels against its jnp reference path, bf16;
-  fp8         (GPU) a float8 KV cache against bf16 on the Gemma-3-1B shape (random weights, 12 prompts x 32 tokens):
-              greedy tokens equal, and the logit error the float8 cache adds along the bf16 tokens;
+  fp8         (GPU) a float8 KV cache against bf16 on the Gemma-3-1B shape (random weights, 12 prompts x 32 tokens),
+              "NHD" with blocks of 16 and "HND_VT" with blocks of 64: greedy tokens equal, and the logit error
+              the float8 cache adds along the bf16 tokens;
   throughput  (GPU) a Gemma-3-1B-shaped model with random bf16 weights, 256 prompts of 128-1,024 random tokens,
               64 greedy tokens each: ours (a cold run, compiles included, then a warm one) and transformers'
               `generate_batch` with `paged|sdpa` on the same weights and prompts, in the same process;
@@ -20,6 +21,9 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
               time against its jitted calls replayed back to back. ``--engine-variant FIELD=INT,...`` (repeatable):
               busy and throughput also with these EngineConfig fields changed, beside the default, e.g.
               ``--engine-variant unroll_decode_layers=1 --engine-variant fuse_projections=0``;
+  prefill     (GPU) where a prefill step's time goes: the throughput workload's prompts with one token each (every
+              step a whole 8,192-token chunk of prefill): wall time per step, the model's FLOPs per second against
+              the bf16 matmul ceiling, the layers' matmuls alone, kernel time by kind (CUPTI profile);
   shared-prefix (GPU) the Gemma-3-1B shape, 256 prompts of one 4,096-token system prompt (in the prefix cache
               from an earlier request) and 64-512 tokens of their own, 64 greedy tokens: the engine with cascade
               attention on (the cost rule picks per step) and off, a cold and a warm run each; decode step time
@@ -250,24 +254,31 @@ def parity(rows: list) -> None:
         rows.append(("parity", line))
 
 
+FP8_ENGINES = {  # label: (kv_cache_dtype, block_size); the first is the reference
+    "bf16": (None, 16),
+    "fp8 NHD, block 16": ("float8_e4m3fn", 16),
+    "fp8 HND_VT, block 64": ("float8_e4m3fn", 64),  # V transposed per block: the float8 PV product
+}
+
+
 def fp8_agreement(rows: list, *, shape: dict, num_prompts: int = 12, max_tokens: int = 32) -> None:
-    """A float8 (e4m3) KV cache against the model's bfloat16 one, the same random-weight model on the kernels:
-    the greedy tokens (each request's first, and all of them), and the logit error that the float8 cache adds,
-    along the bfloat16 engine's tokens (teacher-forced): the dense forward with each layer's K/V read back as the
-    float8 cache holds them (`DenseAttention(kv_dtype=...)`) against the plain one, at every generated position."""
+    """A float8 (e4m3) KV cache against the model's bfloat16 one, the same random-weight model on the kernels, in
+    each of the engine's float8 layouts (`FP8_ENGINES`): the greedy tokens (each request's first, and all of them),
+    and the logit error that the float8 cache adds, along the bfloat16 engine's tokens (teacher-forced): the dense
+    forward with each layer's K/V read back as the float8 cache holds them (`DenseAttention(kv_dtype=...)`) against
+    the plain one, at every generated position."""
     config = ModelConfig.from_hf(shape)
     model = random_model(config, seed=0, dtype=jnp.bfloat16)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, config.vocab_size, int(n)).tolist() for n in rng.integers(20, 700, num_prompts)]
     tokens = {}
-    for dtype in (None, "float8_e4m3fn"):
-        engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=num_prompts, max_model_len=1024,
-                                                    max_num_batched_tokens=1024, kv_cache_dtype=dtype))  # fmt: skip
-        tokens[dtype], _ = greedy(engine, prompts, max_tokens)
+    for label, (dtype, block_size) in FP8_ENGINES.items():
+        engine = Engine(model, config, EngineConfig(block_size=block_size, max_num_seqs=num_prompts,
+                                                    max_model_len=1024, max_num_batched_tokens=1024,
+                                                    kv_cache_dtype=dtype))  # fmt: skip
+        tokens[label], _ = greedy(engine, prompts, max_tokens)
         del engine
-    bf16, fp8 = tokens[None], tokens["float8_e4m3fn"]
-    first = np.mean([a[0] == b[0] for a, b in zip(bf16, fp8)])
-    agreed = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(bf16, fp8)]
+    bf16 = tokens.pop("bf16")
     graphdef, state = nnx.split(model)
 
     @partial(jax.jit, static_argnames="kv_dtype")
@@ -285,15 +296,18 @@ def fp8_agreement(rows: list, *, shape: dict, num_prompts: int = 12, max_tokens:
         errors.append(np.abs(np.asarray(quantized - plain, np.float32)))
         scales.append(float(jnp.abs(plain).max()))
     max_error, mean_error = max(e.max() for e in errors), np.mean([e.mean() for e in errors])
-    line = (f"{len(prompts)} prompts x {max_tokens} tokens | first tokens equal {first:.0%} | tokens equal before the "
-            f"first difference {sum(agreed) / (len(prompts) * max_tokens):.0%} | logit error max {max_error:.3g} "
-            f"mean {mean_error:.3g} (largest |logit| {max(scales):.3g})")  # fmt: skip
-    print("fp8", line, flush=True)
-    rows.append(("fp8", line))
-    RECORDS["fp8"].append(dict(prompts=len(prompts), max_tokens=max_tokens, first_tokens_equal=float(first),
-                               tokens_agreed=sum(agreed), tokens=len(prompts) * max_tokens,
-                               logit_error_max=float(max_error), logit_error_mean=float(mean_error),
-                               largest_logit=max(scales)))  # fmt: skip
+    for label, fp8 in tokens.items():
+        first = np.mean([a[0] == b[0] for a, b in zip(bf16, fp8)])
+        agreed = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(bf16, fp8)]
+        line = (f"{label}: {len(prompts)} prompts x {max_tokens} tokens | first tokens equal {first:.0%} | tokens "
+                f"equal before the first difference {sum(agreed) / (len(prompts) * max_tokens):.0%} | logit error "
+                f"max {max_error:.3g} mean {mean_error:.3g} (largest |logit| {max(scales):.3g})")  # fmt: skip
+        print("fp8", line, flush=True)
+        rows.append(("fp8", line))
+        RECORDS["fp8"].append(dict(engine=label, prompts=len(prompts), max_tokens=max_tokens,
+                                   first_tokens_equal=float(first), tokens_agreed=sum(agreed),
+                                   tokens=len(prompts) * max_tokens, logit_error_max=float(max_error),
+                                   logit_error_mean=float(mean_error), largest_logit=max(scales)))  # fmt: skip
 
 
 def prefill_flops(config: ModelConfig, model, prompt_lens) -> float:
@@ -533,6 +547,71 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     rows.append(("busy", line))
 
 
+def prefill_share(rows: list, *, shape: dict, num_prompts: int = 256, trace: str | None = None,
+                  variant: dict | None = None) -> None:  # fmt: skip
+    """Where a prefill step's time goes: `num_prompts` prompts of 128-1,024 random tokens, one token each, so that
+    every step but the last is a whole ``max_num_batched_tokens`` chunk of prefill and nothing else. Timed warm
+    (the same prompts once before, the prefix cache reset): wall time per step and the model's FLOPs per second
+    against the bf16 matmul ceiling measured here; the same layer's matmuls alone, at the step's token count;
+    profiled (CUPTI): kernel time per step by kind of kernel."""
+    trace = trace or tempfile.mkdtemp()
+    config = ModelConfig.from_hf(shape)
+    model = random_model(config, seed=0, dtype=jnp.bfloat16)
+    budget = 8192 if jax.default_backend() == "gpu" else 512
+    engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=256, max_num_batched_tokens=budget,
+                                                max_model_len=2048, **(variant or {})))  # fmt: skip
+    rng = np.random.default_rng(0)
+    low, high = (128, 1025) if jax.default_backend() == "gpu" else (16, 129)
+    prompts = [rng.integers(1, config.vocab_size, int(n)).tolist() for n in rng.integers(low, high, num_prompts)]
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prefill():
+        engine.reset()  # no prefix hits from the run before
+        engine.generate(prompts, sampling)
+
+    prefill()  # compiles
+    started = time.perf_counter()
+    prefill()
+    seconds = time.perf_counter() - started
+    steps = engine.stats.steps
+    profile = profiled(f"{trace}/prefill-{len(rows)}", prefill)
+    tokens = sum(map(len, prompts))
+    ceiling = matmul_ceiling_tflops()
+    tflops = prefill_flops(config, model, list(map(len, prompts))) / seconds / 1e12
+    matmuls_ms = layer_matmuls_ms(config, num_tokens=budget) * config.num_layers
+    label = f" ({variant_label(variant)})" if variant else ""
+    line = (f"prefill of {num_prompts} prompts{label}, {tokens:,} tokens in {steps} steps of up to {budget:,}: "
+            f"{seconds / steps * 1e3:.2f} ms per step, {tokens / seconds:,.0f} tok/s = {tflops:.3g} TFLOP/s of the "
+            f"model's FLOPs, {tflops / ceiling:.0%} of the bf16 matmul ceiling measured here ({ceiling:.3g} "
+            f"TFLOP/s); the layers' matmuls alone at {budget:,} tokens {matmuls_ms:.2f} ms; kernels and copies "
+            f"{profile.gpu_busy_ms / steps:.2f} ms per step ({profile.gpu_ops / steps:.0f} of them), GPU busy "
+            f"{profile.gpu_busy_ms / profile.gpu_span_ms:.0%}; GPU per step by kind of kernel: "
+            + "; ".join(profile.kernel_lines(per=steps, top=16)))  # fmt: skip
+    print("prefill", line, flush=True)
+    rows.append(("prefill", line))
+
+
+def layer_matmuls_ms(config: ModelConfig, *, num_tokens: int, calls: int = 20) -> float:
+    """Milliseconds of one layer's four matmuls (fused q/k/v, output, fused gate/up, down) on `num_tokens` random
+    bf16 rows, each alone and back to back, as XLA runs them."""
+    hidden, q_width = config.hidden_size, config.num_heads * config.head_dim
+    qkv_width = q_width + 2 * config.num_kv_heads * config.head_dim
+    shapes = [(hidden, qkv_width), (q_width, hidden), (hidden, 2 * config.intermediate_size),
+              (config.intermediate_size, hidden)]  # fmt: skip
+    product = jax.jit(jnp.dot)
+    total = 0.0
+    for k, n in shapes:
+        x = jax.random.normal(jax.random.key(0), (num_tokens, k), jnp.bfloat16)
+        w = jax.random.normal(jax.random.key(1), (k, n), jnp.bfloat16)
+        jax.block_until_ready(product(x, w))
+        started = time.perf_counter()
+        for _ in range(calls):
+            result = product(x, w)
+        jax.block_until_ready(result)
+        total += (time.perf_counter() - started) / calls
+    return total * 1e3
+
+
 def decode_step_bytes(engine: Engine, model) -> dict[str, float]:
     """The bytes the next decode step of `engine`'s running requests must read at least: the weights (the
     embedding table only where it is also the LM head; a decode gathers R rows of it otherwise) and, per layer,
@@ -688,8 +767,8 @@ def main():
     parser.add_argument("--decode-steps", default="1",
                         help="throughput: ours with each of these EngineConfig.decode_steps, e.g. 1,8 (default: 1)")  # fmt: skip
     parser.add_argument("--engine-variant", action="append", default=[],
-                        help="busy, throughput: also the engine with these EngineConfig fields, beside the default, "
-                             "e.g. unroll_decode_layers=1 (comma-separated FIELD=INT; repeatable)")  # fmt: skip
+                        help="busy, prefill, throughput: also the engine with these EngineConfig fields, beside the "
+                             "default, e.g. unroll_decode_layers=1 (comma-separated FIELD=INT; repeatable)")  # fmt: skip
     args = parser.parse_args()
     variants = ({}, *map(parse_engine_variant, args.engine_variant))
     rows: list = []
@@ -702,6 +781,10 @@ def main():
             parity(rows)
         elif section == "fp8":
             fp8_agreement(rows, shape=TINY if args.tiny else GEMMA3_1B)
+        elif section == "prefill":
+            for variant in variants:
+                prefill_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_prompts=16 if args.tiny else 256,
+                              trace=args.trace, variant=variant)  # fmt: skip
         elif section == "busy":
             for variant in variants:
                 busy_share(rows, shape=TINY if args.tiny else GEMMA3_1B, num_requests=8 if args.tiny else 256,

@@ -94,7 +94,8 @@ class PagedAttentionBackend:
     Args:
       layers: the attention layers by name.
       block_size: S, tokens per cache block (a multiple of 16 for the kernels).
-      kv_layout: "NHD" (cache [B, 2, S, K, H], vLLM's) or "HND" ([B, 2, K, S, H]).
+      kv_layout: "NHD" (cache [B, 2, S, K, H], vLLM's), "HND" ([B, 2, K, S, H]) or "HND_VT" ("HND"'s shape with
+        V transposed per block and head: a float8 cache's fast layout on the kernels, blocks of a multiple of 64).
       cache_owner: "torch" (the caller passes each layer's cache to `run`) or "jax" (see `allocate_kv_caches`).
       implementation, interpret: passed to `jax_hybrid_attn.paged_attention` (default: the kernels on a GPU,
         the jnp reference on a CPU; ``interpret=True`` runs the kernels in Mosaic GPU interpret mode).

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from .layout import KVArrays, KVCache, like_given, stored_values
+from .layout import KVArrays, KVCache, like_given, stored_values, v_transposed, v_untransposed
 from .validation import check_write_kv_args
 
 __all__ = ["write_kv"]
@@ -23,18 +23,27 @@ def write_kv_traced(kv_cache: KVCache, k: Float[Array, "T K H"], v: Float[Array,
     k_scale, v_scale = kv_cache.scales()
     k = stored_values(k, k_scale, kv_cache.dtype)
     v = stored_values(v, v_scale, kv_cache.dtype)
-    # Each index form selects [T, K, H]: advanced indices come first when a slice separates them.
-    nhd = kv_cache.layout == "NHD"
+    # Each index form selects [T, K, H]: advanced indices come first when a slice separates them. The updates
+    # scatter into the arrays as they are (never halves stacked again: the cache is updated in place).
+    layout = kv_cache.layout
     if kv_cache.is_pair:
         k_cache, v_cache = kv_cache.data
-        if nhd:
+        if layout == "NHD":
             data = k_cache.at[block, offset].set(k, mode="drop"), v_cache.at[block, offset].set(v, mode="drop")
-        else:
+        elif layout == "HND":
             data = k_cache.at[block, :, offset].set(k, mode="drop"), v_cache.at[block, :, offset].set(v, mode="drop")
-    elif nhd:
+        else:  # "HND_VT": V's [H, S] per block and head takes the token as a column
+            v_cache = v_untransposed(v_transposed(v_cache).at[block, :, :, offset].set(v, mode="drop"))
+            data = k_cache.at[block, :, offset].set(k, mode="drop"), v_cache
+    elif layout == "NHD":
         data = kv_cache.data.at[block, 0, offset].set(k, mode="drop").at[block, 1, offset].set(v, mode="drop")
-    else:
+    elif layout == "HND":
         data = kv_cache.data.at[block, 0, :, offset].set(k, mode="drop").at[block, 1, :, offset].set(v, mode="drop")
+    else:
+        data = kv_cache.data.at[block, 0, :, offset].set(k, mode="drop")
+        shape = data.shape  # [B, 2, K, S, H] viewed as [B, 2, K, H, S] for V's columns
+        columns = data.reshape(*shape[:3], shape[4], shape[3])
+        data = columns.at[block, 1, :, :, offset].set(v, mode="drop").reshape(shape)
     return kv_cache.replace(data=data)
 
 
@@ -58,7 +67,7 @@ def write_kv(
     stays bit-identical. A float8_e4m3fn cache stores ``k / k_scale`` and ``v / v_scale``, saturated at ±448.
 
     Args:
-      kv_cache: a `KVCache` (arrays [B, 2, S, K, H] "NHD" or [B, 2, K, S, H] "HND", or the pair of
+      kv_cache: a `KVCache` (arrays [B, 2, S, K, H] "NHD" or [B, 2, K, S, H] "HND" / "HND_VT", or the pair of
         [B, S, K, H] / [B, K, S, H]; scales), or an "NHD" cache's array or pair alone.
       k, v: [T, K, H] this step's keys and values.
       slot_mapping: [T] int32, ``block_id * S + offset``, or `PAD_SLOT_ID`.

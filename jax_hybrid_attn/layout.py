@@ -4,6 +4,9 @@ A layer's cache holds K and V in one array, or in a pair ``(k_cache, v_cache)`` 
 and dtype (FlashInfer takes both forms). Layouts (FlashInfer's names):
   "NHD": [B, 2, S, K, H], the default; zero-copy with vLLM-style torch caches. A pair: [B, S, K, H] each.
   "HND": [B, 2, K, S, H]. A pair: [B, K, S, H] each.
+  "HND_VT": "HND"'s shape, but V's [S, H] of each block and head holds V transposed, [H, S] row-major (V at
+    token s and dimension h sits at ``h * S + s``; `v_transposed` gives the [B, K, H, S] view). The kernels' PV
+    product reads V K-major from it, which float8 tensor cores need; S must then be a multiple of 64.
 Index 0 of axis 1 holds K, index 1 holds V. The pair is what caches that keep K and V apart hand over without a
 copy: vLLM FlashAttention's [2, B, S, K, H] is ``(cache[0], cache[1])``, and transformers' continuous batching
 keeps one K and one V tensor per layer. A float8_e4m3fn cache stores ``value / scale`` with one scale per tensor
@@ -25,10 +28,10 @@ from .integers import check_int
 
 __all__ = ["KVArrays", "KVCache", "KVLayout", "KV_LAYOUTS", "FP8_DTYPE", "as_kv_cache", "get_kv_cache_shape"]
 
-KVLayout = Literal["NHD", "HND"]
+KVLayout = Literal["NHD", "HND", "HND_VT"]
 KVArrays = jax.Array | tuple[jax.Array, jax.Array]
 """One array [B, 2, ...] holding K and V, or the pair ``(k_cache, v_cache)``."""
-KV_LAYOUTS: tuple[str, ...] = ("NHD", "HND")
+KV_LAYOUTS: tuple[str, ...] = ("NHD", "HND", "HND_VT")
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448: writes saturate there rather than turn into NaN
 KV_CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, FP8_DTYPE))
@@ -42,7 +45,7 @@ def check_kv_layout(kv_layout, *, name: str = "kv_layout") -> None:
 def get_kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, *, kv_layout: KVLayout = "NHD"
 ) -> tuple[int, int, int, int, int]:
-    """Shape of one layer's cache: [B, 2, S, K, H] for "NHD", [B, 2, K, S, H] for "HND"."""
+    """Shape of one layer's cache: [B, 2, S, K, H] for "NHD", [B, 2, K, S, H] for "HND" and "HND_VT"."""
     for name, value in dict(
         num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size
     ).items():
@@ -72,9 +75,9 @@ class KVCache:
     static, the scales are traced).
 
     Attributes:
-      data: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), or the pair ``(k_cache, v_cache)`` of
+      data: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND", "HND_VT"), or the pair ``(k_cache, v_cache)`` of
         [B, S, K, H] / [B, K, S, H] each; float32, bfloat16, float16 or float8_e4m3fn.
-      layout: "NHD" or "HND".
+      layout: "NHD", "HND" or "HND_VT" (V stored transposed within each block and head).
       k_scale, v_scale: a float8_e4m3fn cache's per-tensor scales, numbers or float scalar arrays (it stores
         ``k / k_scale`` and ``v / v_scale``); None is 1. Other dtypes take none: their values are stored as is.
         A jitted function sends a number to the device at each call: keep them as arrays in a serving loop.
@@ -107,6 +110,8 @@ class KVCache:
         k_cache, v_cache = self.data if self.is_pair else (self.data[:, 0], self.data[:, 1])
         if self.layout == "HND":
             return jnp.swapaxes(k_cache, 1, 2), jnp.swapaxes(v_cache, 1, 2)
+        if self.layout == "HND_VT":
+            return jnp.swapaxes(k_cache, 1, 2), jnp.moveaxis(v_transposed(v_cache), 3, 1)
         return k_cache, v_cache
 
     def scales(self) -> tuple[Float[Array, ""], Float[Array, ""]]:
@@ -126,6 +131,19 @@ class KVCache:
 
 
 register_pytree_dataclass(KVCache, data_fields=["data", "k_scale", "v_scale"], meta_fields=["layout"])
+
+
+def v_transposed(v_cache: Float[Array, "B K S H"]) -> Float[Array, "B K H S"]:
+    """An "HND_VT" cache's V half (or V array of a pair) as what it holds: V transposed per block and head, a
+    reshape of the same memory."""
+    num_blocks, num_kv_heads, block_size, head_size = v_cache.shape
+    return v_cache.reshape(num_blocks, num_kv_heads, head_size, block_size)
+
+
+def v_untransposed(v_t: Float[Array, "B K H S"]) -> Float[Array, "B K S H"]:
+    """`v_transposed`'s inverse: the [B, K, H, S] view back in the array's own shape."""
+    num_blocks, num_kv_heads, head_size, block_size = v_t.shape
+    return v_t.reshape(num_blocks, num_kv_heads, block_size, head_size)
 
 
 def as_kv_cache(kv_cache) -> KVCache:

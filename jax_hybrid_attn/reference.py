@@ -41,7 +41,7 @@ def paged_attention(
     Args:
       q: [T, N, H] queries; token t belongs to the request r with
         ``query_start_loc[r] <= t < query_start_loc[r+1]``. Padding tokens get zeros.
-      kv_cache: a `KVCache`: arrays [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), or the pair
+      kv_cache: a `KVCache`: arrays [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND", "HND_VT"), or the pair
         ``(k_cache, v_cache)`` of [B, S, K, H] / [B, K, S, H] each, in `q`'s dtype or float8_e4m3fn (then with its
         per-tensor `k_scale` / `v_scale`); or an "NHD" cache's array or pair alone (`layout.as_kv_cache`).
       metadata: where each request's queries and blocks are.

@@ -48,7 +48,8 @@ def tensor_parallel_mesh(num_devices: int) -> Mesh | None:
 
 
 def kv_cache_spec(axis: str, kv_layout: KVLayout = "NHD") -> P:
-    """The partition of a [B, 2, S, K, H] (NHD) or [B, 2, K, S, H] (HND) cache split by KV heads over `axis`."""
+    """The partition of a [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND", "HND_VT") cache split by KV heads
+    over `axis`."""
     check_kv_layout(kv_layout)
     return P(None, None, None, axis, None) if kv_layout == "NHD" else P(None, None, axis, None, None)
 

@@ -151,8 +151,11 @@ def pack_paged_inputs(
         block_tables[unreachable & (query_lens > 0)[:, None]] = NULL_BLOCK_ID
 
     arrays = jnp.asarray(nhd).astype(kv_dtype)
-    if kv_layout == "HND":
+    if kv_layout != "NHD":
         arrays = jnp.swapaxes(arrays, 2, 3)
+    if kv_layout == "HND_VT":  # V transposed per block and head, in the same shape
+        v_t = jnp.swapaxes(arrays[:, 1], 2, 3)
+        arrays = arrays.at[:, 1].set(v_t.reshape(arrays.shape[0], *arrays.shape[2:]))
     assert arrays.shape == get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim, kv_layout=kv_layout)
     if kv_pair:
         arrays = (arrays[:, 0], arrays[:, 1])

@@ -209,6 +209,19 @@ def test_an_fp8_kv_cache_gives_the_dense_forwards_greedy_tokens():
         Engine(model, config, EngineConfig(**sizes, kv_cache_dtype=jnp.bfloat16))
 
 
+def test_an_fp8_cache_of_64_token_blocks_keeps_v_transposed_and_the_greedy_tokens():
+    """Blocks of a multiple of 64 tokens give a float8 cache the "HND_VT" layout (V transposed per block, which the
+    kernels' float8 PV product reads): the greedy tokens are the dense forward's, as with "NHD"."""
+    config, model = tiny_model("gemma3_text")
+    want = [dense_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+    engine = Engine(model, config, EngineConfig(block_size=64, max_num_seqs=4, max_num_batched_tokens=64,
+                                                max_model_len=128, kv_cache_dtype="float8_e4m3fn"))  # fmt: skip
+    assert engine.layout.kv_layout == "HND_VT" and engine.runner.kv_cache.shape[3:5] == (config.num_kv_heads, 64)
+    got = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert [o.output_token_ids for o in got] == want
+    assert engine.manager.num_free_blocks == engine.layout.num_blocks - 1
+
+
 def test_float8_kv_cache_scales_divide_what_the_cache_stores():
     """A layer's ``k_scale`` / ``v_scale`` (a checkpoint's, `KVCacheScale`) reach its float8 cache writes and reads:
     with powers of two (exact in float) the cache holds K halved and V doubled where they are normal float8

@@ -45,7 +45,7 @@ def make_step(
         table = torch.zeros(num_reqs, blocks_per_req, dtype=torch.int32)
         slot_mapping = torch.full((num_tokens,), -1, dtype=torch.int64)  # vLLM's dtype: converted explicitly
         shape = PagedAttentionBackend.get_kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_size)
-        if kv_layout == "HND":
+        if kv_layout != "NHD":
             shape = (shape[0], 2, num_kv_heads, BLOCK_SIZE, head_size)
         cache = torch.full(shape, float("nan"), dtype=kv_dtype or dtype)
         for r, (q_len, s_len) in enumerate(zip(QUERY_LENS, SEQ_LENS, strict=True)):
@@ -144,7 +144,8 @@ def test_run_matches_the_torch_reference_and_updates_the_torch_cache(name, dtype
 
 
 @pytest.mark.parametrize(
-    ("kv_dtype", "kv_layout"), [(torch.float8_e4m3fn, "NHD"), (torch.float8_e4m3fn, "HND"), (None, "HND")]
+    ("kv_dtype", "kv_layout"),
+    [(torch.float8_e4m3fn, "NHD"), (torch.float8_e4m3fn, "HND"), (None, "HND"), (torch.float8_e4m3fn, "HND_VT")],
 )
 def test_fp8_and_hnd_caches(kv_dtype, kv_layout):
     scales = {"k_scale": 0.5, "v_scale": 2.0} if kv_dtype else {}

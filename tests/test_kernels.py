@@ -126,6 +126,27 @@ def test_float8_cache_matches_reference_without_races(case):
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(block_size=64, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
+             causal=True, dtype=jnp.bfloat16, kv_fp8=True, kv_layout="HND_VT", batch=([1, 20, 20], [40, 33, 150])),
+        dict(block_size=256, heads=(4, 4), mask=dict(attention_chunk_size=64), logits_soft_cap=30.0,
+             with_sinks=False, causal=True, dtype=jnp.float16, kv_fp8=True, kv_layout="HND_VT", kv_pair=True,
+             batch=([1, 70], [200, 330])),
+    ],
+    ids=["bf16-q-window-sinks-block64", "fp16-q-chunk-softcap-pair-block256"],
+)  # fmt: skip
+def test_float8_cache_with_v_transposed_matches_reference_without_races(case):
+    """An "HND_VT" float8 cache: V's transposed blocks copied by TMA into the ring and read there by the float8 PV
+    product (P in two float8 parts), foreign V columns zeroed on edge steps (by consumer 0 for both consumers of a
+    prefill tile); blocks of one step and of two (steps of 128 keys within blocks of 256)."""
+    out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
+    assert not races_found()
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
+
+
 def test_mixed_batch_equals_its_parts():
     query_lens, seq_lens = [1, 2, 40], [50, 77, 60]
     inputs = random_paged_inputs(11, query_lens=query_lens, seq_lens=seq_lens, num_q_heads=8, num_kv_heads=2,
@@ -183,6 +204,8 @@ def test_edge_steps_and_more_key_steps_than_ring_slots_match_reference(case):
         (dict(dtype=jnp.float32), "float32"),
         (dict(head_dim=32), "head_dim"),
         (dict(block_size=48), "block_size"),  # neither divides block_kv nor is a multiple of it
+        (dict(kv_layout="HND_VT", block_size=64), "'HND_VT' and kv_cache.dtype=bfloat16"),  # float8 only
+        (dict(kv_layout="HND_VT", kv_dtype=jnp.float8_e4m3fn, block_size=32), "'HND_VT' and block_size=32"),
     ],
 )
 def test_unsupported_combinations_raise(change, message):
@@ -378,6 +401,17 @@ def test_steps_under_one_token_budget_and_layers_of_any_window_share_their_kerne
     budgeted = paged_attention(q, kv_cache, metadata, **options)
     exact = paged_attention(q, kv_cache, metadata.replace(token_budget=None), **options)
     np.testing.assert_array_equal(np.asarray(budgeted, np.float32), np.asarray(exact, np.float32))
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_float8_kernels_with_v_transposed_lower_for_a_gpu(head_dim):
+    """The "HND_VT" path through Mosaic GPU's lowering (on this CPU, for a GPU): the float8 PV product's operands
+    (V's ring, P's parts) have layouts that its wgmma takes, in a decode and a prefill launch."""
+    inputs = random_paged_inputs(2, query_lens=[1, 1, 70], seq_lens=[200, 330, 300], num_q_heads=8, num_kv_heads=2,
+                                 head_dim=head_dim, block_size=64, kv_dtype=jnp.float8_e4m3fn,
+                                 kv_layout="HND_VT")  # fmt: skip
+    window = LayerAttentionParams(sliding_window=100)
+    assert len(_kernel_hashes(inputs.q, inputs.kv_cache, inputs.metadata, window)) == 2  # a decode and a prefill launch
 
 
 def test_a_token_budget_below_the_step_is_refused():

@@ -22,7 +22,7 @@ def as_nhd(cache: KVCache) -> np.ndarray:
     return np.stack([np.asarray(half) for half in cache.halves_nhd()], axis=1)
 
 
-@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND", "HND_VT"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_writes_slots_and_nothing_else(kv_layout, dtype):
     rng = np.random.default_rng(0)
@@ -43,11 +43,11 @@ def test_writes_slots_and_nothing_else(kv_layout, dtype):
     assert (after != before).any(axis=(1, 3, 4)).sum() == 4, "exactly the four named slots changed"
 
 
-@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND", "HND_VT"])
 def test_a_kv_pair_gets_the_writes_of_one_array(kv_layout):
     rng = np.random.default_rng(3)
     cache = random_cache(rng, kv_layout, jnp.bfloat16)
-    pair = cache.replace(data=(cache.data[:, 0], cache.data[:, 1]))  # [B, S, K, H] ("NHD") or [B, K, S, H] ("HND")
+    pair = cache.replace(data=(cache.data[:, 0], cache.data[:, 1]))  # [B, S, K, H] ("NHD") or [B, K, S, H]
     slots = jnp.asarray([12, PAD_SLOT_ID, 19, 8], jnp.int32)
     k = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((4, NUM_KV_HEADS, HEAD_DIM)), jnp.bfloat16)
@@ -55,6 +55,21 @@ def test_a_kv_pair_gets_the_writes_of_one_array(kv_layout):
     expected = write_kv(cache, k, v, slots).data
     np.testing.assert_array_equal(np.asarray(k_after).view(np.uint16), np.asarray(expected[:, 0]).view(np.uint16))
     np.testing.assert_array_equal(np.asarray(v_after).view(np.uint16), np.asarray(expected[:, 1]).view(np.uint16))
+
+
+def test_hnd_vt_stores_each_blocks_v_transposed_and_k_as_hnd():
+    """"HND_VT": K where "HND" has it; V of block b, head k at token s and dimension h at ``h * S + s`` of the
+    block and head's [S, H] slab."""
+    rng = np.random.default_rng(5)
+    cache = KVCache(jnp.zeros(get_kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, kv_layout="HND_VT")),
+                    "HND_VT")  # fmt: skip
+    k, v = (jnp.asarray(rng.standard_normal((1, NUM_KV_HEADS, HEAD_DIM)), jnp.float32) for _ in range(2))
+    block, s = 3, 2
+    data = np.asarray(write_kv(cache, k, v, jnp.asarray([block * BLOCK_SIZE + s], jnp.int32)).data)
+    np.testing.assert_array_equal(data[block, 0, :, s], np.asarray(k[0]))
+    slabs = data[block, 1].reshape(NUM_KV_HEADS, BLOCK_SIZE * HEAD_DIM)
+    np.testing.assert_array_equal(slabs[:, np.arange(HEAD_DIM) * BLOCK_SIZE + s], np.asarray(v[0]))
+    assert np.count_nonzero(data) == 2 * NUM_KV_HEADS * HEAD_DIM
 
 
 def test_updates_the_donated_buffer_in_place_and_returns_the_form_given():
@@ -103,7 +118,7 @@ def test_fp8_cache_stores_scaled_saturated_values():
     np.testing.assert_allclose(np.asarray(after[2, 1, 1].astype(jnp.float32)), np.asarray(v[1], np.float32) / 0.25, rtol=0.07, atol=1e-2)
 
 
-@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND", "HND_VT"])
 def test_layer_attention_on_a_kv_pair_equals_one_array(kv_layout):
     """Write and attend, one jitted call, on the pair and on the one array: the same output and caches."""
     inputs = random_paged_inputs(

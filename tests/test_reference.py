@@ -65,7 +65,7 @@ def test_reference_matches_float64(case):
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
 
 
-@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND", "HND_VT"])
 def test_fp8_cache_with_scales(kv_layout):
     inputs = random_paged_inputs(3, query_lens=[1, 20], seq_lens=[40, 20], num_q_heads=4, num_kv_heads=2, head_dim=64,
                                  block_size=16, dtype=jnp.bfloat16, kv_dtype=jnp.float8_e4m3fn, kv_layout=kv_layout)  # fmt: skip

@@ -7,8 +7,9 @@ float32 math), and follows the package's conventions:
 Shape letters: T query tokens (flattened, padding included) · R requests · N query heads · K kv heads ·
 H head_dim · B blocks in the pool · S block_size · P max blocks per request.
 
-* KV cache: "NHD" [B, 2, S, K, H] or "HND" [B, 2, K, S, H]; index 0 of axis 1 is K, 1 is V. Key position p of
-  request r lives in block ``block_tables[r, p // S]`` at offset ``p % S``.
+* KV cache: "NHD" [B, 2, S, K, H] or "HND" [B, 2, K, S, H] ("HND_VT": "HND" with V's [S, H] per block and head
+  holding V transposed); index 0 of axis 1 is K, 1 is V. Key position p of request r lives in block
+  ``block_tables[r, p // S]`` at offset ``p % S``.
 * Request r owns query tokens ``query_start_loc[r] : query_start_loc[r + 1]``; they are the last ``query_len``
   of its ``seq_lens[r]`` positions, so query i sits at position ``seq_lens[r] - query_len + i``.
 * Query head n reads KV head ``n // (N // K)`` (GQA / MQA / MHA).
@@ -30,16 +31,24 @@ __all__ = ["paged_attention_torch", "write_kv_torch"]
 PAD_SLOT_ID = -1
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
-KV_LAYOUTS = ("NHD", "HND")
+KV_LAYOUTS = ("NHD", "HND", "HND_VT")
 
 
-def _as_nhd(kv_cache: torch.Tensor, kv_layout: str) -> torch.Tensor:
-    """A [B, 2, S, K, H] view of the cache (a transposed view for "HND")."""
+def _halves_nhd(kv_cache: torch.Tensor, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S, K, H] views of the cache's K and V (transposed views for "HND"; for "HND_VT", whose V holds [H, S]
+    per block and head, a reshaped and permuted one)."""
     if kv_layout not in KV_LAYOUTS:
         raise ValueError(f"kv_layout={kv_layout!r} must be one of {KV_LAYOUTS}")
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         raise ValueError(f"kv_cache.shape={tuple(kv_cache.shape)} must be [B, 2, S, K, H] or [B, 2, K, S, H]")
-    return kv_cache if kv_layout == "NHD" else kv_cache.transpose(2, 3)
+    k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
+    if kv_layout == "NHD":
+        return k_cache, v_cache
+    if kv_layout == "HND_VT":
+        num_blocks, num_kv_heads, block_size, head_dim = v_cache.shape
+        v_transposed = v_cache.view(num_blocks, num_kv_heads, head_dim, block_size)
+        return k_cache.transpose(1, 2), v_transposed.permute(0, 3, 1, 2)
+    return k_cache.transpose(1, 2), v_cache.transpose(1, 2)
 
 
 def _resolve_scales(kv_dtype: torch.dtype, k_scale, v_scale) -> tuple[float, float]:
@@ -75,14 +84,14 @@ def write_kv_torch(
     """Write each token's K/V into its cache slot, in place (vLLM's ``reshape_and_cache_flash``).
 
     Args:
-      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"); modified in place.
+      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND", "HND_VT"); modified in place.
       k, v: [T, K, H] this step's keys and values.
       slot_mapping: [T] integer slots ``block_id * S + offset``; tokens with slot -1 (padding) are dropped.
       k_scale, v_scale: per-tensor scales of a float8_e4m3fn cache (default 1), which stores ``x / scale``
         saturated at ±448.
     """
-    cache = _as_nhd(kv_cache, kv_layout)  # a view: writes land in kv_cache
-    num_blocks, _, block_size, num_kv_heads, head_dim = cache.shape
+    k_cache, v_cache = _halves_nhd(kv_cache, kv_layout)  # views: writes land in kv_cache
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(
             f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [T, K={num_kv_heads}, H={head_dim}]"
@@ -100,8 +109,8 @@ def write_kv_torch(
         )
     block, offset = slots // block_size, slots % block_size
     keep = keep.to(k.device)
-    cache[block, 0, offset] = _quantize(k[keep], k_scale, kv_cache.dtype).to(kv_cache.device)
-    cache[block, 1, offset] = _quantize(v[keep], v_scale, kv_cache.dtype).to(kv_cache.device)
+    k_cache[block, offset] = _quantize(k[keep], k_scale, kv_cache.dtype).to(kv_cache.device)
+    v_cache[block, offset] = _quantize(v[keep], v_scale, kv_cache.dtype).to(kv_cache.device)
 
 
 def _allowed(q_pos, k_pos, seq_len, *, causal, sliding_window, attention_chunk_size) -> torch.Tensor:
@@ -139,7 +148,7 @@ def paged_attention_torch(
 
     Args:
       q: [T, N, H] queries; tokens at or past ``query_start_loc[-1]`` are padding and get zeros.
-      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND"), q's dtype or float8_e4m3fn.
+      kv_cache: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND", "HND_VT"), q's dtype or float8_e4m3fn.
       query_start_loc: [R+1] cumulative query lengths, starting at 0.
       seq_lens: [R] context length of each request, this step's queries included.
       block_tables: [R, P] block ids; only the blocks holding the first ``seq_lens[r]`` positions are read.
@@ -149,7 +158,7 @@ def paged_attention_torch(
       logits_soft_cap: ``cap * tanh(logits / cap)`` on the scaled logits, before masking.
       sinks: [N] one unscaled logit per query head, added to the softmax denominator only.
       causal: mask keys after the query (``k_pos > q_pos``).
-      kv_layout: "NHD" or "HND".
+      kv_layout: "NHD", "HND" or "HND_VT" (V transposed per block and head).
       k_scale, v_scale: per-tensor dequantization scales of a float8_e4m3fn cache (default 1).
 
     Returns:
@@ -160,8 +169,8 @@ def paged_attention_torch(
     see (e.g. NULL_BLOCK_ID blocks left of a window) are read but replaced by zeros before any arithmetic,
     so NaN there cannot reach the output.
     """
-    cache = _as_nhd(kv_cache, kv_layout)
-    _, _, block_size, num_kv_heads, head_dim = cache.shape
+    k_cache, v_cache = _halves_nhd(kv_cache, kv_layout)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens, num_q_heads, q_head_dim = q.shape
     if q_head_dim != head_dim or num_q_heads % num_kv_heads:
         raise ValueError(f"q.shape={tuple(q.shape)} does not fit the cache's K={num_kv_heads}, H={head_dim}")
@@ -174,7 +183,7 @@ def paged_attention_torch(
 
     starts = [int(x) for x in query_start_loc.tolist()]
     lengths = [int(x) for x in seq_lens.tolist()]
-    tables = block_tables.to(device=cache.device, dtype=torch.int64)
+    tables = block_tables.to(device=kv_cache.device, dtype=torch.int64)
     if len(starts) != len(lengths) + 1 or tables.shape[0] != len(lengths):
         raise ValueError("query_start_loc must be [R+1], seq_lens [R] and block_tables [R, P]")
     if starts[0] != 0 or starts[-1] > num_tokens:
@@ -193,10 +202,10 @@ def paged_attention_torch(
             )
 
         # Gather this request's first seq_len positions, slot by slot: [L, K, H] with L = seq_len.
-        k_pos = torch.arange(seq_len, device=cache.device)
+        k_pos = torch.arange(seq_len, device=kv_cache.device)
         blocks = tables[r, k_pos // block_size]
-        keys = cache[blocks, 0, k_pos % block_size].to(device=device, dtype=torch.float32) * k_scale
-        values = cache[blocks, 1, k_pos % block_size].to(device=device, dtype=torch.float32) * v_scale
+        keys = k_cache[blocks, k_pos % block_size].to(device=device, dtype=torch.float32) * k_scale
+        values = v_cache[blocks, k_pos % block_size].to(device=device, dtype=torch.float32) * v_scale
 
         q_pos = torch.arange(seq_len - query_len, seq_len, device=device)
         allowed = _allowed(

@@ -151,7 +151,7 @@ def forward(
         layer_tensor=layout.layer_tensor, blocks_per_row=allocator_config.blocks_per_row,
         max_query_len=max_query_len, max_seq_len=allocator_config.max_model_len,
         token_budget=allocator_config.max_num_batched_tokens, implementation=implementation,
-        interpret=interpret, mesh=mesh, axis=axis,
+        interpret=interpret, mesh=mesh, axis=axis, kv_layout=layout.kv_layout,
         common_prefix_blocks=step_common_prefix_blocks(out, allocator_config.block_sizes) if cascade else None,
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)

@@ -23,10 +23,20 @@ from ..allocator import (
     get_kv_cache_groups,
 )
 from ..integers import check_int
-from ..layout import get_kv_cache_shape
+from ..layout import FP8_DTYPE, KVLayout, get_kv_cache_shape
 from ..models.config import ModelConfig
 
-__all__ = ["KVCacheLayout"]
+__all__ = ["KVCacheLayout", "engine_kv_layout"]
+
+TRANSPOSED_V_BLOCK = 64
+"""A float8 cache whose block size is a multiple of this keeps V transposed per block ("HND_VT"), which the
+kernels' float8 PV product reads as it is."""
+
+
+def engine_kv_layout(dtype, block_size: int) -> KVLayout:
+    """The layout of the engine's cache tensors: "HND_VT" for a float8_e4m3fn cache of blocks that are a multiple
+    of `TRANSPOSED_V_BLOCK` tokens, else "NHD" (vLLM's)."""
+    return "HND_VT" if np.dtype(dtype) == FP8_DTYPE and block_size % TRANSPOSED_V_BLOCK == 0 else "NHD"
 
 
 def layer_name(layer: int) -> str:
@@ -41,8 +51,10 @@ class KVCacheLayout:
       kv_config: groups, tensors and ``num_blocks`` (the allocator's sizing).
       layer_group: per layer, its KV-cache group (which block tables and slots it uses).
       layer_tensor: per layer, which shared tensor holds its K/V.
-      tensor_shape: [B, 2, S, K, H] of every tensor (one page size for all groups).
+      tensor_shape: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND_VT") of every tensor (one page size for all
+        groups).
       dtype: the cache dtype.
+      kv_layout: the tensors' layout (`engine_kv_layout`).
     """
 
     kv_config: KVCacheConfig
@@ -50,6 +62,7 @@ class KVCacheLayout:
     layer_tensor: tuple[int, ...]
     tensor_shape: tuple[int, ...]
     dtype: np.dtype
+    kv_layout: KVLayout = "NHD"
 
     @classmethod
     def for_model(
@@ -106,7 +119,9 @@ class KVCacheLayout:
                 f"layers with different (block size, kv heads, head size) {sorted(pages)}: the engine's shared "
                 "tensors need one page shape"
             )
-        shape = get_kv_cache_shape(kv_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+        kv_layout = engine_kv_layout(dtype, spec.block_size)
+        shape = get_kv_cache_shape(kv_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
+                                   kv_layout=kv_layout)  # fmt: skip
         names = [layer_name(i) for i in range(config.num_layers)]
         return cls(
             kv_config=kv_config,
@@ -114,6 +129,7 @@ class KVCacheLayout:
             layer_tensor=tuple(tensor_of[n] for n in names),
             tensor_shape=tuple(shape),
             dtype=np.dtype(dtype),
+            kv_layout=kv_layout,
         )
 
     def allocator_config(self, **options) -> AllocatorConfig:
@@ -121,7 +137,7 @@ class KVCacheLayout:
         return AllocatorConfig.from_kv_cache_config(self.kv_config, **options)
 
     def allocate(self, sharding: jax.sharding.Sharding | None = None) -> jax.Array:
-        """The KV-cache tensors stacked in one zero-filled array [num_tensors, B, 2, S, K, H], on the default
+        """The KV-cache tensors stacked in one zero-filled array [num_tensors, *tensor_shape], on the default
         device or created with `sharding`."""
         shape = (self.num_tensors, *self.tensor_shape)
         return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()

@@ -122,9 +122,8 @@ class ModelRunner:
         if self.abstract:  # a runner to lower the step functions with (`step_cache`), nothing allocated
             self.kv_cache = jax.ShapeDtypeStruct((self.layout.num_tensors, *self.layout.tensor_shape), self.layout.dtype)
         else:
-            self.kv_cache = self.layout.allocate(
-                None if self.mesh is None else NamedSharding(self.mesh, P(None, *kv_cache_spec(TENSOR_AXIS)))
-            )
+            split = None if self.mesh is None else P(None, *kv_cache_spec(TENSOR_AXIS, self.layout.kv_layout))
+            self.kv_cache = self.layout.allocate(None if split is None else NamedSharding(self.mesh, split))
         self.num_computed = jax.device_put(jnp.zeros(config.max_num_seqs, jnp.int32), self._replicated)
         self.shapes = step_shapes(
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -26,7 +26,7 @@ from .._compat import register_pytree_dataclass
 from ..allocator import StepOutput
 from ..attention import layer_attention
 from ..constants import PAD_SLOT_ID
-from ..layout import FP8_DTYPE, KVCache
+from ..layout import FP8_DTYPE, KVCache, KVLayout
 from ..metadata import AttentionMetadata
 from ..sharding import sharded_layer_attention
 
@@ -38,7 +38,8 @@ class PagedCache:
     """The step's KV-cache tensors and block tables, and each layer's place in them.
 
     Attributes:
-      kv: [num_tensors, B, 2, S, K, H], the shared KV-cache tensors (`KVCacheLayout.allocate`).
+      kv: [num_tensors, B, 2, S, K, H] ("NHD") or [num_tensors, B, 2, K, S, H] ("HND_VT"), the shared KV-cache
+        tensors (`KVCacheLayout.allocate`).
       step: the allocator's `StepOutput` for this step's T tokens (block tables [G, R, P_max], slots [G, T]).
       positions: [T] position of each token in its request.
       layer: the layer attending now (`at_layer`; traced inside a scan), or None: `attend`'s argument.
@@ -51,6 +52,7 @@ class PagedCache:
       common_prefix_blocks: [G] per group, the leading blocks every row shares, or None: with them, the layers
         without a window or chunk attend as cascade attention (`cascade`). Windowed and chunked layers do not:
         their kernels already skip a prefix that lies outside every query's window or chunk.
+      kv_layout: the tensors' layout (static; `KVCacheLayout.kv_layout`).
     """
 
     kv: jax.Array
@@ -68,6 +70,7 @@ class PagedCache:
     mesh: Mesh | None = None
     axis: str | None = None
     common_prefix_blocks: Int[Array, "G"] | None = None
+    kv_layout: KVLayout = "NHD"
 
     def at_layer(self, layer) -> "PagedCache":
         return dataclasses.replace(self, layer=layer)
@@ -76,7 +79,7 @@ class PagedCache:
         """Layer `layer`'s metadata over the stack viewed as one pool: its group's block tables and slots,
         offset into its tensor. `kind_layer` (static) has the same kind, hence the same P."""
         step = self.step
-        num_blocks, block_size = self.kv.shape[1], self.kv.shape[3]
+        num_blocks, block_size = self.kv.shape[1], self.kv.shape[3 if self.kv_layout == "NHD" else 4]
         if isinstance(layer, int):
             group, tensor = self.layer_group[layer], self.layer_tensor[layer]
         else:
@@ -105,8 +108,9 @@ class PagedCache:
         if self.common_prefix_blocks is not None and not windowed:
             group = self.layer_group[where] if isinstance(where, int) else jnp.asarray(self.layer_group)[where]
             metadata = metadata.replace(num_common_prefix_blocks=self.common_prefix_blocks[group])
-        pool = self.kv.reshape(-1, *self.kv.shape[2:])  # [num_tensors * B, 2, S, K, H]: a view
-        pool = KVCache(pool, k_scale=k_scale, v_scale=v_scale) if self.kv.dtype == FP8_DTYPE else KVCache(pool)
+        pool = self.kv.reshape(-1, *self.kv.shape[2:])  # [num_tensors * B, 2, ...]: a view
+        scales = dict(k_scale=k_scale, v_scale=v_scale) if self.kv.dtype == FP8_DTYPE else {}
+        pool = KVCache(pool, self.kv_layout, **scales)
         options = dict(params=params, sinks=sinks, implementation=self.implementation, interpret=self.interpret)
         if self.mesh is None:
             out, pool = layer_attention(q, k, v, pool, metadata, **options)
@@ -119,5 +123,5 @@ register_pytree_dataclass(
     PagedCache,
     data_fields=["kv", "step", "positions", "layer", "common_prefix_blocks"],
     meta_fields=["layer_group", "layer_tensor", "blocks_per_row", "max_query_len", "max_seq_len",
-                 "token_budget", "implementation", "interpret", "mesh", "axis"],
+                 "token_budget", "implementation", "interpret", "mesh", "axis", "kv_layout"],
 )  # fmt: skip

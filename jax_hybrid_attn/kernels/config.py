@@ -26,6 +26,8 @@ class KernelConfig:
       consumer_registers, producer_registers: the registers per thread of each role with two consumers
         (``setmaxnreg``: multiples of 8 in [24, 256], together at most what the CTA launched with, since
         `setmaxnreg` only moves registers between warpgroups: an increase beyond that waits forever).
+      p_parts: with V transposed ("HND_VT"), the float8 parts P is split into for the PV product: 2 (hi + lo,
+        about bfloat16's precision) or 1 (float8's, as FlashAttention-3 does: half the product and its operand).
       direct_io: read q and write the output in [T, N, H] in the kernel where the launch allows it (one split, G
         in 1, 2, 4, 8; `mixed_batch`), rather than packing q into tiles and gathering the output per token.
       profile_dir: the debug switch: when set, Mosaic GPU's on-device profiler records up to `PROFILE_RANGES`
@@ -40,6 +42,7 @@ class KernelConfig:
     ping_pong: bool = True
     consumer_registers: int = 232
     producer_registers: int = 40
+    p_parts: int = 2
     direct_io: bool = True
     profile_dir: str = ""
 
@@ -50,6 +53,8 @@ class KernelConfig:
             raise ValueError(f"num_stages={self.num_stages}, num_splits={self.num_splits} must be >= 1")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"num_consumers={self.num_consumers} must be 1 or 2")
+        if self.p_parts not in (1, 2):
+            raise ValueError(f"p_parts={self.p_parts} must be 1 or 2")
         for name in ("consumer_registers", "producer_registers"):
             count = getattr(self, name)
             if count % 8 or not 24 <= count <= 256:
@@ -71,25 +76,35 @@ class KernelConfig:
         """Query rows per tile."""
         return ROWS * self.num_consumers
 
-    def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int, *, direct: bool = False) -> int:
+    def smem_bytes(self, head_dim: int, q_itemsize: int, kv_itemsize: int, *, direct: bool = False,
+                   v_transposed: bool = False) -> int:  # fmt: skip
         """Shared memory on the GPU: q/output tiles (with `direct`, and their untiled copies for q and the output
-        in [T, N, H]), the K and V ring, and for a float8 cache V's float16 staging buffer and q's two float8 parts
+        in [T, N, H]), the K and V ring, and for a float8 cache q's two float8 parts and V's float16 staging
+        buffer, or with V transposed ("HND_VT": the PV product reads it from the ring) P's two float8 parts
         (barriers aside)."""
         query_tiles = 2 if direct else 1  # with `direct`, the untiled staging copy too
         q_tiles = self.num_consumers * (query_tiles * ROWS * head_dim * q_itemsize + ROWS * 4)
         ring = 2 * self.num_stages * self.block_kv * head_dim * kv_itemsize
         if kv_itemsize == q_itemsize:
             return q_tiles + ring
-        staging = self.num_consumers * (self.block_kv * head_dim * q_itemsize + 2 * ROWS * head_dim * kv_itemsize)
-        return q_tiles + ring + staging
+        q_parts = self.num_consumers * 2 * ROWS * head_dim * kv_itemsize
+        if v_transposed:
+            staging = self.num_consumers * self.p_parts * ROWS * self.block_kv * kv_itemsize
+        else:
+            staging = self.num_consumers * self.block_kv * head_dim * q_itemsize
+        return q_tiles + ring + q_parts + staging
 
 
-def default_config(head_dim: int, q_itemsize: int, kv_itemsize: int, *, num_splits: int, num_consumers: int):
-    """The measured best on the H200 (benchmarks/RESULTS.md), shrunk until it fits in shared memory."""
+def default_config(head_dim: int, q_itemsize: int, kv_itemsize: int, *, num_splits: int, num_consumers: int,
+                   max_block_kv: int | None = None, v_transposed: bool = False):  # fmt: skip
+    """The measured best on the H200 (benchmarks/RESULTS.md) of at most `max_block_kv` keys per step, shrunk until
+    it fits in shared memory (`KernelConfig.smem_bytes` with `v_transposed`)."""
     for block_kv, num_stages in ((128, 2), (64, 3), (64, 2), (64, 1)):
+        if max_block_kv is not None and block_kv > max_block_kv:
+            continue
         config = KernelConfig(
             block_kv=block_kv, num_stages=num_stages, num_splits=num_splits, num_consumers=num_consumers
         )
-        if config.smem_bytes(head_dim, q_itemsize, kv_itemsize) <= SMEM_BUDGET_BYTES:
+        if config.smem_bytes(head_dim, q_itemsize, kv_itemsize, v_transposed=v_transposed) <= SMEM_BUDGET_BYTES:
             return config
     raise NotImplementedError(f"{head_dim=} does not fit the kernel's shared memory")

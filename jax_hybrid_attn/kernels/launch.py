@@ -33,7 +33,7 @@ def launch_attention(
       q_source: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`) in `compute_dtype`, rows =
         ``config.rows``; with `direct`, q itself [T, N, H] (the kernel scales and converts it).
       k_source, v_source: with `stacked`, the one cache [B, 2, ...] twice (K and V are its axis-1 halves); else
-        the pair's K and V caches [B, ...].
+        the pair's K and V caches [B, ...]. For `kv_layout` "HND_VT", v_source is viewed as [..., K, H, S].
       tiles: `tiles.QueryTiles` with [NT] request, query start and query length per tile (length 0: idle).
       query_start_loc, query_lens, seq_lens, block_tables, request_flags: the fields of `tiles.Requests`, the
         flags used with `direct` only.
@@ -51,7 +51,8 @@ def launch_attention(
       [NT, K, splits, rows] (float32, natural log; -inf where a split saw no key).
     """
     num_tiles, head_dim = tiles.request.shape[0], q_source.shape[-1]
-    smem_bytes = config.smem_bytes(head_dim, q_source.dtype.itemsize, k_source.dtype.itemsize, direct=direct)
+    smem_bytes = config.smem_bytes(head_dim, q_source.dtype.itemsize, k_source.dtype.itemsize, direct=direct,
+                                   v_transposed=kv_layout == "HND_VT")  # fmt: skip
     if smem_bytes > SMEM_BUDGET_BYTES:
         raise NotImplementedError(f"{config} needs {smem_bytes} bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
     if direct and (config.num_splits != 1 or not direct_io_supported(group_size)):

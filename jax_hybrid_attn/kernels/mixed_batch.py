@@ -64,18 +64,22 @@ def paged_attention_kernels(
     return _paged_attention_kernels(q, kv_cache, metadata, sinks, params=params, interpret=interpret)
 
 
-def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_ctas: int = 1, max_seq_len: int = 0):
+def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_ctas: int = 1, max_seq_len: int = 0,
+                   kv_layout: str = "NHD", block_size: int | None = None):  # fmt: skip
     """The decode (one consumer, keys split over `decode_splits` CTAs for a launch of `decode_ctas` tiles × KV
     heads whose requests hold at most `max_seq_len` keys) and prefill (two consumers, or one where two do not fit
-    in shared memory: head_dim 256 with a float8 cache) kernel configurations."""
+    in shared memory: head_dim 256 with a float8 cache) kernel configurations. An "HND_VT" cache's steps stay
+    within one block of `block_size` keys (its transposed V pieces cannot sit side by side in a swizzled tile)."""
     itemsizes = (jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize)
-    decode = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=1)
+    v_transposed = kv_layout == "HND_VT"
+    options = dict(max_block_kv=block_size if v_transposed else None, v_transposed=v_transposed)
+    decode = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=1, **options)
     splits = decode_splits(decode_ctas, max_key_steps=math.ceil(max_seq_len / decode.block_kv))
     decode = dataclasses.replace(decode, num_splits=splits)
     try:
-        prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=2)
+        prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=2, **options)
     except NotImplementedError:
-        prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=1)
+        prefill = default_config(head_dim, *itemsizes, num_splits=1, num_consumers=1, **options)
     return decode, prefill
 
 
@@ -159,7 +163,14 @@ def check_kernel_support(q, kv_cache: KVCache) -> None:
         raise NotImplementedError(f"kernel with q.dtype={q.dtype}: supported are bfloat16 and float16")
     if head_dim % 64:
         raise NotImplementedError(f"kernel with {head_dim=}: must be a multiple of 64")
-    for config in kernel_configs(head_dim, q.dtype, kv_cache.dtype):
+    if kv_cache.layout == "HND_VT":
+        if kv_cache.dtype != FP8_DTYPE:
+            raise NotImplementedError(f"kernel with kv_cache.layout='HND_VT' and kv_cache.dtype={kv_cache.dtype}: "
+                                      f"the transposed V is for {FP8_DTYPE} caches")  # fmt: skip
+        if block_size % 64:
+            raise NotImplementedError(f"kernel with kv_cache.layout='HND_VT' and {block_size=}: must be a "
+                                      "multiple of 64")  # fmt: skip
+    for config in kernel_configs(head_dim, q.dtype, kv_cache.dtype, kv_layout=kv_cache.layout, block_size=block_size):
         if config.block_kv % block_size and block_size % config.block_kv:
             raise NotImplementedError(
                 f"kernel with {block_size=}: must divide {config.block_kv} or be a multiple of it"
@@ -201,7 +212,7 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
     seq_lens = jnp.minimum(metadata.seq_lens, metadata.block_tables.shape[1] * block_size)
     decode_config, prefill_config = kernel_configs(
         head_dim, q.dtype, kv_cache.dtype, decode_ctas=max(1, metadata.num_reqs * num_kv_heads),
-        max_seq_len=metadata.max_seq_len,
+        max_seq_len=metadata.max_seq_len, kv_layout=kv_cache.layout, block_size=block_size,
     )  # fmt: skip
     scaled_q = kv_cache.dtype == FP8_DTYPE  # q scaled into float16, split into float8 parts in the kernel
     compute_dtype, q_scale = q.dtype, jnp.float32(1)
@@ -214,6 +225,9 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
     # K and V come from one array [B, 2, ...] (passed twice, indexed on axis 1) or from the pair's two arrays
     stacked = not kv_cache.is_pair
     k_source, v_source = (kv_cache.data, kv_cache.data) if stacked else kv_cache.data
+    v_transposed = kv_cache.layout == "HND_VT"
+    if v_transposed:  # the V the kernel reads: [..., K, H, S] (`layout.v_transposed`; the same memory)
+        v_source = v_source.reshape(*v_source.shape[:-2], head_dim, block_size)
 
     sinks = None if sinks is None else sinks.astype(jnp.float32)
     requests = query_tiles.Requests(metadata.query_start_loc, query_lens, seq_lens, block_tables, unservable)
@@ -240,7 +254,8 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
         kv_itemsize = kv_cache.dtype.itemsize
         return (
             config.direct_io and config.num_splits == 1 and direct_io_supported(group_size)
-            and config.smem_bytes(head_dim, q.dtype.itemsize, kv_itemsize, direct=True) <= SMEM_BUDGET_BYTES
+            and config.smem_bytes(head_dim, q.dtype.itemsize, kv_itemsize, direct=True, v_transposed=v_transposed)
+            <= SMEM_BUDGET_BYTES
         )  # fmt: skip
 
     def all_tokens(config, tiled):  # every token's output from one launch whose tiles hold the requests of `tiled`

@@ -16,9 +16,12 @@ and signals consumer 1 through the slot's barrier. With a float8_e4m3fn cache, Q
 straight from the K ring, q split once per tile into two float8 parts (hi + lo, two wgmmas: about bfloat16's
 precision), and V is converted to float16 in each consumer's staging buffer (zeroing happens there) for the PV
 product, whose operand must be K-major in float8; its k scale multiplies the logits and its v scale the output.
-P stays in registers
-for the PV wgmma on the GPU; in CPU interpret mode, which runs wgmma only from shared memory, it goes through a
-shared-memory tile instead.
+An "HND_VT" float8 cache holds V transposed per block ([H, S], K-major): the producer copies it by TMA into a ring
+that the PV product reads as it is, on float8 tensor cores, with P in two float8 parts (hi + lo, or one:
+`KernelConfig.p_parts`; scaled by `P_SCALE` so that small probabilities stay normal) through each consumer's
+shared tile; foreign V columns are zeroed as rows are on other caches. Otherwise P stays in registers for the PV
+wgmma on the GPU; in CPU interpret mode, which runs wgmma only from shared memory, it goes through a shared-memory
+tile instead.
 
 Packed tiles (q gathered into [NT, K, rows, H]): each split writes its normalized partial output and its
 log-sum-exp; `tiles.merge_splits` combines them with the sinks, which enter the denominator only. With `direct`
@@ -46,6 +49,9 @@ from .config import ROWS
 
 LOG2E = math.log2(math.e)
 MASKED_LOGIT = -1e30  # finite, so fully masked steps never produce inf - inf
+P_SCALE = 256.0
+"""P's multiplier before its float8 parts (the output's divisor after): P <= 1 becomes <= 256, within float8_e4m3fn
+(448), and its parts stay normal numbers down to 2^-14 of P's largest value."""
 
 
 def smem_transforms(head_dim: int, dtype) -> tuple:
@@ -76,14 +82,20 @@ def paged_attention_cta(
     """
     head_dim = q_ref.shape[-1]
     dtype = compute_dtype  # the wgmma operands'
-    # float8 cache: QK on float8 tensor cores from the K ring, V converted by the consumers into staging buffers
+    # float8 cache: QK on float8 tensor cores from the K ring; V transposed ("HND_VT") read by a float8 PV product
+    # from its ring, else converted by the consumers into float16 staging buffers
     converts = k_ref.dtype != dtype
+    v_transposed = kv_layout == "HND_VT"
+    stages_v = converts and not v_transposed
     if converts and dtype != jnp.float16:  # sm90 converts e4m3 to float16 in one instruction, to bfloat16 not at all
         raise ValueError(f"a {k_ref.dtype} cache needs compute_dtype float16, not {dtype}")
     block_kv, num_stages, num_consumers = config.block_kv, config.num_stages, config.num_consumers
     # A step's block_kv keys come from several whole pages (S <= block_kv) or from a part of one (S > block_kv)
     pages_per_step = max(1, block_kv // block_size)
     rows_per_page = min(block_size, block_kv)
+    if v_transposed and (not converts or block_size % block_kv):
+        raise ValueError(f"an HND_VT cache needs float8 and steps within one block: {k_ref.dtype} {block_size=} "
+                         f"{block_kv=}")  # fmt: skip
     tokens_per_consumer = ROWS // group_size  # rows g * tokens_per_consumer + j: head g, token j
     logits_soft_cap = params.logits_soft_cap
     if params.sliding_window is not None or params.sm_scale is not None:
@@ -131,8 +143,11 @@ def paged_attention_cta(
             return (step * block_kv < key_lo) | ((step + 1) * block_kv - 1 > key_hi)
 
         def kv_source(page, kv, rows):
-            """Rows `rows` of block `page` of K (kv = 0) or V (kv = 1), this KV head: [rows, H]."""
+            """Rows `rows` of block `page` of K (kv = 0) or V (kv = 1), this KV head: [rows, H]; V transposed:
+            [H, rows]."""
             block = (page, kv) if stacked else (page,)  # stacked: one array [B, 2, ...] holds both
+            if kv and v_transposed:
+                return v_ref.at[block + (kv_head, slice(None), rows)]
             heads = (rows, kv_head, slice(None)) if kv_layout == "NHD" else (kv_head, rows)
             return (v_ref if kv else k_ref).at[block + heads]
 
@@ -140,6 +155,17 @@ def paged_attention_cta(
             """`v` holds keys from `first_key` on; rows outside [key_lo, key_hi] become 0."""
             keys = lax.broadcasted_iota(jnp.int32, v.shape, 0) + first_key
             return jnp.where((keys >= key_lo) & (keys <= key_hi), v, jnp.zeros_like(v))
+
+        def zero_foreign_columns(v_t, first_key):
+            """A transposed float8 V step [H, block_kv] in shared memory holds keys from `first_key` on: its columns
+            outside [key_lo, key_hi] become 0 (through float16: no arithmetic on float8 registers), 64 rows at a
+            time to bound registers."""
+            for first_row in range(0, head_dim, ROWS):
+                rows = pl.ds(first_row, ROWS)
+                x = v_t[rows].astype(jnp.float16)
+                keys = lax.broadcasted_iota(jnp.int32, x.shape, 1) + first_key
+                v_t[rows] = jnp.where((keys >= key_lo) & (keys <= key_hi), x, jnp.zeros_like(x)).astype(v_t.dtype)
+            plgpu.commit_smem()
 
         def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed):
             def load_pages(step):
@@ -155,8 +181,10 @@ def paged_attention_cta(
                 # The step's rows within its page when one page spans several steps; else whole pages
                 rows = pl.ds(lax.rem(step * block_kv, block_size), block_kv) if block_size > block_kv else slice(None)
                 for p, page in enumerate(pages):
+                    # a transposed V step is one block's [H, block_kv] (one page per step)
                     ring_rows = pl.ds(p * rows_per_page, rows_per_page)
-                    plgpu.copy_gmem_to_smem(kv_source(page, kv, rows), ring.at[slot, ring_rows], loaded.at[slot])
+                    target = ring.at[slot] if kv and v_transposed else ring.at[slot, ring_rows]
+                    plgpu.copy_gmem_to_smem(kv_source(page, kv, rows), target, loaded.at[slot])
 
             @pl.loop(my_lo, my_hi)
             def _(step):
@@ -201,25 +229,27 @@ def paged_attention_cta(
                 return staging
 
             def prepare_v(step, slot, *, masked):
-                """The V operand of this step, foreign rows zeroed on edge steps."""
-                if converts:
+                """The V operand of this step, foreign rows (columns, transposed) zeroed on edge steps."""
+                if stages_v:
                     v = stage(v_ring.at[slot], v_staging, step, zero=masked)
                     plgpu.barrier_arrive(v_consumed.at[slot])
                     return v
+
+                def zero_foreign_keys():
+                    if v_transposed:
+                        zero_foreign_columns(v_ring.at[slot], step * block_kv)
+                    else:
+                        v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
+                        plgpu.commit_smem()
+
                 if masked:
                     if num_consumers == 1:
-
-                        @pl.when(holds_foreign_keys(step))
-                        def _():
-                            v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
-                            plgpu.commit_smem()
-
+                        pl.when(holds_foreign_keys(step))(zero_foreign_keys)
                     else:
 
                         @pl.when(holds_foreign_keys(step) & (wg == 0))
                         def _():
-                            v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
-                            plgpu.commit_smem()
+                            zero_foreign_keys()
                             plgpu.barrier_arrive(v_zeroed.at[slot])
 
                         @pl.when(holds_foreign_keys(step) & (wg == 1))
@@ -245,7 +275,8 @@ def paged_attention_cta(
                 m_new = jnp.maximum(m_i, logits.max(axis=1))
                 alpha = jnp.exp2(m_i - m_new)
                 p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                return p.astype(dtype), m_new, l_i * alpha + p.sum(axis=1), alpha
+                p_operand = p * P_SCALE if v_transposed else p  # the float8 parts' range (the output divides it out)
+                return p_operand.astype(dtype), m_new, l_i * alpha + p.sum(axis=1), alpha
 
             def step_body(step, carry, *, masked):
                 acc, m_i, l_i = carry
@@ -280,16 +311,26 @@ def paged_attention_cta(
                         plgpu.barrier_wait(schedule)
                 with jax.named_scope("PV"):
                     acc = accumulate_pv(acc, p, v)
-                if not converts:
+                if not stages_v:
                     plgpu.barrier_arrive(v_consumed.at[slot])
                 return acc, m_new, l_i
 
             def accumulate_pv(acc, p, v):
                 """acc + p @ v. P comes from registers; interpret mode takes it through this consumer's shared tile
-                and, as it cannot start an accumulator from registers, adds a fresh one."""
+                and, as it cannot start an accumulator from registers, adds a fresh one. With V transposed, P's two
+                float8 parts go through the consumer's shared tiles on every device (the float8 product takes P
+                from registers only in a layout that P's is not)."""
 
                 def issue(acc_ref):
-                    if p_in_registers:
+                    if v_transposed:
+                        high = p.astype(k_ref.dtype)
+                        p_smem[0] = high
+                        if config.p_parts == 2:
+                            p_smem[1] = (p - high.astype(p.dtype)).astype(k_ref.dtype)
+                        plgpu.commit_smem()
+                        for part in range(config.p_parts):
+                            plgpu.wgmma(acc_ref, p_smem.at[part], v.transpose((1, 0)))
+                    elif p_in_registers:
                         plgpu.wgmma(acc_ref, p, v)
                     else:
                         p_smem[...] = p
@@ -412,6 +453,8 @@ def paged_attention_cta(
                 acc, m_i, l_i = consumer(wg, q_parts, *ring, extras)
                 if schedule is not None:
                     pl.when(wg == 0)(partial(take_turn, schedule))
+                if v_transposed:
+                    acc = acc * (1 / P_SCALE)
                 out = normalized(acc, m_i, l_i, kv_head)
                 if direct:  # the final output rows straight into [T, N, H]: v scale applied, NaN for a flagged
                     # request, 0 for padding tokens (from num_actual_tokens on), in the output's dtype
@@ -444,6 +487,16 @@ def paged_attention_cta(
     copy_layout = plgpu.Layout.SMEM_GMEM_COPY((ROWS, head_dim), q_ref.dtype, q_transforms[1].swizzle)
     kv_transforms = smem_transforms(head_dim, k_ref.dtype)
     ring_shape = (num_stages, block_kv, head_dim)
+    # a transposed V step [H, block_kv] and P's float8 parts [ROWS, block_kv]: the PV product's K-major operands
+    key_transforms = smem_transforms(block_kv, k_ref.dtype)
+    if v_transposed:
+        v_ring = plgpu.SMEM((num_stages, head_dim, block_kv), k_ref.dtype, transforms=key_transforms)
+        p_shape = (num_consumers, config.p_parts, ROWS, block_kv)
+        p_tiles = plgpu.SMEM(p_shape, k_ref.dtype, transforms=key_transforms)
+    else:
+        v_ring = plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms)
+        p_tiles = None if p_in_registers else plgpu.SMEM((num_consumers, ROWS, block_kv), dtype,
+                                                         transforms=q_transforms)  # fmt: skip
     pl.run_scoped(
         body,
         plgpu.SMEM((num_consumers, ROWS, head_dim), dtype, transforms=q_transforms),
@@ -451,11 +504,9 @@ def paged_attention_cta(
         None if direct else plgpu.SMEM((num_consumers, ROWS), jnp.float32),  # log-sum-exps
         plgpu.SMEM((num_consumers, ROWS, head_dim), o_ref.dtype) if direct else None,
         plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
-        plgpu.SMEM(ring_shape, k_ref.dtype, transforms=kv_transforms),
-        plgpu.SMEM((num_consumers, block_kv, head_dim), dtype, transforms=q_transforms) if converts else None,
-        None
-        if p_in_registers
-        else plgpu.SMEM((num_consumers, ROWS, block_kv), dtype, transforms=q_transforms),
+        v_ring,
+        plgpu.SMEM((num_consumers, block_kv, head_dim), dtype, transforms=q_transforms) if stages_v else None,
+        p_tiles,
         plgpu.Barrier(num_arrivals=group_size * len(row_pieces) if direct else 1, num_barriers=num_consumers),
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
@@ -464,7 +515,7 @@ def paged_attention_cta(
         # One per ring slot: consumer 0 may zero the next step's slot (edge steps come in pairs when a tile's
         # keys span two steps) before consumer 1 has waited for this one; with one barrier its phase would
         # complete twice unobserved. A slot is zeroed again only after consumer 1 released it.
-        plgpu.Barrier(num_barriers=num_stages) if num_consumers > 1 and not converts else None,
+        plgpu.Barrier(num_barriers=num_stages) if num_consumers > 1 and not stages_v else None,
         plgpu.Barrier(num_arrivals=num_consumers) if num_consumers > 1 and config.ping_pong else None,
         collective_axes="wg",
     )
