@@ -41,6 +41,14 @@ from .step_shapes import StepShape, step_shapes
 __all__ = ["CompileReport", "ModelRunner", "executable_keys"]
 
 MAX_COMPILE_THREADS = 16
+DECODE_GRAPH_OPTIONS = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE",
+    "xla_gpu_command_buffer_unroll_loops": True,  # the scans over layers become part of the graph
+    "xla_gpu_graph_min_graph_size": 1,
+}
+"""XLA's options for the decode-only steps with ``EngineConfig.decode_cuda_graphs``: the whole step in CUDA graphs
+(command buffers), launched by the host as a few graphs instead of each of its kernels. XLA turns them off while a
+profiler records."""
 """Executables XLA compiles at once in `ModelRunner.compile` (at most the host's cores)."""
 
 
@@ -229,7 +237,8 @@ class ModelRunner:
                 lowering_s = time.perf_counter() - t
                 report.lowering_s += lowering_s
                 ready = time.perf_counter() - started
-                futures[key] = (lowering_s, ready, out_tree, pool.submit(self._compile_one, lowered))
+                compiling = pool.submit(self._compile_one, lowered, self.compiler_options(key))
+                futures[key] = (lowering_s, ready, out_tree, compiling)
 
             if lowering is None:
                 for key in keys:
@@ -250,11 +259,18 @@ class ModelRunner:
         report.wall_s = time.perf_counter() - started
         return report
 
+    def compiler_options(self, key: tuple) -> dict:
+        """XLA's options for executable `key`: `DECODE_GRAPH_OPTIONS` for the decode-only ones with
+        ``decode_cuda_graphs``, else none."""
+        kind, variant = key
+        decodes = kind == "decode_steps" or (kind == "forward" and variant.max_query_len == 1)
+        return dict(DECODE_GRAPH_OPTIONS) if decodes and self.config.decode_cuda_graphs else {}
+
     @staticmethod
-    def _compile_one(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float, float]:
+    def _compile_one(lowered: jax.stages.Lowered, options: dict) -> tuple[jax.stages.Compiled, float, float]:
         """(the executable, its compile seconds, when it ended)."""
         t = time.perf_counter()
-        compiled = lowered.compile()
+        compiled = lowered.compile(options or None)
         done = time.perf_counter()
         return compiled, done - t, done
 
