@@ -106,41 +106,29 @@ def test_no_races_detected(kv_fp8):
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
 
 
+WINDOW_SINKS = dict(heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True, causal=True,
+                    dtype=jnp.bfloat16, kv_fp8=True, batch=([1, 20, 20], [40, 33, 150]))  # fmt: skip
+CHUNK_SOFTCAP_PAIR = dict(heads=(4, 4), mask=dict(attention_chunk_size=64), logits_soft_cap=30.0, with_sinks=False,
+                          causal=True, dtype=jnp.float16, kv_fp8=True, kv_pair=True, batch=([1, 70], [200, 330]))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "case",
     [
-        dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
-             causal=True, dtype=jnp.bfloat16, kv_fp8=True, kv_layout="NHD", batch=([1, 20, 20], [40, 33, 150])),
-        dict(block_size=32, heads=(4, 4), mask=dict(attention_chunk_size=64), logits_soft_cap=30.0,
-             with_sinks=False, causal=True, dtype=jnp.float16, kv_fp8=True, kv_layout="HND", kv_pair=True,
-             batch=([1, 70], [200, 330])),
+        dict(WINDOW_SINKS, block_size=16, kv_layout="NHD"),
+        dict(CHUNK_SOFTCAP_PAIR, block_size=32, kv_layout="HND"),
+        dict(WINDOW_SINKS, block_size=64, kv_layout="HND_VT"),
+        dict(CHUNK_SOFTCAP_PAIR, block_size=256, kv_layout="HND_VT"),
     ],
-    ids=["bf16-q-window-sinks", "fp16-q-chunk-softcap-hnd-pair"],
+    ids=["bf16-q-window-sinks", "fp16-q-chunk-softcap-hnd-pair", "v-transposed-bf16-q-window-sinks-block64",
+         "v-transposed-fp16-q-chunk-softcap-pair-block256"],
 )  # fmt: skip
 def test_float8_cache_matches_reference_without_races(case):
-    """A float8 cache: QK on float8 tensor cores from the K ring (q in two float8 parts), V staged in float16, in
-    decode tiles and two-consumer prefill tiles, without races between the warpgroups."""
-    out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
-    assert not races_found()
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case["dtype"])])
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        dict(block_size=64, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
-             causal=True, dtype=jnp.bfloat16, kv_fp8=True, kv_layout="HND_VT", batch=([1, 20, 20], [40, 33, 150])),
-        dict(block_size=256, heads=(4, 4), mask=dict(attention_chunk_size=64), logits_soft_cap=30.0,
-             with_sinks=False, causal=True, dtype=jnp.float16, kv_fp8=True, kv_layout="HND_VT", kv_pair=True,
-             batch=([1, 70], [200, 330])),
-    ],
-    ids=["bf16-q-window-sinks-block64", "fp16-q-chunk-softcap-pair-block256"],
-)  # fmt: skip
-def test_float8_cache_with_v_transposed_matches_reference_without_races(case):
-    """An "HND_VT" float8 cache: V's transposed blocks copied by TMA into the ring and read there by the float8 PV
-    product (P in two float8 parts), foreign V columns zeroed on edge steps (by consumer 0 for both consumers of a
-    prefill tile); blocks of one step and of two (steps of 128 keys within blocks of 256)."""
+    """A float8 cache: QK on float8 tensor cores from the K ring (q in two float8 parts), in decode tiles and
+    two-consumer prefill tiles, without races between the warpgroups. V staged in float16 ("NHD", "HND"), or
+    ("HND_VT") V's transposed blocks copied by TMA into the ring and read there by the float8 PV product (P in two
+    float8 parts), foreign V columns zeroed on edge steps (by consumer 0 for both consumers of a prefill tile), in
+    blocks of one step and of two (steps of 128 keys within blocks of 256)."""
     out, expected = run_case(case, seed=3, interpret=interpret_params(detect_races=True))
     assert not races_found()
     assert np.isfinite(out).all()
