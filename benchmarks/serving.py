@@ -56,6 +56,7 @@ from flax import nnx
 from jax_hybrid_attn.allocator import KVCacheManager, max_concurrency
 from jax_hybrid_attn.engine import Engine, EngineConfig, KVCacheLayout, SamplingParams
 from jax_hybrid_attn.models import DenseAttention, ModelConfig, embedded_config, load_model, random_model
+from jax_hybrid_attn.models.layers import PRECISION
 from jax_hybrid_attn.models.partitioning import tensor_parallel_config
 from results_json import write_sections
 from trace_summary import profiled
@@ -578,12 +579,14 @@ def prefill_share(rows: list, *, shape: dict, num_prompts: int = 256, trace: str
     tokens = sum(map(len, prompts))
     ceiling = matmul_ceiling_tflops()
     tflops = prefill_flops(config, model, list(map(len, prompts))) / seconds / 1e12
-    matmuls_ms = layer_matmuls_ms(config, num_tokens=budget) * config.num_layers
+    matmuls_ms = {precision: layer_matmuls_ms(config, num_tokens=budget, precision=precision) * config.num_layers
+                  for precision in (None, PRECISION)}  # XLA's default, and the models' (float32 at full precision)
     label = f" ({variant_label(variant)})" if variant else ""
     line = (f"prefill of {num_prompts} prompts{label}, {tokens:,} tokens in {steps} steps of up to {budget:,}: "
             f"{seconds / steps * 1e3:.2f} ms per step, {tokens / seconds:,.0f} tok/s = {tflops:.3g} TFLOP/s of the "
             f"model's FLOPs, {tflops / ceiling:.0%} of the bf16 matmul ceiling measured here ({ceiling:.3g} "
-            f"TFLOP/s); the layers' matmuls alone at {budget:,} tokens {matmuls_ms:.2f} ms; kernels and copies "
+            f"TFLOP/s); the layers' matmuls alone at {budget:,} tokens {matmuls_ms[None]:.2f} ms (with the models' "
+            f"precision={PRECISION.name} {matmuls_ms[PRECISION]:.2f} ms); kernels and copies "
             f"{profile.gpu_busy_ms / steps:.2f} ms per step ({profile.gpu_ops / steps:.0f} of them), GPU busy "
             f"{profile.gpu_busy_ms / profile.gpu_span_ms:.0%}; GPU per step by kind of kernel: "
             + "; ".join(profile.kernel_lines(per=steps, top=16)))  # fmt: skip
@@ -591,14 +594,14 @@ def prefill_share(rows: list, *, shape: dict, num_prompts: int = 256, trace: str
     rows.append(("prefill", line))
 
 
-def layer_matmuls_ms(config: ModelConfig, *, num_tokens: int, calls: int = 20) -> float:
+def layer_matmuls_ms(config: ModelConfig, *, num_tokens: int, precision=None, calls: int = 20) -> float:
     """Milliseconds of one layer's four matmuls (fused q/k/v, output, fused gate/up, down) on `num_tokens` random
-    bf16 rows, each alone and back to back, as XLA runs them."""
+    bf16 rows at `precision`, each alone and back to back, as XLA runs them."""
     hidden, q_width = config.hidden_size, config.num_heads * config.head_dim
     qkv_width = q_width + 2 * config.num_kv_heads * config.head_dim
     shapes = [(hidden, qkv_width), (q_width, hidden), (hidden, 2 * config.intermediate_size),
               (config.intermediate_size, hidden)]  # fmt: skip
-    product = jax.jit(jnp.dot)
+    product = jax.jit(partial(jnp.dot, precision=precision))
     total = 0.0
     for k, n in shapes:
         x = jax.random.normal(jax.random.key(0), (num_tokens, k), jnp.bfloat16)
