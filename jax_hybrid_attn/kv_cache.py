@@ -35,10 +35,10 @@ def write_kv_traced(kv_cache: KVCache, k: Float[Array, "T K H"], v: Float[Array,
         else:  # "HND_VT": V's [H, S] per block and head takes the token as a column
             v_cache = v_untransposed(v_transposed(v_cache).at[block, :, :, offset].set(v, mode="drop"))
             data = k_cache.at[block, :, offset].set(k, mode="drop"), v_cache
-    elif layout == "NHD":
-        data = kv_cache.data.at[block, 0, offset].set(k, mode="drop").at[block, 1, offset].set(v, mode="drop")
+    elif layout == "NHD":  # K and V of a token in one scatter: [T, 2, K, H]
+        data = kv_cache.data.at[block, :, offset].set(jnp.stack([k, v], axis=1), mode="drop")
     elif layout == "HND":
-        data = kv_cache.data.at[block, 0, :, offset].set(k, mode="drop").at[block, 1, :, offset].set(v, mode="drop")
+        data = kv_cache.data.at[block, :, :, offset].set(jnp.stack([k, v], axis=1), mode="drop")
     else:
         data = kv_cache.data.at[block, 0, :, offset].set(k, mode="drop")
         shape = data.shape  # [B, 2, K, S, H] viewed as [B, 2, K, H, S] for V's columns
