@@ -6,7 +6,8 @@ and dtype (FlashInfer takes both forms). Layouts (FlashInfer's names):
   "HND": [B, 2, K, S, H]. A pair: [B, K, S, H] each.
   "HND_VT": "HND"'s shape, but V's [S, H] of each block and head holds V transposed, [H, S] row-major (V at
     token s and dimension h sits at ``h * S + s``; `v_transposed` gives the [B, K, H, S] view). The kernels' PV
-    product reads V K-major from it, which float8 tensor cores need; S must then be a multiple of 64.
+    product reads V K-major from it, which float8 tensor cores need; S must then be a multiple of
+    `V_TRANSPOSED_BLOCK`.
 Index 0 of axis 1 holds K, index 1 holds V. The pair is what caches that keep K and V apart hand over without a
 copy: vLLM FlashAttention's [2, B, S, K, H] is ``(cache[0], cache[1])``, and transformers' continuous batching
 keeps one K and one V tensor per layer. A float8_e4m3fn cache stores ``value / scale`` with one scale per tensor
@@ -32,6 +33,9 @@ KVLayout = Literal["NHD", "HND", "HND_VT"]
 KVArrays = jax.Array | tuple[jax.Array, jax.Array]
 """One array [B, 2, ...] holding K and V, or the pair ``(k_cache, v_cache)``."""
 KV_LAYOUTS: tuple[str, ...] = ("NHD", "HND", "HND_VT")
+V_TRANSPOSED_BLOCK = 64
+"""An "HND_VT" cache's blocks are a multiple of this many tokens on the kernels: each key step (64 or 128 keys) lies
+within one block, whose transposed V is then one swizzled tile."""
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448: writes saturate there rather than turn into NaN
 KV_CACHE_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, FP8_DTYPE))

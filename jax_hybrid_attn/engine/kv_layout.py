@@ -23,20 +23,17 @@ from ..allocator import (
     get_kv_cache_groups,
 )
 from ..integers import check_int
-from ..layout import FP8_DTYPE, KVLayout, get_kv_cache_shape
+from ..layout import FP8_DTYPE, V_TRANSPOSED_BLOCK, KVLayout, get_kv_cache_shape
 from ..models.config import ModelConfig
 
 __all__ = ["KVCacheLayout", "engine_kv_layout"]
 
-TRANSPOSED_V_BLOCK = 64
-"""A float8 cache whose block size is a multiple of this keeps V transposed per block ("HND_VT"), which the
-kernels' float8 PV product reads as it is."""
-
 
 def engine_kv_layout(dtype, block_size: int) -> KVLayout:
     """The layout of the engine's cache tensors: "HND_VT" for a float8_e4m3fn cache of blocks that are a multiple
-    of `TRANSPOSED_V_BLOCK` tokens, else "NHD" (vLLM's)."""
-    return "HND_VT" if np.dtype(dtype) == FP8_DTYPE and block_size % TRANSPOSED_V_BLOCK == 0 else "NHD"
+    of `layout.V_TRANSPOSED_BLOCK` tokens (V transposed per block, which the kernels' float8 PV product reads as it
+    is), else "NHD" (vLLM's)."""
+    return "HND_VT" if np.dtype(dtype) == FP8_DTYPE and block_size % V_TRANSPOSED_BLOCK == 0 else "NHD"
 
 
 def layer_name(layer: int) -> str:

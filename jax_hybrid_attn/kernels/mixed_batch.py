@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from .._compat import check_interpret_threads, plgpu, resolve_interpret
-from ..layout import FP8_DTYPE, KVArrays, KVCache
+from ..layout import FP8_DTYPE, V_TRANSPOSED_BLOCK, KVArrays, KVCache
 from ..metadata import AttentionMetadata
 from ..params import CAUSAL, LayerAttentionParams
 from ..validation import check_paged_attention_args, unservable_requests
@@ -167,9 +167,9 @@ def check_kernel_support(q, kv_cache: KVCache) -> None:
         if kv_cache.dtype != FP8_DTYPE:
             raise NotImplementedError(f"kernel with kv_cache.layout='HND_VT' and kv_cache.dtype={kv_cache.dtype}: "
                                       f"the transposed V is for {FP8_DTYPE} caches")  # fmt: skip
-        if block_size % 64:
+        if block_size % V_TRANSPOSED_BLOCK:
             raise NotImplementedError(f"kernel with kv_cache.layout='HND_VT' and {block_size=}: must be a "
-                                      "multiple of 64")  # fmt: skip
+                                      f"multiple of {V_TRANSPOSED_BLOCK}")  # fmt: skip
     for config in kernel_configs(head_dim, q.dtype, kv_cache.dtype, kv_layout=kv_cache.layout, block_size=block_size):
         if config.block_kv % block_size and block_size % config.block_kv:
             raise NotImplementedError(
