@@ -20,7 +20,10 @@ How vLLM's pieces map onto the torch backend:
 KV cache: vLLM 0.33 allocates every layer's cache as a logical ``[B, slots, S, content]`` view and asks the
 backend how K and V pack into it (`customize_spec`): two head slots (K, then V) of ``K*H`` elements per token,
 with the layer-compact ``LBHNC`` layout, give ``[B, 2, S, K*H]``, a zero-copy view of the backend's "NHD" cache
-``[B, 2, S, K, H]`` (`jax_hybrid_attn.get_kv_cache_shape`).
+``[B, 2, S, K, H]`` (`jax_hybrid_attn.get_kv_cache_shape`). An fp8 cache in blocks of a multiple of 64 tokens is
+kept in "HND_VT" instead (`jax_hybrid_attn.layout.preferred_kv_layout`: V transposed per block, which the kernels'
+float8 PV product reads as it is): the same bytes viewed as ``[B, 2, K, S, H]``. vLLM never reads the contents:
+the backend writes them (``forward_includes_kv_cache_update``) and reads them.
 
 Not supported (NotImplementedError naming the argument): ALiBi, encoder, encoder-only and cross attention,
 non-causal or per-request causal batches, fused output quantization, and cache dtypes other than the model's
@@ -47,6 +50,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from jax_hybrid_attn.layout import FP8_DTYPE, preferred_kv_layout
 
 from .backend import AttentionLayer, PagedAttentionBackend
 
@@ -211,6 +216,8 @@ class JaxHybridAttentionMetadataBuilder(AttentionMetadataBuilder[JaxHybridAttent
                 f"kv_cache_spec of type {type(kv_cache_spec).__name__}: not an AttentionSpec"
             )
         self.block_size = kv_cache_spec.block_size
+        fp8 = vllm_config.cache_config.cache_dtype in FP8_CACHE_DTYPES
+        self.kv_layout = preferred_kv_layout(FP8_DTYPE, self.block_size) if fp8 else "NHD"
         self._plans: _GroupPlans | None = None
 
     def build(
@@ -236,7 +243,7 @@ class JaxHybridAttentionMetadataBuilder(AttentionMetadataBuilder[JaxHybridAttent
     def _group_plans(self) -> _GroupPlans:
         if self._plans is None:
             self._plans = _GroupPlans(
-                PagedAttentionBackend(self._attention_layers(), block_size=self.block_size)
+                PagedAttentionBackend(self._attention_layers(), block_size=self.block_size, kv_layout=self.kv_layout)
             )
         return self._plans
 
@@ -343,7 +350,7 @@ class JaxHybridAttentionImpl(AttentionImpl[JaxHybridAttentionMetadata]):
         Args:
           layer: vLLM's `Attention` module (its `layer_name` names the layer in the group's backend).
           query: [T', N, H]; key, value: [T', K, H] (T' >= T: rows past the metadata's T are padding and left alone).
-          kv_cache: [B, 2, S, K*H] (vLLM's view of this backend's spec) or [B, 2, S, K, H].
+          kv_cache: [B, 2, S, K*H] (vLLM's view of this backend's spec) or [B, 2, S, K, H] (`backend_cache`).
           attn_metadata: the layer's group's metadata; None in vLLM's profiling run (output is zeroed).
           output: [T', N, H], written in place.
         Returns:
@@ -363,13 +370,14 @@ class JaxHybridAttentionImpl(AttentionImpl[JaxHybridAttentionMetadata]):
             query[:num_tokens],
             key[:num_tokens] if writes else None,
             value[:num_tokens] if writes else None,
-            self._nhd_cache(kv_cache),
+            self.backend_cache(kv_cache, kv_layout=backend.kv_layout),
             out=output[:num_tokens],
         )
         return output
 
-    def _nhd_cache(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """vLLM's [B, 2, S, K*H] view as the backend's [B, 2, S, K, H], zero-copy; float8 caches come as uint8."""
+    def backend_cache(self, kv_cache: torch.Tensor, *, kv_layout: str = "NHD") -> torch.Tensor:
+        """vLLM's [B, 2, S, K*H] view as the backend's cache, zero-copy: [B, 2, S, K, H] ("NHD"), or the same bytes
+        as [B, 2, K, S, H] ("HND_VT"); float8 caches come as uint8."""
         num_kv_heads, head_size = self.num_kv_heads, self.head_size
         if kv_cache.dim() == 4 and kv_cache.shape[1] == 2 and kv_cache.shape[3] == num_kv_heads * head_size:
             kv_cache = kv_cache.unflatten(3, (num_kv_heads, head_size))
@@ -384,4 +392,7 @@ class JaxHybridAttentionImpl(AttentionImpl[JaxHybridAttentionMetadata]):
             )
         if self.kv_cache_dtype in FP8_CACHE_DTYPES and kv_cache.dtype == torch.uint8:
             kv_cache = kv_cache.view(torch.float8_e4m3fn)
+        if kv_layout == "HND_VT":  # the block's bytes as [2, K, S, H] (contiguous: a view)
+            num_blocks, _, block_size, _, _ = kv_cache.shape
+            kv_cache = kv_cache.view(num_blocks, 2, num_kv_heads, block_size, head_size)
         return kv_cache

@@ -60,6 +60,13 @@ def get_kv_cache_shape(
     return (num_blocks, 2, num_kv_heads, block_size, head_size)
 
 
+def preferred_kv_layout(dtype, block_size: int) -> KVLayout:
+    """The layout a serving cache of `dtype` in blocks of `block_size` tokens is kept in (the engine's, the vLLM
+    plugin's): "HND_VT" for float8_e4m3fn in blocks of a multiple of `V_TRANSPOSED_BLOCK` (V transposed, which the
+    kernels' float8 PV product reads as it is), else "NHD" (vLLM's)."""
+    return "HND_VT" if jnp.dtype(dtype) == FP8_DTYPE and block_size % V_TRANSPOSED_BLOCK == 0 else "NHD"
+
+
 def stored_values(x: jax.Array, scale: Float[Array, ""], dtype) -> jax.Array:
     """What a cache of `dtype` stores for the keys or values `x`: x itself in that dtype, or for float8_e4m3fn
     ``x / scale``, saturated at ±448 (`FP8_MAX`) rather than NaN."""

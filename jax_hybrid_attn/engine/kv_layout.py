@@ -23,17 +23,10 @@ from ..allocator import (
     get_kv_cache_groups,
 )
 from ..integers import check_int
-from ..layout import FP8_DTYPE, V_TRANSPOSED_BLOCK, KVLayout, get_kv_cache_shape
+from ..layout import KVLayout, get_kv_cache_shape, preferred_kv_layout
 from ..models.config import ModelConfig
 
-__all__ = ["KVCacheLayout", "engine_kv_layout"]
-
-
-def engine_kv_layout(dtype, block_size: int) -> KVLayout:
-    """The layout of the engine's cache tensors: "HND_VT" for a float8_e4m3fn cache of blocks that are a multiple
-    of `layout.V_TRANSPOSED_BLOCK` tokens (V transposed per block, which the kernels' float8 PV product reads as it
-    is), else "NHD" (vLLM's)."""
-    return "HND_VT" if np.dtype(dtype) == FP8_DTYPE and block_size % V_TRANSPOSED_BLOCK == 0 else "NHD"
+__all__ = ["KVCacheLayout"]
 
 
 def layer_name(layer: int) -> str:
@@ -51,7 +44,7 @@ class KVCacheLayout:
       tensor_shape: [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND_VT") of every tensor (one page size for all
         groups).
       dtype: the cache dtype.
-      kv_layout: the tensors' layout (`engine_kv_layout`).
+      kv_layout: the tensors' layout (`layout.preferred_kv_layout`).
     """
 
     kv_config: KVCacheConfig
@@ -116,7 +109,7 @@ class KVCacheLayout:
                 f"layers with different (block size, kv heads, head size) {sorted(pages)}: the engine's shared "
                 "tensors need one page shape"
             )
-        kv_layout = engine_kv_layout(dtype, spec.block_size)
+        kv_layout = preferred_kv_layout(dtype, spec.block_size)
         shape = get_kv_cache_shape(kv_config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size,
                                    kv_layout=kv_layout)  # fmt: skip
         names = [layer_name(i) for i in range(config.num_layers)]

@@ -54,7 +54,6 @@ QUERY_LENS = (1, 19, 5, 1, 1, 0)  # decode, prefill across a block edge, extend,
 SEQ_LENS = (33, 19, 40, 16, 17, 0)  # straddling the block boundaries (16, 32)
 NUM_ACTUAL_TOKENS = sum(QUERY_LENS)
 NUM_TOKENS = NUM_ACTUAL_TOKENS + 3  # q/k/v/output rows padded as for a CUDA graph; slot_mapping -1 there
-BLOCKS_PER_REQUEST = max(math.ceil(s / BLOCK_SIZE) for s in SEQ_LENS) + 1  # a spare column of null blocks
 SINKS = torch.linspace(-1.0, 2.0, NUM_HEADS)
 NULL_BLOCK = 0
 
@@ -76,18 +75,29 @@ class Model:
     groups: list[KVCacheGroupSpec]
     caches: dict[str, torch.Tensor]  # vLLM's views, [B, 2, S, K*H]
     num_blocks: int
+    block_size: int = BLOCK_SIZE
+    kv_layout: str = "NHD"  # "HND_VT" for an fp8 cache in blocks of a multiple of 64
 
     def group_of(self, name: str) -> int:
         return next(g for g, group in enumerate(self.groups) if name in group.layer_names)
 
-    def nhd(self, name: str) -> torch.Tensor:
-        """The layer's cache as [B, 2, S, K, H], zero-copy (float8 e4m3 for an fp8 cache)."""
+    @property
+    def blocks_per_request(self) -> int:
+        return max(math.ceil(s / self.block_size) for s in SEQ_LENS) + 1  # a spare column of null blocks
+
+    def view(self, name: str) -> torch.Tensor:
+        """The layer's cache as the backend holds it, zero-copy (float8 e4m3 for an fp8 cache): [B, 2, S, K, H]
+        ("NHD"), or its bytes as [B, 2, K, S, H] ("HND_VT")."""
         cache = self.caches[name].unflatten(3, (NUM_KV_HEADS, HEAD_SIZE))
-        return cache.view(torch.float8_e4m3fn) if cache.dtype == torch.uint8 else cache
+        cache = cache.view(torch.float8_e4m3fn) if cache.dtype == torch.uint8 else cache
+        if self.kv_layout == "HND_VT":
+            cache = cache.view(cache.shape[0], 2, NUM_KV_HEADS, self.block_size, HEAD_SIZE)
+        return cache
 
 
 def make_model(
-    options: dict[str, dict], *, dtype: torch.dtype, hybrid: bool, cache_dtype: str = "auto", scales=None
+    options: dict[str, dict], *, dtype: torch.dtype, hybrid: bool, cache_dtype: str = "auto", scales=None,
+    block_size: int = BLOCK_SIZE,
 ) -> Model:
     """`Attention` layers named by `options` (their keyword arguments), with the plugin as backend.
 
@@ -96,7 +106,8 @@ def make_model(
     A layer sharing another's cache joins the target's group and binds its cache, as vLLM does.
     """
     config = VllmConfig(
-        device_config=DeviceConfig(device="cpu"), cache_config=CacheConfig(cache_dtype=cache_dtype)
+        device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(cache_dtype=cache_dtype, block_size=block_size),
     )
     with set_current_vllm_config(config):
         layers = {
@@ -137,7 +148,8 @@ def make_model(
             groups.append(KVCacheGroupSpec([name], spec))
         else:
             group.layer_names.append(name)
-    num_blocks = 1 + len(groups) * len(SEQ_LENS) * BLOCKS_PER_REQUEST + 4  # the null block, 4 never used
+    blocks_per_request = max(math.ceil(s / block_size) for s in SEQ_LENS) + 1
+    num_blocks = 1 + len(groups) * len(SEQ_LENS) * blocks_per_request + 4  # the null block, 4 never used
     pages = {name: spec.page_size_bytes * num_blocks for name, spec in specs.items()}
     offsets = dict(zip(pages, itertools.accumulate(pages.values(), initial=0), strict=False))
     tensors = [
@@ -160,9 +172,10 @@ def make_model(
             caches[name] = caches[target]
             next(g for g in groups if target in g.layer_names).layer_names.append(name)
     bind_kv_cache(caches, config.compilation_config.static_forward_context, [])  # each layer's `kv_cache`
-    model = Model(config, layers, groups, caches, num_blocks)
+    kv_layout = "HND_VT" if cache_dtype == "fp8" and block_size % 64 == 0 else "NHD"
+    model = Model(config, layers, groups, caches, num_blocks, block_size, kv_layout)
     for name in specs:
-        model.nhd(name).fill_(float("nan"))
+        model.view(name).fill_(float("nan"))
     return model
 
 
@@ -187,18 +200,20 @@ def make_step(model: Model, *, dtype: torch.dtype, seed: int = 0) -> Step:
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32)
     common = []
     for g, group in enumerate(model.groups):
-        table = torch.zeros(len(SEQ_LENS), BLOCKS_PER_REQUEST, dtype=torch.int32)
+        block_size, blocks_per_request = model.block_size, model.blocks_per_request
+        table = torch.zeros(len(SEQ_LENS), blocks_per_request, dtype=torch.int32)
         slot_mapping = torch.full((NUM_TOKENS,), -1, dtype=torch.int64)
         window = getattr(group.kv_cache_spec, "sliding_window", None)
         for r, (q_len, s_len) in enumerate(zip(QUERY_LENS, SEQ_LENS, strict=True)):
-            start = (g * len(SEQ_LENS) + r) * BLOCKS_PER_REQUEST
-            table[r, : math.ceil(s_len / BLOCK_SIZE)] = ids[start : start + math.ceil(s_len / BLOCK_SIZE)]
+            start = (g * len(SEQ_LENS) + r) * blocks_per_request
+            table[r, : math.ceil(s_len / block_size)] = ids[start : start + math.ceil(s_len / block_size)]
             first_query = s_len - q_len
             if isinstance(group.kv_cache_spec, SlidingWindowSpec):
-                dropped = max(first_query - (window - 1), 0) // BLOCK_SIZE  # blocks wholly left of the window
+                dropped = max(first_query - (window - 1), 0) // block_size  # blocks wholly left of the window
                 table[r, :dropped] = NULL_BLOCK
             positions = torch.arange(first_query, s_len)
-            slot_mapping[int(query_start_loc[r]) : int(query_start_loc[r + 1])] = slots(table[r], positions)
+            slot_mapping[int(query_start_loc[r]) : int(query_start_loc[r + 1])] = slots(table[r], positions,
+                                                                                        block_size)  # fmt: skip
         common.append(
             CommonAttentionMetadata(
                 query_start_loc=query_start_loc,
@@ -220,15 +235,16 @@ def make_step(model: Model, *, dtype: torch.dtype, seed: int = 0) -> Step:
         if layer.kv_sharing_target_layer_name is None:
             for r, (q_len, s_len) in enumerate(zip(QUERY_LENS, SEQ_LENS, strict=True)):
                 positions = torch.arange(s_len - q_len)
-                positions = positions[group.block_table_tensor[r, positions // BLOCK_SIZE] != NULL_BLOCK]
+                positions = positions[group.block_table_tensor[r, positions // model.block_size] != NULL_BLOCK]
                 context = torch.randn(2, len(positions), NUM_KV_HEADS, HEAD_SIZE, generator=generator).to(
                     dtype
                 )
                 write_kv_torch(
-                    model.nhd(name),
+                    model.view(name),
                     context[0],
                     context[1],
-                    slots(group.block_table_tensor[r], positions),
+                    slots(group.block_table_tensor[r], positions, model.block_size),
+                    kv_layout=model.kv_layout,
                     **fp8_scales(model, name),
                 )
         q[name] = torch.randn(NUM_TOKENS, NUM_HEADS, HEAD_SIZE, generator=generator).to(dtype)
@@ -237,8 +253,8 @@ def make_step(model: Model, *, dtype: torch.dtype, seed: int = 0) -> Step:
     return Step(common, q, k, v)
 
 
-def slots(table_row: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    return table_row[positions // BLOCK_SIZE].to(torch.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+def slots(table_row: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return table_row[positions // block_size].to(torch.int64) * block_size + positions % block_size
 
 
 def fp8_scales(model: Model, name: str) -> dict:
@@ -251,7 +267,7 @@ def fp8_scales(model: Model, name: str) -> dict:
 def expected(model: Model, step: Step) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The torch reference, layer after layer: outputs [T, N, H] and each cache after the step."""
     caches = {
-        name: model.nhd(name).clone()
+        name: model.view(name).clone()
         for name in model.layers
         if model.layers[name].kv_sharing_target_layer_name is None
     }
@@ -266,6 +282,7 @@ def expected(model: Model, step: Step) -> tuple[dict[str, torch.Tensor], dict[st
                 step.k[name][:NUM_ACTUAL_TOKENS],
                 step.v[name][:NUM_ACTUAL_TOKENS],
                 group.slot_mapping[:NUM_ACTUAL_TOKENS],
+                kv_layout=model.kv_layout,
                 **fp8_scales(model, name),
             )
         impl = layer.impl
@@ -279,6 +296,7 @@ def expected(model: Model, step: Step) -> tuple[dict[str, torch.Tensor], dict[st
             sliding_window=impl.sliding_window,
             logits_soft_cap=impl.logits_soft_cap,
             sinks=impl.sinks,
+            kv_layout=model.kv_layout,
             **fp8_scales(model, name),
         )
     return outputs, caches
@@ -306,7 +324,7 @@ def check(model: Model, outputs: dict[str, torch.Tensor], wanted, wanted_caches)
             msg=lambda m, name=name: f"layer {name}: {m}",
         )
     for name, cache in wanted_caches.items():
-        torch.testing.assert_close(model.nhd(name).float(), cache.float(), equal_nan=True, atol=0, rtol=0)
+        torch.testing.assert_close(model.view(name).float(), cache.float(), equal_nan=True, atol=0, rtol=0)
 
 
 # -------------------------------------------------------------------------------------------------- tests
@@ -371,18 +389,24 @@ def test_layers_of_one_group_keep_their_own_window_soft_cap_scale_and_sinks(dtyp
     check(model, outputs, wanted, wanted_caches)
 
 
-def test_float8_cache_with_the_layers_scales():
+@pytest.mark.parametrize("block_size", [BLOCK_SIZE, 64])
+def test_float8_cache_with_the_layers_scales(block_size):
+    """An fp8 cache with the layers' k/v scales; in blocks of 64 the plugin keeps it in "HND_VT" (V transposed per
+    block: the kernels' float8 PV product), vLLM's [B, 2, S, K*H] bytes viewed as [B, 2, K, S, H]."""
     model = make_model(
         {"layers.0.attn": {"per_layer_sliding_window": 9}, "layers.1.attn": {}},
         dtype=torch.bfloat16,
         hybrid=True,
         cache_dtype="fp8",
         scales=(0.5, 2.0),
+        block_size=block_size,
     )
     assert all(cache.dtype == torch.uint8 for cache in model.caches.values())
+    assert model.kv_layout == ("HND_VT" if block_size == 64 else "NHD")
     step = make_step(model, dtype=torch.bfloat16, seed=2)
     wanted, wanted_caches = expected(model, step)
     metadata = build(model, step)
+    assert {m.plans.backend.kv_layout for m in metadata.values()} == {model.kv_layout}
     outputs = {}
     for name, layer in model.layers.items():
         outputs[name] = torch.empty(NUM_TOKENS, NUM_HEADS, HEAD_SIZE, dtype=torch.bfloat16)
@@ -438,7 +462,7 @@ def test_vllm_lays_the_cache_out_as_the_backends_nhd_cache():
     cache = model.caches["layers.0.attn"]
     shape = PagedAttentionBackend.get_kv_cache_shape(model.num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
     assert tuple(cache.shape) == (*shape[:3], NUM_KV_HEADS * HEAD_SIZE) and cache.is_contiguous()
-    nhd = model.layers["layers.0.attn"].impl._nhd_cache(cache)
+    nhd = model.layers["layers.0.attn"].impl.backend_cache(cache)
     assert tuple(nhd.shape) == shape and nhd.data_ptr() == cache.data_ptr()
 
 
