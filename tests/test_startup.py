@@ -148,7 +148,7 @@ def test_a_model_the_workers_cannot_rebuild_is_lowered_here():
     engine_config = EngineConfig(max_model_len=32).resolved(platform="cpu")
     spec = step_cache.RunnerSpec.of(model, config, engine_config, 32)
     assert spec is not None and spec.num_sms == mixed_batch.num_sms()  # what its workers lower the kernels for
-    model.model.norm.weight.value = model.model.norm.weight.value.astype(jnp.bfloat16)  # not what it rebuilds
+    model.model.norm.weight.set_value(model.model.norm.weight.get_value().astype(jnp.bfloat16))  # not what it rebuilds
     assert step_cache.RunnerSpec.of(model, config, engine_config, 32) is None
 
 
