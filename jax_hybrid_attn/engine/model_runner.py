@@ -41,6 +41,7 @@ from .step_shapes import StepShape, step_shapes
 __all__ = ["CompileReport", "ModelRunner", "executable_keys"]
 
 MAX_COMPILE_THREADS = 16
+"""Executables XLA compiles at once in `ModelRunner.compile` (at most the host's cores)."""
 DECODE_GRAPH_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE",
     "xla_gpu_command_buffer_unroll_loops": True,  # the scans over layers become part of the graph
@@ -49,7 +50,6 @@ DECODE_GRAPH_OPTIONS = {
 """XLA's options for the decode-only steps with ``EngineConfig.decode_cuda_graphs``: the whole step in CUDA graphs
 (command buffers), launched by the host as a few graphs instead of each of its kernels. XLA turns them off while a
 profiler records."""
-"""Executables XLA compiles at once in `ModelRunner.compile` (at most the host's cores)."""
 
 
 def executable_keys(shapes: tuple[StepShape, ...], *, num_decode_steps: int = 1) -> list[tuple]:
