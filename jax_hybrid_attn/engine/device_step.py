@@ -156,7 +156,7 @@ def forward(
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
     logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token,
-                          unroll=unroll_decode_layers and max_query_len == 1)
+                          unroll=unroll_decode_layers and max_query_len == 1, pack_vectors=mesh is None)
     if mesh is not None:  # replicated, as `sample` takes them whatever the shape
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     return cache.kv, logits

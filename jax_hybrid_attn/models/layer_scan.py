@@ -20,6 +20,7 @@ Shape letters: T tokens · D hidden size · V vocabulary · R rows kept for the 
 """
 
 import dataclasses
+import math
 from collections.abc import Hashable, Sequence
 
 import jax
@@ -31,7 +32,7 @@ from .attention_cache import AttentionCache
 from .config import ModelConfig
 from .decoder import Decoder, DecoderEnds
 
-__all__ = ["LayerRun", "ScannedDecoder", "layer_runs"]
+__all__ = ["LayerRun", "ScannedDecoder", "VectorPack", "layer_runs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +143,18 @@ class ScannedDecoder:
         *,
         logits_indices: Int[Array, "R"] | None = None,
         unroll: bool = False,
+        pack_vectors: bool = True,
     ) -> tuple[Float[Array, "R V"], AttentionCache]:
         """`Decoder.__call__`: the same logits and cache, the layers run as scans.
 
         `unroll`: the scans unrolled, so that each layer's matmuls read its weights where they are stacked. A
         scan's body slices every stacked weight per iteration, and XLA copies each slice into a buffer of its own
-        before the matmul reads it (about a dozen copy kernels per layer on a GPU); unrolled, every layer's
-        kernels are compiled apart (a longer compile) and no weight is copied."""
+        before the matmul reads it (a copy kernel per weight and layer on a GPU); unrolled, every layer's kernels
+        are compiled apart (a longer compile) and no weight is copied.
+
+        `pack_vectors`: a scan's body slices one array per dtype holding all of its period's vectors and scalars
+        (norm weights, biases, sinks, KV-cache scales: `VectorPack`), concatenated once per call, instead of one
+        slice per vector and layer. Leave it off where the vectors are split over devices differently."""
         ends = nnx.merge(self.ends_graph, self.ends)
         x = ends.embed(token_ids)
         for run, graphs, weights in zip(self.runs, self.layer_graphs, self.layer_weights, strict=True):
@@ -163,10 +169,67 @@ class ScannedDecoder:
             if run.repeats == 1:  # nothing to scan: the period once, on the unstacked weights, its layers static
                 unstacked = jax.tree.map(lambda leaf: leaf[0], weights)
                 (x, cache), _ = period((x, cache), (unstacked, range(run.start, run.stop)))
-            else:
-                layer_ids = jnp.asarray([run.layers(j) for j in range(run.period)], jnp.int32).T  # [repeats, period]
+                continue
+            layer_ids = jnp.asarray([run.layers(j) for j in range(run.period)], jnp.int32).T  # [repeats, period]
+            if not pack_vectors or unroll:
                 (x, cache), _ = jax.lax.scan(period, (x, cache), (weights, layer_ids), unroll=unroll)
+                continue
+            pack = VectorPack.of(weights)
+
+            def packed_period(carry, xs, pack=pack, period=period):
+                matrices, vectors, ids = xs
+                return period(carry, (pack.unpack(matrices, vectors), ids))
+
+            matrices, vectors = pack.pack(weights)
+            (x, cache), _ = jax.lax.scan(packed_period, (x, cache), (matrices, vectors, layer_ids))
         return ends.logits(x, logits_indices), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorPack:
+    """Where a period's stacked vectors and scalars go in one array per dtype, so that a scan's body slices each
+    of those arrays once per iteration instead of every vector (each slice is a kernel on a GPU).
+
+    The period's stacked weights (a tree of ``[repeats, ...]`` leaves) flatten to `treedef`; the leaves of at
+    most one axis per layer (vectors, scalars) are `packed`, the rest pass as they are.
+
+    Attributes:
+      treedef: the structure of the period's weights.
+      packed: per dtype, the flat indices of its vectors and their per-layer shapes, in packing order.
+    """
+
+    treedef: jax.tree_util.PyTreeDef
+    packed: tuple[tuple[jnp.dtype, tuple[tuple[int, tuple[int, ...]], ...]], ...]
+
+    @classmethod
+    def of(cls, weights) -> "VectorPack":
+        leaves, treedef = jax.tree.flatten(weights)
+        by_dtype: dict = {}
+        for index, leaf in enumerate(leaves):
+            if leaf.ndim <= 2:  # [repeats] or [repeats, n]: a scalar or a vector per layer
+                by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append((index, tuple(leaf.shape[1:])))
+        return cls(treedef, tuple((dtype, tuple(entries)) for dtype, entries in by_dtype.items()))
+
+    def pack(self, weights) -> tuple[list, list]:
+        """(the leaves that stay apart, one ``[repeats, n]`` array per dtype of the others concatenated)."""
+        leaves = jax.tree.leaves(weights)
+        vectors = [jnp.concatenate([leaves[i].reshape(leaves[i].shape[0], -1) for i, _ in entries], axis=1)
+                   for _, entries in self.packed]  # fmt: skip
+        packed = {i for _, entries in self.packed for i, _ in entries}
+        return [leaf for i, leaf in enumerate(leaves) if i not in packed], vectors
+
+    def unpack(self, matrices: list, vectors: list):
+        """The period's weights (one repeat's, inside the scan) from `pack`'s two lists (sliced likewise)."""
+        leaves: dict[int, jax.Array] = {}
+        for (_, entries), row in zip(self.packed, vectors, strict=True):
+            offset = 0
+            for index, shape in entries:
+                size = math.prod(shape)
+                leaves[index] = row[offset : offset + size].reshape(shape)
+                offset += size
+        rest = iter(matrices)
+        ordered = [leaves[i] if i in leaves else next(rest) for i in range(self.treedef.num_leaves)]
+        return jax.tree.unflatten(self.treedef, ordered)
 
 
 jax.tree_util.register_dataclass(
