@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 from .._compat import register_pytree_dataclass
 from .attention_cache import AttentionCache
 from .config import ModelConfig
-from .layers import GatedMLP, Linear, RMSNorm, concatenate_weights, matmul, normal_param
+from .layers import GatedMLP, Linear, RMSNorm, concatenate_weights, matmul, normal_param, per_head, rms_norm
 from .moe import GptOssMLP, Llama4MoE, Qwen3MoeMLP
 from .rope import RopeParameters, apply_rope
 
@@ -68,8 +68,8 @@ class KVCacheScale(nnx.Variable):
 class Attention(nnx.Module):
     """One layer's q/k/v projections, q/k norms, RoPE, the cache's attention and the output projection.
 
-    `fuse_projections` turns q/k/v into one ``qkv_proj`` (one matmul for the three, the same products). That form
-    is for serving (`layer_scan.ScannedDecoder`): its parameter names are no longer transformers', so a checkpoint
+    `fuse_projections` turns q/k/v into one ``qkv_proj`` (one matmul for the three, the same products) and the
+    q/k norms into one ``qk_norm`` of a weight per head (the same values). That form is for serving (`layer_scan.ScannedDecoder`): its parameter names are no longer transformers', so a checkpoint
     loads into the unfused form."""
 
     def __init__(self, config: ModelConfig, layer: int, *, rngs, dtype, param_dtype):
@@ -88,6 +88,7 @@ class Attention(nnx.Module):
         else:
             self.q_norm = None
             self.k_norm = None
+        self.qk_norm = nnx.data(None)  # `fuse_projections`: the two norms' weights per head, ``[N + K, H]``
         self.sinks = normal_param(rngs, (n,), param_dtype) if config.layer_has_sinks(layer) else None
         self.k_scale = KVCacheScale(jnp.ones((), jnp.float32))
         self.v_scale = KVCacheScale(jnp.ones((), jnp.float32))
@@ -98,12 +99,22 @@ class Attention(nnx.Module):
         """Replace `q_proj`, `k_proj` and `v_proj` by one `qkv_proj` whose weight is theirs concatenated
         (``[(N + 2K)H, D]``: q's rows, then k's, then v's), their biases likewise where the family has them. This
         module's new Linear holds the concatenation: the old ones are left as they are, so a copy of a module
-        (`nnx.merge` of its split) fuses without touching the original."""
+        (`nnx.merge` of its split) fuses without touching the original. Where the family norms q and k per head,
+        `q_norm` and `k_norm` become one `qk_norm` whose weight is q_norm's for each query head, then k_norm's
+        for each kv head (``[N + K, H]``): the forward norms q's and k's heads as one array either way."""
         parts = (self.q_proj, self.k_proj, self.v_proj)
         weight = concatenate_weights([part.weight.get_value() for part in parts])
         bias = None if parts[0].bias is None else concatenate_weights([part.bias.get_value() for part in parts])
         self.qkv_proj = Linear.of_weight(weight, bias, dtype=parts[0].dtype)
         self.q_proj = self.k_proj = self.v_proj = None
+        if self.q_norm is not None:
+            self.qk_norm = RMSNorm.of_weight(self._qk_norm_weights(), eps=self.q_norm.eps, style=self.q_norm.style)
+            self.q_norm = self.k_norm = None
+
+    def _qk_norm_weights(self) -> Array:
+        """[N + K, H]: `q_norm`'s weight for each query head, then `k_norm`'s for each kv head."""
+        return concatenate_weights([per_head(self.q_norm.weight.get_value(), self.config.num_heads),
+                                    per_head(self.k_norm.weight.get_value(), self.config.num_kv_heads)])  # fmt: skip
 
     def __call__(
         self, x: Float[Array, "T D"], cache: AttentionCache
@@ -111,25 +122,26 @@ class Attention(nnx.Module):
         config, layer = self.config, self.layer
         num_tokens = x.shape[0]
         h = config.head_dim
+        # q's and k's heads as one array [T, N + K, H] for the per-head norms and RoPE: one kernel each on a GPU
         if self.qkv_proj is not None:
-            q_width, kv_width = config.num_heads * h, config.num_kv_heads * h
-            q, k, v = jnp.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)
+            qk, v = jnp.split(self.qkv_proj(x), [(config.num_heads + config.num_kv_heads) * h], axis=-1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.reshape(num_tokens, config.num_heads, h)
-        k = k.reshape(num_tokens, config.num_kv_heads, h)
+            qk, v = jnp.concatenate([self.q_proj(x), self.k_proj(x)], axis=-1), self.v_proj(x)
+        qk = qk.reshape(num_tokens, config.num_heads + config.num_kv_heads, h)
         v = v.reshape(num_tokens, config.num_kv_heads, h)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_norm is not None:
+            qk = self.qk_norm(qk)
+        elif self.q_norm is not None:
+            qk = rms_norm(qk, self._qk_norm_weights(), eps=self.q_norm.eps, style=self.q_norm.style)
         positions = cache.positions
         rope = config.layer_rope(layer)
         if rope is not None:
             inv_freq, scaling = _inv_freq(rope, h)
-            q = apply_rope(q, positions, inv_freq, scaling, interleaved=config.rope_interleaved)
-            k = apply_rope(k, positions, inv_freq, scaling, interleaved=config.rope_interleaved)
+            qk = apply_rope(qk, positions, inv_freq, scaling, interleaved=config.rope_interleaved)
             if config.use_qk_norm:  # Llama 4: after RoPE, on RoPE layers only
-                q, k = _l2_norm(q, config.rms_norm_eps), _l2_norm(k, config.rms_norm_eps)
-        elif config.attn_temperature_tuning:  # Llama 4's NoPE layers
+                qk = _l2_norm(qk, config.rms_norm_eps)
+        q, k = qk[:, : config.num_heads], qk[:, config.num_heads :]
+        if rope is None and config.attn_temperature_tuning:  # Llama 4's NoPE layers
             scales = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / config.floor_scale))
             scales = scales * config.attn_scale + 1.0
             q = (q * scales[:, None, None]).astype(q.dtype)

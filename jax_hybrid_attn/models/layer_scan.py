@@ -152,9 +152,9 @@ class ScannedDecoder:
         before the matmul reads it (a copy kernel per weight and layer on a GPU); unrolled, every layer's kernels
         are compiled apart (a longer compile) and no weight is copied.
 
-        `pack_vectors`: a scan's body slices one array per dtype holding all of its period's vectors and scalars
-        (norm weights, biases, sinks, KV-cache scales: `VectorPack`), concatenated once per call, instead of one
-        slice per vector and layer. Leave it off where the vectors are split over devices differently."""
+        `pack_vectors`: a scan's body slices one array per dtype holding all of its period's small weights (norm
+        weights, biases, sinks, KV-cache scales: `VectorPack`), concatenated once per call, instead of one slice
+        per weight and layer. Leave it off where the vectors are split over devices differently."""
         ends = nnx.merge(self.ends_graph, self.ends)
         x = ends.embed(token_ids)
         for run, graphs, weights in zip(self.runs, self.layer_graphs, self.layer_weights, strict=True):
@@ -185,13 +185,18 @@ class ScannedDecoder:
         return ends.logits(x, logits_indices), cache
 
 
+PACKED_MAX_SIZE = 65_536
+"""A layer's weight of at most this many elements is packed (`VectorPack`): norm weights, biases, sinks, scales."""
+
+
 @dataclasses.dataclass(frozen=True)
 class VectorPack:
-    """Where a period's stacked vectors and scalars go in one array per dtype, so that a scan's body slices each
-    of those arrays once per iteration instead of every vector (each slice is a kernel on a GPU).
+    """Where a period's small stacked weights go in one array per dtype, so that a scan's body slices each of
+    those arrays once per iteration instead of every weight (each slice is a kernel on a GPU).
 
     The period's stacked weights (a tree of ``[repeats, ...]`` leaves) flatten to `treedef`; the leaves of at
-    most one axis per layer (vectors, scalars) are `packed`, the rest pass as they are.
+    most `PACKED_MAX_SIZE` elements per layer (vectors, scalars, per-head norm weights) are `packed`, the
+    matrices pass as they are.
 
     Attributes:
       treedef: the structure of the period's weights.
@@ -206,7 +211,7 @@ class VectorPack:
         leaves, treedef = jax.tree.flatten(weights)
         by_dtype: dict = {}
         for index, leaf in enumerate(leaves):
-            if leaf.ndim <= 2:  # [repeats] or [repeats, n]: a scalar or a vector per layer
+            if math.prod(leaf.shape[1:]) <= PACKED_MAX_SIZE:
                 by_dtype.setdefault(jnp.dtype(leaf.dtype), []).append((index, tuple(leaf.shape[1:])))
         return cls(treedef, tuple((dtype, tuple(entries)) for dtype, entries in by_dtype.items()))
 

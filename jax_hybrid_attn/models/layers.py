@@ -54,6 +54,13 @@ def concatenate_weights(parts):
     return jnp.concatenate(parts, axis=0)
 
 
+def per_head(weight, heads: int):
+    """A vector `weight` [H] repeated for `heads` heads ([heads, H]; a `jax.ShapeDtypeStruct` likewise)."""
+    if isinstance(weight, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((heads, *weight.shape), weight.dtype)
+    return jnp.broadcast_to(weight, (heads, *weight.shape))
+
+
 def activation(name: str):
     if name == "silu":
         return jax.nn.silu
@@ -105,15 +112,28 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.style = style
 
+    @classmethod
+    def of_weight(cls, weight, *, eps: float, style: str) -> "RMSNorm":
+        """An RMSNorm holding `weight` as it is (an array or a `jax.ShapeDtypeStruct`, of any shape that
+        broadcasts against the inputs' trailing axes, e.g. one row per head)."""
+        norm = nnx.eval_shape(lambda: cls(1, eps=eps, style=style, param_dtype=weight.dtype))
+        norm.weight = nnx.Param(weight)
+        return norm
+
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        w = self.weight[...]
-        if self.style == "gemma":
-            return (normed * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
-        if self.style == "f32":
-            return (w * normed).astype(x.dtype)
-        return w.astype(x.dtype) * normed.astype(x.dtype)
+        return rms_norm(x, self.weight[...], eps=self.eps, style=self.style)
+
+
+def rms_norm(x, weight, *, eps: float, style: str):
+    """`RMSNorm`'s computation over the last axis of `x`, with a `weight` that broadcasts against `x` (one per
+    position of the last axis, or one row per head: `Attention` norms q's and k's heads in one array)."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if style == "gemma":
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    if style == "f32":
+        return (weight * normed).astype(x.dtype)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
 class GatedMLP(nnx.Module):
