@@ -84,7 +84,7 @@ NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "
 KINDS = (  # (kind, what the launch's label matches), first match wins
     ("attention (Mosaic GPU)", r"mosaic_gpu"),
     ("matmul", r"gemm|cublas|__custom_fusion:"),  # a custom fusion: cuBLAS reading a slice in place
-    ("slice or copy", r"^fusion-start|^copy|dynamic-slice|dynamic_slice|^wrapped_concatenate"),
+    ("slice or copy", r"^fusion-start|^copy|dynamic.slice|slice_fusion|^wrapped_slice|^wrapped_concatenate"),
     ("scatter (K/V write)", r"scatter"),
     ("concatenate", r"concatenate"),
     ("norm or reduction (Triton)", r"__triton:"),
