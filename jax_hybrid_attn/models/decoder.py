@@ -69,8 +69,9 @@ class Attention(nnx.Module):
     """One layer's q/k/v projections, q/k norms, RoPE, the cache's attention and the output projection.
 
     `fuse_projections` turns q/k/v into one ``qkv_proj`` (one matmul for the three, the same products) and the
-    q/k norms into one ``qk_norm`` of a weight per head (the same values). That form is for serving (`layer_scan.ScannedDecoder`): its parameter names are no longer transformers', so a checkpoint
-    loads into the unfused form."""
+    q/k norms into one ``qk_norm`` of a weight per head (the same values). That form is for serving
+    (`layer_scan.ScannedDecoder`): its parameter names are no longer transformers', so a checkpoint loads into the
+    unfused form."""
 
     def __init__(self, config: ModelConfig, layer: int, *, rngs, dtype, param_dtype):
         d, n, kv, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
