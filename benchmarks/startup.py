@@ -6,7 +6,8 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/startup.py [--sect
              layers) and 256 text prompts of 128-1,023 bytes, 64 greedy tokens each, EOS off. Each run is a new
              process, timed whole: `jha generate` with the tuned flags cold (an empty compilation cache), again
              with the cache filled, with the CLI's defaults (cache filled), and cold with `--cascade-attention
-             off` (what the default's cascade decode shape costs a new process); then transformers'
+             off` (what the default's cascade decode shape costs a new process) and cold with
+             `--unroll-decode-layers` (what unrolled decode steps cost it); then transformers'
              `generate_batch` (`paged|sdpa`) on the same token ids. Ours split their wall time into import,
              weight loading, engine setup, compiling (of it lowering), serving, and the first token's time since
              the process started;
@@ -137,6 +138,10 @@ def processes(rows: list, *, shape: dict, transformers_too: bool, num_prompts: i
             "cold, cascade off": ours("ours, cold (empty cache), --cascade-attention off", model_dir, prompts,
                                       [*NEWCOMER_FLAGS, "--cascade-attention", "off", "--compilation-cache",
                                        os.path.join(work, "cache-off")], rows),
+            # what the decode steps' layers unrolled (`--unroll-decode-layers`: no weight copies) cost a new process
+            "cold, unrolled decode": ours("ours, cold (empty cache), --unroll-decode-layers", model_dir, prompts,
+                                          [*NEWCOMER_FLAGS, "--unroll-decode-layers", "--compilation-cache",
+                                           os.path.join(work, "cache-unrolled")], rows),
         }  # fmt: skip
         outputs = runs["cold"]["payload"]["outputs"]
         same = all(r["payload"]["outputs"] == outputs for r in runs.values())
