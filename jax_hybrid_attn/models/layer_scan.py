@@ -16,6 +16,10 @@ one matmul per group on weights concatenated once, here. Left apart, XLA merges 
 itself, by concatenating their weights inside the scan's body, at every step, on top of copying each sliced
 weight.
 
+A scan's body slices each stacked weight once per iteration, and on a GPU each slice is a kernel of its own. The
+small weights (norm weights, biases, sinks, KV-cache scales) are therefore sliced together: `VectorPack` puts a
+period's small weights in one array per dtype, and the body slices only those and the matrices.
+
 Shape letters: T tokens · D hidden size · V vocabulary · R rows kept for the LM head.
 """
 
