@@ -25,6 +25,7 @@ Prints a table of launches per executable (and per layer for a forward) by kind,
 import argparse
 import collections
 import dataclasses
+import hashlib
 import pickle
 import re
 import time
@@ -202,17 +203,26 @@ def step_executables(runner) -> list[tuple[str, tuple]]:
     return [("decode", ("allocate", False)), ("decode", decode), ("decode", ("sample", True)), ("prefill", prefill)]
 
 
+_CENSUSES: dict[tuple[bytes, str], tuple[Census, float]] = {}
+"""`compile_census`'s results by lowered module and options: an executable that a variant leaves as it was (the
+allocator's, say) is compiled once."""
+
+
 def compile_census(runner, key: tuple, device) -> tuple[Census, float]:
     """(the census of executable `key` of `runner` compiled for `device`, its compile seconds): lowered for CUDA
     as the engine's worker processes lower it (`export_step`), compiled with the runner's options."""
     blob = export_step(runner, key, platform="cuda")
-    _, args, donated = runner.call(key)
-    sharding = SingleDeviceSharding(device)
-    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in jax.tree.leaves(args)]
-    exported = export.deserialize(pickle.loads(blob)["exported"])
-    started = time.perf_counter()
-    compiled = jax.jit(exported.call).trace(*abstract).lower().compile(runner.compiler_options(key) or None)
-    return census(compiled.as_text()), time.perf_counter() - started
+    options = runner.compiler_options(key)
+    memo = (hashlib.sha256(blob).digest(), repr(sorted(options.items())))
+    if memo not in _CENSUSES:
+        _, args, _ = runner.call(key)
+        sharding = SingleDeviceSharding(device)
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in jax.tree.leaves(args)]
+        exported = export.deserialize(pickle.loads(blob)["exported"])
+        started = time.perf_counter()
+        compiled = jax.jit(exported.call).trace(*abstract).lower().compile(options or None)
+        _CENSUSES[memo] = census(compiled.as_text()), time.perf_counter() - started
+    return _CENSUSES[memo]
 
 
 def run(variant: dict, device, rows: list) -> None:
