@@ -2,7 +2,8 @@
 
 Run from the repository root:
 
-  PYTHONPATH=.:benchmarks python benchmarks/kernel_census.py [--engine-variant FIELD=INT,...] [--json PATH]
+  PYTHONPATH=.:benchmarks python benchmarks/kernel_census.py [--sections engine,attention]
+      [--engine-variant FIELD=INT,...] [--json PATH]
 
 On a GPU it compiles for the GPU attached. On a CPU it compiles for an H200 without one (XLA's deviceless
 compilation: `H200_TARGET`), once the CUDA plugin is installed beside jax (BUILD.md, "Counting kernels without a
@@ -16,7 +17,8 @@ an instruction of the optimized module that starts work on the GPU (a fusion, a 
 or a cuBLAS call, a copy, an asynchronous slice), times the trip count of every loop around it. A profile
 (`serving.py --sections busy`, CUPTI) counts a few more: cuBLAS may run two kernels per call and a copy's driver
 its own. ``--engine-variant`` (repeatable) adds the engine with those `EngineConfig` fields changed, e.g.
-``--engine-variant unroll_decode_layers=1``.
+``--engine-variant unroll_decode_layers=1``. Section ``attention``: the launches of one `paged_attention` call of
+each decode workload of `roofline.py` in `ATTENTION_WORKLOADS` (the kernel and the small XLA kernels around it).
 
 Prints a table of launches per executable (and per layer for a forward) by kind, and writes the rows as JSON
 (``--json PATH``, default benchmarks/kernel_census.json).
@@ -36,8 +38,9 @@ import jax.numpy as jnp
 from jax import export
 from jax.sharding import SingleDeviceSharding
 
+from jax_hybrid_attn import paged_attention
 from jax_hybrid_attn.engine import EngineConfig
-from jax_hybrid_attn.engine.step_cache import RunnerSpec, export_step
+from jax_hybrid_attn.engine.step_cache import MOSAIC_GPU_CALL, RunnerSpec, export_step
 from jax_hybrid_attn.kernels.mixed_batch import lowering_for_sms, num_sms
 from jax_hybrid_attn.models.config import ModelConfig
 from results_json import write_sections
@@ -78,6 +81,8 @@ L2, 1.98 GHz, 141 GB."""
 
 SIZES = dict(block_size=16, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=2048)
 """The engine of `serving.py --sections busy`."""
+ATTENTION_WORKLOADS = ("D0", "F1", "D2", "F2")
+"""The decode workloads of `roofline.py` whose single attention calls `--sections attention` counts."""
 NO_LAUNCH = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
              "replica-id", "opt-barrier", "add-dependency", "domain", "fusion-done", "copy-done", "async-done",
              "while", "conditional", "call"}  # fmt: skip
@@ -247,26 +252,68 @@ def run(variant: dict, device, rows: list) -> None:
                              data_dependent_loops=result.data_dependent_loops, compile_s=seconds))  # fmt: skip
 
 
+def attention_calls(device) -> list[dict]:
+    """A row per decode workload of `roofline.py` in `ATTENTION_WORKLOADS`: the launches of one jitted
+    `paged_attention` call on the kernels, as the roofline times it (its wall time against its kernels' time)."""
+    import roofline
+
+    sharding = SingleDeviceSharding(device)
+    rows = []
+    for workload in roofline.workloads(False):
+        if workload.id not in ATTENTION_WORKLOADS:
+            continue
+        with lowering_for_sms(num_sms() if jax.default_backend() == "gpu" else H200_SMS):
+            leaves, tree = jax.tree.flatten(jax.eval_shape(lambda w=workload: roofline.inputs(w, 0)))
+
+            def call(*leaves, w=workload):
+                q, kv_cache, metadata, sinks = jax.tree.unflatten(tree, leaves)
+                return paged_attention(q, kv_cache, metadata, **roofline.options(w, sinks), implementation="kernel")
+
+            unchecked = [export.DisabledSafetyCheck.custom_call(MOSAIC_GPU_CALL)]
+            exported = export.export(jax.jit(call), platforms=["cuda"], disabled_checks=unchecked)(*leaves)
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves]
+        result = census(jax.jit(exported.call).trace(*abstract).lower().compile().as_text())
+        print(f"attention | {workload.id} {workload.name}: {result.total} launches", flush=True)
+        rows.append(dict(workload=workload.id, name=workload.name, launches=result.total, by_kind=result.by_kind(),
+                         by_label=result.launches))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default="engine,attention")
     parser.add_argument("--engine-variant", action="append", default=[],
                         help="EngineConfig fields changed, FIELD=INT,... (repeatable)")  # fmt: skip
     parser.add_argument("--json", default=str(Path(__file__).with_name("kernel_census.json")))
     args = parser.parse_args()
+    sections = args.sections.split(",")
     device, target = compile_target()
-    rows = []
-    for variant in ({}, *map(parse_engine_variant, args.engine_variant)):
-        run(variant, device, rows)
     kinds = [kind for kind, _ in KINDS]
-    print(f"\nLaunches per call, Gemma-3-1B shape (26 layers), {target}, jax {jax.__version__}; loops of a data-"
-          "dependent trip count (the allocator's) counted once")  # fmt: skip
-    print("| engine | step | executable | launches | per layer | " + " | ".join(kinds) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(kinds))
-    for row in rows:
-        per_layer = "" if row["per_layer"] is None else f"{row['per_layer']:.1f}"
-        cells = " | ".join(str(row["by_kind"].get(kind, 0)) for kind in kinds)
-        print(f"| {row['engine']} | {row['step']} | {row['executable']} | {row['launches']} | {per_layer} | {cells} |")
-    write_sections(args.json, {"census": rows}, target=target)
+    results = {}
+    if "engine" in sections:
+        rows = []
+        for variant in ({}, *map(parse_engine_variant, args.engine_variant)):
+            run(variant, device, rows)
+        results["census"] = rows
+    if "attention" in sections:
+        results["attention_calls"] = attention_calls(device)
+    print(f"\nLaunches per call, {target}, jax {jax.__version__}")
+    if "census" in results:
+        print("Engine, Gemma-3-1B shape (26 layers); loops of a data-dependent trip count (the allocator's) once")
+        print("| engine | step | executable | launches | per layer | " + " | ".join(kinds) + " |")
+        print("|---|---|---|---|---|" + "---|" * len(kinds))
+        for row in results["census"]:
+            per_layer = "" if row["per_layer"] is None else f"{row['per_layer']:.1f}"
+            cells = " | ".join(str(row["by_kind"].get(kind, 0)) for kind in kinds)
+            print(f"| {row['engine']} | {row['step']} | {row['executable']} | {row['launches']} | {per_layer} | "
+                  f"{cells} |")  # fmt: skip
+    if "attention_calls" in results:
+        print("\n| attention call | launches | " + " | ".join(kinds) + " |")
+        print("|---|---|" + "---|" * len(kinds))
+        for row in results["attention_calls"]:
+            cells = " | ".join(str(row["by_kind"].get(kind, 0)) for kind in kinds)
+            print(f"| {row['workload']} {row['name']} | {row['launches']} | {cells} |")
+    write_sections(args.json, results, target=target)
 
 
 if __name__ == "__main__":
