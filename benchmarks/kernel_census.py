@@ -213,6 +213,21 @@ _CENSUSES: dict[tuple[bytes, str], tuple[Census, float]] = {}
 allocator's, say) is compiled once."""
 
 
+def target_sms() -> int:
+    """The SM count the kernels are traced for (their grids): the attached GPU's, else the H200's."""
+    return num_sms() if jax.default_backend() == "gpu" else H200_SMS
+
+
+def compiled_census(exported: export.Exported, leaves, device, options: dict | None = None) -> tuple[Census, float]:
+    """(the census of `exported`, a `jax.export` module of flat arguments like `leaves`, compiled for `device`
+    with XLA's `options`, its compile seconds)."""
+    sharding = SingleDeviceSharding(device)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves]
+    started = time.perf_counter()
+    compiled = jax.jit(exported.call).trace(*abstract).lower().compile(options or None)
+    return census(compiled.as_text()), time.perf_counter() - started
+
+
 def compile_census(runner, key: tuple, device) -> tuple[Census, float]:
     """(the census of executable `key` of `runner` compiled for `device`, its compile seconds): lowered for CUDA
     as the engine's worker processes lower it (`export_step`), compiled with the runner's options."""
@@ -221,12 +236,8 @@ def compile_census(runner, key: tuple, device) -> tuple[Census, float]:
     memo = (hashlib.sha256(blob).digest(), repr(sorted(options.items())))
     if memo not in _CENSUSES:
         _, args, _ = runner.call(key)
-        sharding = SingleDeviceSharding(device)
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in jax.tree.leaves(args)]
         exported = export.deserialize(pickle.loads(blob)["exported"])
-        started = time.perf_counter()
-        compiled = jax.jit(exported.call).trace(*abstract).lower().compile(options or None)
-        _CENSUSES[memo] = census(compiled.as_text()), time.perf_counter() - started
+        _CENSUSES[memo] = compiled_census(exported, jax.tree.leaves(args), device, options)
     return _CENSUSES[memo]
 
 
@@ -235,7 +246,7 @@ def run(variant: dict, device, rows: list) -> None:
     model_config = ModelConfig.from_hf(GEMMA3_1B)
     config = EngineConfig(**SIZES, **variant).resolved(platform="gpu")
     label = variant_label(variant) or "default"
-    with lowering_for_sms(num_sms() if jax.default_backend() == "gpu" else H200_SMS):  # the kernels' grid
+    with lowering_for_sms(target_sms()):
         spec = RunnerSpec.of_config(model_config, config, SIZES["max_model_len"], dtype=jnp.bfloat16,
                                     param_dtype=jnp.bfloat16)  # fmt: skip
         runner = spec.abstract_runner()
@@ -257,12 +268,11 @@ def attention_calls(device) -> list[dict]:
     `paged_attention` call on the kernels, as the roofline times it (its wall time against its kernels' time)."""
     import roofline
 
-    sharding = SingleDeviceSharding(device)
     rows = []
     for workload in roofline.workloads(False):
         if workload.id not in ATTENTION_WORKLOADS:
             continue
-        with lowering_for_sms(num_sms() if jax.default_backend() == "gpu" else H200_SMS):
+        with lowering_for_sms(target_sms()):
             leaves, tree = jax.tree.flatten(jax.eval_shape(lambda w=workload: roofline.inputs(w, 0)))
 
             def call(*leaves, w=workload):
@@ -271,8 +281,7 @@ def attention_calls(device) -> list[dict]:
 
             unchecked = [export.DisabledSafetyCheck.custom_call(MOSAIC_GPU_CALL)]
             exported = export.export(jax.jit(call), platforms=["cuda"], disabled_checks=unchecked)(*leaves)
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves]
-        result = census(jax.jit(exported.call).trace(*abstract).lower().compile().as_text())
+        result, _ = compiled_census(exported, leaves, device)
         print(f"attention | {workload.id} {workload.name}: {result.total} launches", flush=True)
         rows.append(dict(workload=workload.id, name=workload.name, launches=result.total, by_kind=result.by_kind(),
                          by_label=result.launches))  # fmt: skip
