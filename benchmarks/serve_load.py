@@ -6,8 +6,9 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serve_load.py [--t
   1. the checkpoint: `--model DIR`, or (as benchmarks/startup.py writes it) a Gemma-3-1B-shaped transformers
      checkpoint with random bf16 weights (`--tiny`: the small shape of benchmarks/serving.py, for a CPU dry run);
      the prompts are startup.py's text prompts (`--num-prompts` of 128-1,023 bytes; tiny: 16-63);
-  2. `jha serve` starts as a subprocess on 127.0.0.1 with the engine flags of startup.py's newcomer command
-     (tiny: small sizes), and the clock starts once ``/health`` says 200 (its startup is reported apart);
+  2. `jha serve` starts as a subprocess on 127.0.0.1 with the engine flags of startup.py's newcomer command at
+     the server's own token budget, `SERVE_GPU_STEP_TOKENS` (tiny: small sizes), and the clock starts once
+     ``/health`` says 200 (its startup is reported apart);
   3. `--num-prompts` streaming requests (greedy, `--max-tokens` each, EOS ignored) are sent at `--request-rate`
      per second with Poisson arrivals (seeded), or all at once (``inf``, the default), at most
      `--max-concurrency` in flight, from `--client-processes` processes (one Python process cannot parse 256
@@ -41,11 +42,16 @@ from serve_trace import TRACE_DIR_VARIABLE
 from serving import GEMMA3_1B, TINY
 from startup import NEWCOMER_FLAGS, write_checkpoint, write_prompts
 
+from jax_hybrid_attn.serve import SERVE_GPU_STEP_TOKENS
+
 ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 64
 PROMPT_BYTES = (128, 1024)
 TINY_PROMPT_BYTES = (16, 64)
 TINY_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len", "256"]
+SERVE_FLAGS = ["--max-num-seqs", "256", "--max-num-batched-tokens", str(SERVE_GPU_STEP_TOKENS),
+               "--max-model-len", "2048"]
+"""startup.py's newcomer flags at `jha serve`'s budget, given to both runs: `Engine.generate` steps as the server."""
 HEALTH_TIMEOUT_S = 1800  # a cold compile on a busy machine
 HEALTH_POLL_S = 0.5
 CLIENT_START_S = 0.5  # from the client processes' import to the first request
@@ -378,14 +384,14 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true",
                         help="run the server through serve_trace.py; print each load's timeline")  # fmt: skip
     parser.add_argument("--engine-flags", default=None,
-                        help="the engine flags of both runs (default: startup.py's newcomer flags; tiny: small sizes)")  # fmt: skip
+                        help="the engine flags of both runs (default: SERVE_FLAGS; tiny: small sizes)")  # fmt: skip
     args = parser.parse_args()
     if args.request_rate <= 0:
         raise SystemExit(f"--request-rate={args.request_rate} must be > 0 (inf: all at once)")
     num_prompts = args.num_prompts or (16 if args.tiny else 256)
     max_tokens = args.max_tokens or (8 if args.tiny else MAX_TOKENS)
     flags = (args.engine_flags.split() if args.engine_flags is not None
-             else list(TINY_FLAGS if args.tiny else NEWCOMER_FLAGS))  # fmt: skip
+             else list(TINY_FLAGS if args.tiny else SERVE_FLAGS))  # fmt: skip
     if args.compilation_cache:
         flags += ["--compilation-cache", args.compilation_cache]
     rows = []

@@ -39,7 +39,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0,
                    help="the embedded model's random weights, and the seeds of requests that give none")  # fmt: skip
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="the token budget of a step (default: 8192 on a GPU, 512 elsewhere)")  # fmt: skip
+                   help="a step's token budget (default: 8192 on a GPU, jha serve 2048; 512 elsewhere)")  # fmt: skip
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests in flight at once (default: 256 on a GPU, 16 elsewhere)")  # fmt: skip
     g.add_argument("--max-model-len", type=int, default=None)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from ..engine import Engine
+from . import SERVE_GPU_STEP_TOKENS
 from .app import build_app
 from .chat_template import load_chat_template
 from .engine_process import EngineProcess, freeze_startup_heap
@@ -40,9 +41,14 @@ class Server:
 
 
 def build_engine(args: argparse.Namespace, *, log=sys.stderr) -> tuple[Engine, object]:
-    """(the engine, its tokenizer) of the engine options (as ``jha generate`` builds them); not compiled yet."""
+    """(the engine, its tokenizer) of the engine options (as ``jha generate`` builds them, but for the token budget
+    of a step on a GPU, `SERVE_GPU_STEP_TOKENS` unless ``--max-num-batched-tokens`` is given); not compiled yet."""
+    import jax
+
     from ..engine_options import load_planned, plan_model
 
+    if args.max_num_batched_tokens is None and jax.default_backend() == "gpu":
+        args = argparse.Namespace(**{**vars(args), "max_num_batched_tokens": SERVE_GPU_STEP_TOKENS})
     planned = plan_model(args, log=log)
     config, model, lowering = load_planned(args, planned)
     engine_config, tokenizer = planned.engine_config, planned.tokenizer
