@@ -487,6 +487,33 @@ def test_the_cli_refuses_bad_server_options(capsys):
     assert "--chat-template='no-such-template-file'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("backend", "flags", "budget"), [
+    ("gpu", [], "server"), ("gpu", ["--max-num-batched-tokens", "4096"], 4096), ("cpu", [], None),
+])  # fmt: skip
+def test_the_server_steps_at_its_own_token_budget_on_a_gpu(monkeypatch, backend, flags, budget):
+    """`jha serve` on a GPU takes SERVE_GPU_STEP_TOKENS unless the flag says otherwise; elsewhere the engine's
+    default (None here, resolved by the engine) stays."""
+    import jax
+
+    from jax_hybrid_attn import engine_options
+    from jax_hybrid_attn.serve import SERVE_GPU_STEP_TOKENS
+    from jax_hybrid_attn.serve.server import build_engine
+
+    class Planned(Exception):
+        pass
+
+    def plan_model(args, *, log=None):
+        raise Planned(args.max_num_batched_tokens)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(engine_options, "plan_model", plan_model)
+    args = build_parser().parse_args(["serve", *flags])
+    with pytest.raises(Planned) as planned:
+        build_engine(args)
+    assert planned.value.args[0] == (SERVE_GPU_STEP_TOKENS if budget == "server" else budget)
+    assert args.max_num_batched_tokens == (4096 if flags else None)  # the caller's options are left as given
+
+
 def test_the_core_and_the_cli_import_no_server_package():
     import subprocess
     import sys
