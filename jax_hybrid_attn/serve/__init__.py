@@ -22,13 +22,13 @@ DEFAULT_HOST = "127.0.0.1"
 """Where ``jha serve`` listens unless ``--host`` says otherwise (loopback: nothing is exposed by default)."""
 DEFAULT_PORT = 8000
 MAX_CHOICES = 16
+"""The largest ``n`` (choices per prompt) a request may ask for, unless ``--max-n`` says otherwise."""
 SERVE_GPU_STEP_TOKENS = 2048
 """``jha serve``'s ``--max-num-batched-tokens`` on a GPU when none is given (``jha generate`` takes the engine's
 8,192). A step that carries prefill chunks then takes at most about twice a decode step, so that the streams already
 decoding keep an even pace while a burst of prompts is admitted: a lower inter-token latency at its tail for some
 throughput, the trade that vLLM's ``--max-num-batched-tokens`` makes (benchmarks/RESULTS.md, "`jha serve` under
 load", measures both budgets)."""
-"""The largest ``n`` (choices per prompt) a request may ask for, unless ``--max-n`` says otherwise."""
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,8 @@ import logging
 import sys
 from pathlib import Path
 
+import jax
+
 from ..engine import Engine
 from . import SERVE_GPU_STEP_TOKENS
 from .app import build_app
@@ -43,8 +45,6 @@ class Server:
 def build_engine(args: argparse.Namespace, *, log=sys.stderr) -> tuple[Engine, object]:
     """(the engine, its tokenizer) of the engine options (as ``jha generate`` builds them, but for the token budget
     of a step on a GPU, `SERVE_GPU_STEP_TOKENS` unless ``--max-num-batched-tokens`` is given); not compiled yet."""
-    import jax
-
     from ..engine_options import load_planned, plan_model
 
     if args.max_num_batched_tokens is None and jax.default_backend() == "gpu":
