@@ -253,6 +253,7 @@ def generate(args, out=None, err=None) -> dict:
         report_compile = engine.compile(progress=lambda _: compiling.update(1))
     startup["compile"] = report_compile.wall_s
     startup["lowering"] = report_compile.lowering_s
+    startup["warm_up"] = report_compile.warm_up_s
     compile_timeline = {name: {"lowered_at_s": ready, "compiled_at_s": done}
                         for name, (ready, done) in report_compile.timeline.items()}  # fmt: skip
     if args.warmup:

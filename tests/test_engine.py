@@ -469,3 +469,56 @@ def test_an_image_prompt_is_refused_by_name_and_nothing_compiles():
     outputs = engine.generate([[5, 6, 90]], SamplingParams(max_tokens=2, temperature=0.0))
     assert "images are not supported" in outputs[0].error and outputs[0].output_token_ids == []
     assert not engine.runner.compiled and not engine.has_unfinished_requests()
+
+
+def test_warming_up_runs_every_executable_once_and_changes_no_state():
+    """`ModelRunner.warm_up` (an idle plan through every executable, decode-step calls and the cascade shape
+    included) leaves the allocator, the token counts and the KV cache bit for bit as they were, prefix cache and
+    all; the engine then gives the tokens of one that never warmed up."""
+    config, model = tiny_model("gemma3_text")
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    options = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64, decode_steps=2,
+                   cascade_attention="always")  # fmt: skip
+    cold = Engine(model, config, EngineConfig(**options))
+    want = [o.output_token_ids for o in cold.generate(PROMPTS, sampling)]
+    engine = Engine(model, config, EngineConfig(**options))
+    engine.compile(warm_up=False)
+    assert [o.output_token_ids for o in engine.generate(PROMPTS[:3], sampling)] == want[:3]  # fills the cache
+    runner = engine.runner
+    runs = dict.fromkeys(runner._executables, 0)
+
+    def counted(key, executable):
+        def call(*args):
+            runs[key] += 1
+            return executable(*args)
+
+        return call
+
+    runner._executables = {key: counted(key, fn) for key, fn in runner._executables.items()}
+    before = jax.tree.map(np.asarray, (runner.manager.state, runner.num_computed, runner.kv_cache))
+    assert runner.warm_up() > 0
+    after = jax.tree.map(np.asarray, (runner.manager.state, runner.num_computed, runner.kv_cache))
+    assert [key for key, n in runs.items() if n == 0] == [] and len(runs) >= 8
+    assert any(kind == "decode_steps" for kind, _ in runs) and any(
+        kind == "forward" and shape.cascade for kind, shape in runs)  # fmt: skip
+    for (path, was), now in zip(jax.tree_util.tree_flatten_with_path(before)[0], jax.tree.leaves(after), strict=True):
+        assert np.array_equal(was, now, equal_nan=True), jax.tree_util.keystr(path)
+    assert [o.output_token_ids for o in engine.generate(PROMPTS[3:], sampling)] == want[3:]  # PROMPTS[3] hits
+
+
+def test_the_engine_warms_up_after_compiling_on_a_gpu_unless_told(monkeypatch):
+    """`Engine.compile`'s `warm_up` defaults to the backend being a GPU; an explicit value wins."""
+    from jax_hybrid_attn.engine.model_runner import CompileReport, ModelRunner
+
+    warmed = []
+    monkeypatch.setattr(ModelRunner, "compile", lambda self, **_: CompileReport())
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self: warmed.append(self) or 0.25)
+    config, model = tiny_model("gemma2")
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                                                max_model_len=32))  # fmt: skip
+    for backend, warm_up, warms in [("cpu", None, False), ("gpu", None, True), ("gpu", False, False),
+                                    ("cpu", True, True)]:  # fmt: skip
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        warmed.clear()
+        report = engine.compile(warm_up=warm_up)
+        assert (warmed == [engine.runner], report.warm_up_s) == ((True, 0.25) if warms else (False, 0.0))

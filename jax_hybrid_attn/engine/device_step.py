@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
@@ -58,6 +59,14 @@ class StepPlan(NamedTuple):
     top_k: Int[Array, "R"]
     top_p: Float[Array, "R"]
     seeds: Int[Array, "R"]
+
+    @classmethod
+    def idle(cls, rows: int) -> "StepPlan":
+        """A plan of `rows` padding rows: a step of it computes nothing and changes no state."""
+        return cls(slots=np.full(rows, NO_SLOT, np.int32), max_new_tokens=np.zeros(rows, np.int32),
+                   prompt_lens=np.zeros(rows, np.int32), temperature=np.zeros(rows, np.float32),
+                   top_k=np.zeros(rows, np.int32), top_p=np.ones(rows, np.float32),
+                   seeds=np.zeros(rows, np.uint32))  # fmt: skip
 
 
 class StepResult(NamedTuple):

@@ -73,12 +73,14 @@ def _abstract(tree):
 @dataclasses.dataclass
 class CompileReport:
     """What `ModelRunner.compile` did: the executables built, the seconds spent lowering (tracing included, on the
-    calling thread) and in all, and per executable its lowering and XLA compile seconds and, counted from the
-    start, when its lowered module was ready and when its compile ended (`timeline`)."""
+    calling thread) and in all, the seconds of the `ModelRunner.warm_up` that `Engine.compile` runs after it, and
+    per executable its lowering and XLA compile seconds and, counted from the start, when its lowered module was
+    ready and when its compile ended (`timeline`)."""
 
     executables: int = 0
     lowering_s: float = 0.0
     wall_s: float = 0.0
+    warm_up_s: float = 0.0
     per_executable: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
     timeline: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
@@ -258,6 +260,26 @@ class ModelRunner:
                     progress(_name(key))
         report.wall_s = time.perf_counter() - started
         return report
+
+    def warm_up(self) -> float:
+        """Run every executable once on an idle plan (`StepPlan.idle`), which changes no state, and wait for it;
+        returns its seconds. On a GPU an executable's first run loads its kernels and sets up its buffers: this
+        pays that before serving instead of in the first steps of the first requests."""
+        if not self._executables:
+            raise RuntimeError("ModelRunner.compile() must run before warm_up()")
+        started = time.perf_counter()
+        rows = self.config.max_num_seqs
+        plan = StepPlan.idle(rows)
+        variants = [(defer_rest, greedy_only) for defer_rest in (False, True) for greedy_only in (True, False)]
+        for i, shape in enumerate(self.shapes):  # every shape, and each allocate and sample variant at least once
+            for defer_rest, greedy_only in variants[: len(variants) if i == 0 else 1]:
+                self.run_step(plan, shape, defer_rest=defer_rest, greedy_only=greedy_only)
+        for kind, variant in self._executables:
+            if kind == "decode_steps":
+                num_steps, greedy_only = variant
+                self.run_decode_steps(plan, np.zeros(rows, np.int32), num_steps=num_steps, greedy_only=greedy_only)
+        jax.block_until_ready((self.manager.state, self.num_computed, self.kv_cache))
+        return time.perf_counter() - started
 
     def compiler_options(self, key: tuple) -> dict:
         """XLA's options for executable `key`: `DECODE_GRAPH_OPTIONS` for the decode-only ones with
