@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 
 from jax_hybrid_attn.engine import Engine, EngineConfig, SamplingParams
-from jax_hybrid_attn.engine.model_runner import DECODE_GRAPH_OPTIONS
 from jax_hybrid_attn.engine.prefix_estimate import CachedPrefixes
 from jax_hybrid_attn.models import Decoder, DenseAttention, ModelConfig
 
@@ -171,21 +170,6 @@ def test_unrolled_decode_layers_give_the_dense_forwards_greedy_tokens(decode_ste
     decode, mixed = (engine.runner.trace(("forward", shape)).lower().as_text().count("stablehlo.while")
                      for shape in engine.runner.shapes)  # fmt: skip
     assert decode == mixed - 1, (decode, mixed)  # the mixed step's loop over the layers, and the same others
-
-
-def test_decode_cuda_graphs_compile_only_the_decode_steps_with_xlas_graph_options():
-    """``decode_cuda_graphs``: the decode-only executables (one step or several per call) are compiled with
-    `DECODE_GRAPH_OPTIONS`, the others without; the greedy tokens are the dense forward's (no effect on a CPU)."""
-    config, model = tiny_model("mistral")
-    want = [dense_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
-    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
-                                                max_model_len=64, decode_steps=2, decode_cuda_graphs=True))  # fmt: skip
-    got = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    assert [o.output_token_ids for o in got] == want
-    graphed = {key for key in engine.runner.executable_keys() if engine.runner.compiler_options(key)}
-    assert graphed == {key for key in engine.runner.executable_keys()
-                       if key[0] == "decode_steps" or (key[0] == "forward" and key[1].max_query_len == 1)}  # fmt: skip
-    assert len(graphed) >= 3 and all(engine.runner.compiler_options(key) == DECODE_GRAPH_OPTIONS for key in graphed)
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])

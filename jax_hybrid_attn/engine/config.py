@@ -81,9 +81,6 @@ class EngineConfig:
         concatenate the weights inside the scanned layers at every step. The model passed in keeps transformers'
         layout. Ignored when ``tensor_parallel`` > 1: a fused ``[q|k|v]`` weight cannot be split column-parallel
         by whole heads.
-      decode_cuda_graphs: compile the decode-only steps with XLA's command buffers over the whole step
-        (`model_runner.DECODE_GRAPH_OPTIONS`): CUDA graphs that the host launches as a few graphs rather than one
-        kernel at a time. Nothing changes on a CPU.
     """
 
     block_size: int | None = None
@@ -106,7 +103,6 @@ class EngineConfig:
     cascade_attention: str = "auto"
     unroll_decode_layers: bool = False
     fuse_projections: bool = True
-    decode_cuda_graphs: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", check_int("tensor_parallel", self.tensor_parallel))
@@ -121,7 +117,7 @@ class EngineConfig:
         if self.num_blocks is not None and self.kv_memory is not None:
             raise ValueError(f"give at most one of num_blocks={self.num_blocks} and kv_memory={self.kv_memory}")
         for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only", "unroll_decode_layers",
-                     "fuse_projections", "decode_cuda_graphs"):
+                     "fuse_projections"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, maximum=2**32 - 1))
         if self.kv_cache_dtype is not None:

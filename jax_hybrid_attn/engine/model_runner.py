@@ -42,14 +42,6 @@ __all__ = ["CompileReport", "ModelRunner", "executable_keys"]
 
 MAX_COMPILE_THREADS = 16
 """Executables XLA compiles at once in `ModelRunner.compile` (at most the host's cores)."""
-DECODE_GRAPH_OPTIONS = {
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE",
-    "xla_gpu_command_buffer_unroll_loops": True,  # the scans over layers become part of the graph
-    "xla_gpu_graph_min_graph_size": 1,
-}
-"""XLA's options for the decode-only steps with ``EngineConfig.decode_cuda_graphs``: the whole step in CUDA graphs
-(command buffers), launched by the host as a few graphs instead of each of its kernels. XLA turns them off while a
-profiler records."""
 
 
 def executable_keys(shapes: tuple[StepShape, ...], *, num_decode_steps: int = 1) -> list[tuple]:
@@ -239,7 +231,7 @@ class ModelRunner:
                 lowering_s = time.perf_counter() - t
                 report.lowering_s += lowering_s
                 ready = time.perf_counter() - started
-                compiling = pool.submit(self._compile_one, lowered, self.compiler_options(key))
+                compiling = pool.submit(self._compile_one, lowered)
                 futures[key] = (lowering_s, ready, out_tree, compiling)
 
             if lowering is None:
@@ -281,18 +273,11 @@ class ModelRunner:
         jax.block_until_ready((self.manager.state, self.num_computed, self.kv_cache))
         return time.perf_counter() - started
 
-    def compiler_options(self, key: tuple) -> dict:
-        """XLA's options for executable `key`: `DECODE_GRAPH_OPTIONS` for the decode-only ones with
-        ``decode_cuda_graphs``, else none."""
-        kind, variant = key
-        decodes = kind == "decode_steps" or (kind == "forward" and variant.max_query_len == 1)
-        return dict(DECODE_GRAPH_OPTIONS) if decodes and self.config.decode_cuda_graphs else {}
-
     @staticmethod
-    def _compile_one(lowered: jax.stages.Lowered, options: dict) -> tuple[jax.stages.Compiled, float, float]:
+    def _compile_one(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float, float]:
         """(the executable, its compile seconds, when it ended)."""
         t = time.perf_counter()
-        compiled = lowered.compile(options or None)
+        compiled = lowered.compile()
         done = time.perf_counter()
         return compiled, done - t, done
 
