@@ -156,17 +156,14 @@ class Engine:
         return self.runner.manager
 
     def compile(self, *, progress: Callable[[str], None] | None = None, warm_up: bool | None = None) -> CompileReport:
-        """Compile every step shape (`ModelRunner.compile`; `progress(name)` as each is ready), then, with
-        `warm_up` (default: on a GPU), run each executable once on an idle plan (`ModelRunner.warm_up`: their
-        first runs' setup is paid here, not by the first requests). The first `step` calls it when nobody has;
-        after it, serving compiles nothing. Returns what it did (also in `stats`)."""
+        """Compile every step shape (`ModelRunner.compile`; `progress(name)` as each is ready), then with `warm_up`
+        (default: on a GPU) run each once on an idle plan (`ModelRunner.warm_up`). The first `step` calls it when
+        nobody has; after it, serving compiles nothing. Returns what it did (also in `stats`)."""
         lowering, self._lowering = self._lowering, None
         if lowering is None and self._spec is not None:
             lowering = _start_lowering(self._spec, self.config)
         report = self.runner.compile(progress=progress, lowering=lowering)
-        if warm_up is None:
-            warm_up = jax.default_backend() == "gpu"
-        if warm_up:  # on the device worker, after any call already sent: the runner's state is its own
+        if jax.default_backend() == "gpu" if warm_up is None else warm_up:  # on the device worker, in order
             report.warm_up_s = self._on_device(self.runner.warm_up).result()
         self.stats.compile_time += report.wall_s + report.warm_up_s
         self.stats.compiled_executables += report.executables
