@@ -262,10 +262,9 @@ class ModelRunner:
         started = time.perf_counter()
         rows = self.config.max_num_seqs
         plan = StepPlan.idle(rows)
-        variants = [(defer_rest, greedy_only) for defer_rest in (False, True) for greedy_only in (True, False)]
-        for i, shape in enumerate(self.shapes):  # every shape, and each allocate and sample variant at least once
-            for defer_rest, greedy_only in variants[: len(variants) if i == 0 else 1]:
-                self.run_step(plan, shape, defer_rest=defer_rest, greedy_only=greedy_only)
+        for shape in self.shapes:  # every forward, after one variant of allocate and before one of sample
+            self.run_step(plan, shape, defer_rest=False, greedy_only=True)
+        self.run_step(plan, self.shapes[0], defer_rest=True, greedy_only=False)  # their other variants
         for kind, variant in self._executables:
             if kind == "decode_steps":
                 num_steps, greedy_only = variant
