@@ -580,6 +580,41 @@ def test_an_engine_that_fails_fails_its_requests_and_its_health_check():
     assert completion.status_code == 503 and "not running" in completion.json()["error"]["message"]
 
 
+def test_a_burst_of_commands_goes_to_the_engine_process_in_a_few_early_messages():
+    """Commands sent from the event loop in one pass go in order as messages of `MAX_COMMANDS_PER_MESSAGE`, each
+    as soon as it is full (the engine gets a burst's first requests while the server parses the rest), and what
+    is left at the pass's end."""
+    import argparse
+
+    from jax_hybrid_attn.serve.engine_process import MAX_COMMANDS_PER_MESSAGE, EngineProcess
+
+    class Pipe:
+        def __init__(self):
+            self.messages = []
+
+        def send(self, message):
+            self.messages.append(message)
+
+    engine = EngineProcess(argparse.Namespace())
+    engine._commands = pipe = Pipe()
+    burst = [("abort", [f"request-{i}"]) for i in range(2 * MAX_COMMANDS_PER_MESSAGE + 3)]
+
+    async def run():
+        engine._reading_on = asyncio.get_running_loop()
+        sent = []
+        for command in burst:
+            engine._send_soon(command)
+            sent.append(len(pipe.messages))
+        await asyncio.sleep(0)  # the pass ends
+        return sent
+
+    sent = asyncio.run(run())
+    assert sent == [i // MAX_COMMANDS_PER_MESSAGE for i in range(1, len(burst) + 1)]
+    assert [(kind, len(commands)) for kind, commands in pipe.messages] == [
+        ("batch", MAX_COMMANDS_PER_MESSAGE), ("batch", MAX_COMMANDS_PER_MESSAGE), ("batch", 3)]  # fmt: skip
+    assert [command for _, commands in pipe.messages for command in commands] == burst
+
+
 def test_the_engine_process_reports_what_stops_it():
     """Loading fails: `wait_loaded` raises the engine process's error. The engine process dies mid-request: the
     request gets an error event (500), the client says it failed, and a function that cannot travel to the

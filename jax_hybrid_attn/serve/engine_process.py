@@ -17,7 +17,7 @@ the model is on the device, ``ready`` once every step shape is compiled, then ``
 step, ``idle`` with each `when_idle` result, and ``failed`` with the exception that stopped it; a thread of its
 own writes them (`_Outbox`), so that the engine never waits for the pipe, and messages that queued up go as one
 ``batch``. The server sends ``add``, ``abort``, ``when_idle`` and ``stop``; the commands of one pass of its event
-loop go as one ``batch`` too. The server process never initializes the accelerator: only the engine process
+loop go as ``batch``es too, of up to `MAX_COMMANDS_PER_MESSAGE`. The server process never initializes the accelerator: only the engine process
 does.
 
 If the engine process dies, every request waiting on it gets an error event (status 500) and ``/health`` says
@@ -50,6 +50,9 @@ EXIT_WAIT_S = 5.0
 READY_POLL_S = 0.1
 MAX_MESSAGES_PER_READ = 64
 """Messages the event loop reads from the engine before it lets other callbacks run."""
+MAX_COMMANDS_PER_MESSAGE = 8
+"""Commands of one event-loop pass sent as one message at most: a burst's first requests go to the engine as soon
+as that many are parsed, not once the pass has parsed the whole burst (the engine steps meanwhile)."""
 ENGINE_SWITCH_INTERVAL_S = 5e-4
 """The engine process's interpreter switch interval (Python's default is 5 ms): its command reader waits at most
 this long for the lock that the engine thread holds while it schedules, per message."""
@@ -82,7 +85,7 @@ class EngineProcess:
         self._commands = self._events = None
         self._stopping = False
         self._reading_on: asyncio.AbstractEventLoop | None = None
-        self._outgoing: list[tuple] = []  # commands from the event loop, sent together once per loop pass
+        self._outgoing: list[tuple] = []  # commands from the event loop not yet sent (`_send_soon`)
 
     # ---------------------------------------------------------------------------------- any thread
 
@@ -164,14 +167,17 @@ class EngineProcess:
         return future
 
     def _send_soon(self, command: tuple) -> None:
-        """Send `command`; from the event loop that reads the engine, with the others of this loop pass in one
-        message (a burst of requests reaches the engine as a few messages, not one each)."""
+        """Send `command`; from the event loop that reads the engine, with the others of this loop pass in
+        messages of up to `MAX_COMMANDS_PER_MESSAGE` (a burst of requests reaches the engine as a few messages,
+        not one each, the first of them early)."""
         if self._reading_on is None or not _running_on(self._reading_on):
             self._send(command)
             return
         if not self._outgoing:
             self._reading_on.call_soon(self._flush)
         self._outgoing.append(command)
+        if len(self._outgoing) == MAX_COMMANDS_PER_MESSAGE:
+            self._flush()
 
     def _flush(self) -> None:
         commands, self._outgoing = self._outgoing, []
