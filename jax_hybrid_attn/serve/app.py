@@ -1,8 +1,8 @@
 """The HTTP app (FastAPI): OpenAI's routes on `OpenAIServing`, health, metrics, and OpenAI-style errors.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` for server-sent events, ``data:
-[DONE]`` last), ``GET /v1/models``, ``GET /health`` (503 until the engine has compiled every step shape, then
-200; 503 again if it fails), ``GET /metrics`` (Prometheus text).
+[DONE]`` last), ``GET /v1/models``, ``GET /health`` (503 until the engine has compiled every step shape, and on
+a GPU run each once, then 200; 503 again if it fails), ``GET /metrics`` (Prometheus text).
 
 Bodies are parsed here (not by FastAPI's signature injection) so that every bad request, malformed JSON
 included, gets OpenAI's error JSON with a 4xx. A client that disconnects stops its request: a whole-response
