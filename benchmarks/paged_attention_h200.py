@@ -15,6 +15,7 @@ import statistics
 import time
 import traceback
 import warnings
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from jax_hybrid_attn.kernels.config import KernelConfig
 from jax_hybrid_attn.layout import as_kv_cache
 from jax_hybrid_attn.masks import allowed_key_range
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
-from kernel_variants import configs_changed
+from kernel_variants import configs_changed, parse_variant
 from results_json import write_sections
 
 COPY_CEILING_GBPS = 4280.0
@@ -165,8 +166,16 @@ MASKS = [("full", CAUSAL), ("window 1024", LayerAttentionParams(sliding_window=1
          ("chunk 1024", LayerAttentionParams(attention_chunk_size=1024))]
 
 
-def parity_section(rows, *, match: str = ""):
+def parity_section(rows, *, match: str = "", variant: str = ""):
+    """Every parity case (those whose name holds `match`) on both batches, then the mixed batch against its parts;
+    with `variant` (``"p_parts=1"``: `KernelConfig` fields), every kernel in that configuration."""
+    with configs_changed(decode=parse_variant(variant), prefill=parse_variant(variant)) if variant else nullcontext():
+        _parity_cases(rows, match=match, label=f" ({variant})" if variant else "")
+
+
+def _parity_cases(rows, *, match: str, label: str):
     for name, inputs_kwargs, options in (case for case in PARITY_CASES if match in case[0]):
+        name += label
         for batch_name, (query_lens, seq_lens) in [("mixed", MIXED), ("decodes", DECODES)]:
             start = time.time()
             try:
@@ -192,7 +201,8 @@ def parity_section(rows, *, match: str = ""):
         alone = paged_attention(inputs.q[starts[r] : starts[r + 1]], inputs.kv_cache, part, params=window)
         worst = max(worst, float(jnp.abs(whole[starts[r] : starts[r + 1]].astype(jnp.float32) - alone.astype(jnp.float32)).max()))
     print(f"mixed batch vs its parts: max|diff|={worst:.3g}", flush=True)
-    rows.append(("parity", "mixed batch == parts (window 256)", "", "PASS" if worst <= 2e-2 else "FAIL", f"{worst:.3g}"))
+    rows.append(("parity", f"mixed batch == parts (window 256){label}", "", "PASS" if worst <= 2e-2 else "FAIL",
+                 f"{worst:.3g}"))  # fmt: skip
 
 
 def decode_section(rows, *, sweep):
@@ -365,6 +375,8 @@ def main():
     parser.add_argument("--sections", default="parity,decode,prefill", help="comma-separated: parity, decode, prefill")
     parser.add_argument("--sweep", action="store_true", help="also time the configurations behind the defaults")
     parser.add_argument("--match", default="", help="parity: only the cases whose name contains this text")
+    parser.add_argument("--variant", default="", help="parity: every kernel with these KernelConfig fields, e.g. "
+                        "p_parts=1 (comma-separated FIELD=INT)")  # fmt: skip
     parser.add_argument("--json", default=str(Path(__file__).with_name("paged_attention_h200.json")),
                         help="the JSON file of the rows, by section")  # fmt: skip
     args = parser.parse_args()
@@ -372,7 +384,7 @@ def main():
     rows = []
     sections = args.sections.split(",")
     if "parity" in sections:
-        parity_section(rows, match=args.match)
+        parity_section(rows, match=args.match, variant=args.variant)
     if "decode" in sections:
         decode_section(rows, sweep=args.sweep)
         if args.sweep:

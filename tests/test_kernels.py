@@ -407,3 +407,20 @@ def test_a_token_budget_below_the_step_is_refused():
                                  head_dim=64, block_size=16, dtype=jnp.bfloat16)  # fmt: skip
     with pytest.raises(ValueError, match="token_budget=8 must be None or an int >= T=21"):
         paged_attention(inputs.q, inputs.kv_cache, inputs.metadata.replace(token_budget=8), interpret=True)
+
+
+def test_p_in_one_float8_part_matches_reference_without_races(monkeypatch):
+    """``KernelConfig.p_parts=1`` (V transposed: P in one float8 part for the PV product, FlashAttention-3's
+    precision, instead of two) in decode and prefill tiles, within the float8 cache's tolerance."""
+    default_configs = mixed_batch.kernel_configs
+    one_part = lambda *args, **kwargs: tuple(dataclasses.replace(c, p_parts=1) for c in default_configs(*args, **kwargs))
+    monkeypatch.setattr(mixed_batch, "kernel_configs", one_part)
+    mixed_batch._paged_attention_kernels.clear_cache()  # its executables hold the configurations they traced
+    try:
+        out, expected = run_case(dict(WINDOW_SINKS, block_size=64, kv_layout="HND_VT"), seed=3,
+                                 interpret=interpret_params(detect_races=True))  # fmt: skip
+    finally:
+        mixed_batch._paged_attention_kernels.clear_cache()
+    assert not races_found()
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
