@@ -17,8 +17,8 @@ the model is on the device, ``ready`` once every step shape is compiled, then ``
 step, ``idle`` with each `when_idle` result, and ``failed`` with the exception that stopped it; a thread of its
 own writes them (`_Outbox`), so that the engine never waits for the pipe, and messages that queued up go as one
 ``batch``. The server sends ``add``, ``abort``, ``when_idle`` and ``stop``; the commands of one pass of its event
-loop go as ``batch``es too, of up to `MAX_COMMANDS_PER_MESSAGE`. The server process never initializes the accelerator: only the engine process
-does.
+loop go as ``batch``es too, of up to `MAX_COMMANDS_PER_MESSAGE`. The server process never initializes the
+accelerator: only the engine process does.
 
 If the engine process dies, every request waiting on it gets an error event (status 500) and ``/health`` says
 so. `stop` asks it to exit and waits; it is killed if it does not.
