@@ -413,7 +413,10 @@ def test_p_in_one_float8_part_matches_reference_without_races(monkeypatch):
     """``KernelConfig.p_parts=1`` (V transposed: P in one float8 part for the PV product, FlashAttention-3's
     precision, instead of two) in decode and prefill tiles, within the float8 cache's tolerance."""
     default_configs = mixed_batch.kernel_configs
-    one_part = lambda *args, **kwargs: tuple(dataclasses.replace(c, p_parts=1) for c in default_configs(*args, **kwargs))
+
+    def one_part(*args, **kwargs):
+        return tuple(dataclasses.replace(config, p_parts=1) for config in default_configs(*args, **kwargs))
+
     monkeypatch.setattr(mixed_batch, "kernel_configs", one_part)
     mixed_batch._paged_attention_kernels.clear_cache()  # its executables hold the configurations they traced
     try:
