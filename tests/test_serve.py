@@ -581,9 +581,9 @@ def test_an_engine_that_fails_fails_its_requests_and_its_health_check():
 
 
 def test_a_burst_of_commands_goes_to_the_engine_process_in_a_few_early_messages():
-    """Commands sent from the event loop in one pass go in order as messages of `MAX_COMMANDS_PER_MESSAGE`, each
-    as soon as it is full (the engine gets a burst's first requests while the server parses the rest), and what
-    is left at the pass's end."""
+    """Of the commands sent from the event loop in one pass, the first goes at once and the others in order as
+    messages of `MAX_COMMANDS_PER_MESSAGE`, each as soon as it is full (the engine gets a burst's first requests
+    while the server parses the rest), and what is left at the pass's end; the next pass starts over."""
     import argparse
 
     from jax_hybrid_attn.serve.engine_process import MAX_COMMANDS_PER_MESSAGE, EngineProcess
@@ -597,7 +597,8 @@ def test_a_burst_of_commands_goes_to_the_engine_process_in_a_few_early_messages(
 
     engine = EngineProcess(argparse.Namespace())
     engine._commands = pipe = Pipe()
-    burst = [("abort", [f"request-{i}"]) for i in range(2 * MAX_COMMANDS_PER_MESSAGE + 3)]
+    burst = [("abort", [f"request-{i}"]) for i in range(2 * MAX_COMMANDS_PER_MESSAGE + 4)]
+    later = [("abort", ["request-late"])]
 
     async def run():
         engine._reading_on = asyncio.get_running_loop()
@@ -606,13 +607,20 @@ def test_a_burst_of_commands_goes_to_the_engine_process_in_a_few_early_messages(
             engine._send_soon(command)
             sent.append(len(pipe.messages))
         await asyncio.sleep(0)  # the pass ends
-        return sent
+        sent_at_pass_end = len(pipe.messages)
+        engine._send_soon(later[0])
+        sent.append(len(pipe.messages))
+        await asyncio.sleep(0)
+        return sent, sent_at_pass_end
 
-    sent = asyncio.run(run())
-    assert sent == [i // MAX_COMMANDS_PER_MESSAGE for i in range(1, len(burst) + 1)]
-    assert [(kind, len(commands)) for kind, commands in pipe.messages] == [
-        ("batch", MAX_COMMANDS_PER_MESSAGE), ("batch", MAX_COMMANDS_PER_MESSAGE), ("batch", 3)]  # fmt: skip
-    assert [command for _, commands in pipe.messages for command in commands] == burst
+    sent, sent_at_pass_end = asyncio.run(run())
+    assert sent[:len(burst)] == [1 + (i - 1) // MAX_COMMANDS_PER_MESSAGE for i in range(1, len(burst) + 1)]
+    assert sent_at_pass_end == 4 and sent[-1] == 5  # the next pass's first command goes at once too
+    unbatched = lambda message: message[1] if message[0] == "batch" else [message]
+    assert [(kind, len(unbatched((kind, payload)))) for kind, payload in pipe.messages] == [
+        ("abort", 1), ("batch", MAX_COMMANDS_PER_MESSAGE), ("batch", MAX_COMMANDS_PER_MESSAGE), ("batch", 3),
+        ("abort", 1)]  # fmt: skip
+    assert [command for message in pipe.messages for command in unbatched(message)] == burst + later
 
 
 def test_the_engine_process_reports_what_stops_it():

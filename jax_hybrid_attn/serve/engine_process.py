@@ -16,9 +16,9 @@ Messages are pickled tuples. The engine process sends ``loaded`` (the model conf
 the model is on the device, ``ready`` once every step shape is compiled, then ``events`` and ``snapshot`` per
 step, ``idle`` with each `when_idle` result, and ``failed`` with the exception that stopped it; a thread of its
 own writes them (`_Outbox`), so that the engine never waits for the pipe, and messages that queued up go as one
-``batch``. The server sends ``add``, ``abort``, ``when_idle`` and ``stop``; the commands of one pass of its event
-loop go as ``batch``es too, of up to `MAX_COMMANDS_PER_MESSAGE`. The server process never initializes the
-accelerator: only the engine process does.
+``batch``. The server sends ``add``, ``abort``, ``when_idle`` and ``stop``; of the commands of one pass of its
+event loop, the first goes at once (an idle engine starts on it) and the others as ``batch``es of up to
+`MAX_COMMANDS_PER_MESSAGE`. The server process never initializes the accelerator: only the engine process does.
 
 If the engine process dies, every request waiting on it gets an error event (status 500) and ``/health`` says
 so. `stop` asks it to exit and waits; it is killed if it does not.
@@ -86,6 +86,7 @@ class EngineProcess:
         self._stopping = False
         self._reading_on: asyncio.AbstractEventLoop | None = None
         self._outgoing: list[tuple] = []  # commands from the event loop not yet sent (`_send_soon`)
+        self._pass_open = False  # a command went in this event-loop pass; `_end_pass` is scheduled
 
     # ---------------------------------------------------------------------------------- any thread
 
@@ -167,17 +168,24 @@ class EngineProcess:
         return future
 
     def _send_soon(self, command: tuple) -> None:
-        """Send `command`; from the event loop that reads the engine, with the others of this loop pass in
-        messages of up to `MAX_COMMANDS_PER_MESSAGE` (a burst of requests reaches the engine as a few messages,
-        not one each, the first of them early)."""
+        """Send `command`; from the event loop that reads the engine, the first command of a loop pass goes at once
+        (the rest of the pass may parse a burst of requests for tens of milliseconds, the first time through the
+        handlers more) and the pass's others in messages of up to `MAX_COMMANDS_PER_MESSAGE`, each as soon as it
+        is full, the last at the pass's end."""
         if self._reading_on is None or not _running_on(self._reading_on):
             self._send(command)
-            return
-        if not self._outgoing:
-            self._reading_on.call_soon(self._flush)
-        self._outgoing.append(command)
-        if len(self._outgoing) == MAX_COMMANDS_PER_MESSAGE:
-            self._flush()
+        elif not self._pass_open:
+            self._pass_open = True
+            self._reading_on.call_soon(self._end_pass)
+            self._send(command)
+        else:
+            self._outgoing.append(command)
+            if len(self._outgoing) == MAX_COMMANDS_PER_MESSAGE:
+                self._flush()
+
+    def _end_pass(self) -> None:
+        self._pass_open = False
+        self._flush()
 
     def _flush(self) -> None:
         commands, self._outgoing = self._outgoing, []
