@@ -535,15 +535,23 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     floor_before = decode_step_bytes(engine, model)
     line, timed = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)
     floor = {key: (value + decode_step_bytes(engine, model)[key]) / 2 for key, value in floor_before.items()}
-    read_gbps = read_ceiling_gbps()
+    read_gbps, matmul_tflops = read_ceiling_gbps(), matmul_ceiling_tflops()
     floor_ms = floor["total"] / (read_gbps * 1e6)
+    flops = decode_step_matmul_flops(engine, model)
+    # The weights' matmuls at R rows are as much compute as reading: each part takes the longer of the two.
+    step_floor_ms = max(floor["weights"] / (read_gbps * 1e6), flops / (matmul_tflops * 1e9)) + floor["kv"] / (
+        read_gbps * 1e6)
     label = f" ({variant_label(variant)})" if variant else ""
     line = (f"decode step of {num_requests} requests{label}: must read "
             f"{floor['weights'] / 1e9:.2f} GB of weights + "
             f"{floor['kv'] / 1e9:.2f} GB of covered K/V = {floor['total'] / 1e9:.2f} GB, {floor_ms:.2f} ms at the "
-            f"read ceiling measured here ({read_gbps:,.0f} GB/s); the engine's step {timed['step_ms']:.2f} ms = "
-            f"{timed['step_ms'] / floor_ms:.2f}x that floor, kernel time {timed['kernel_ms']:.2f} ms, "
-            f"{timed['ops'] / config.num_layers:.1f} kernels and copies per layer; {line}")  # fmt: skip
+            f"read ceiling measured here ({read_gbps:,.0f} GB/s); the weights' matmuls {flops / 1e12:.3f} TFLOP, "
+            f"{flops / (matmul_tflops * 1e9):.2f} ms at the bf16 matmul ceiling measured here ({matmul_tflops:.0f} "
+            f"TFLOP/s), so the step's floor (the weights' bytes or FLOPs, whichever takes longer, then the K/V) is "
+            f"{step_floor_ms:.2f} ms; the engine's step {timed['step_ms']:.2f} ms = {timed['step_ms'] / floor_ms:.2f}x "
+            f"the byte floor, {timed['step_ms'] / step_floor_ms:.2f}x the step's floor, kernel time "
+            f"{timed['kernel_ms']:.2f} ms, {timed['ops'] / config.num_layers:.1f} kernels and copies per layer; "
+            f"{line}")  # fmt: skip
     print("busy", line, flush=True)
     rows.append(("busy", line))
 
@@ -613,6 +621,18 @@ def layer_matmuls_ms(config: ModelConfig, *, num_tokens: int, precision=None, ca
         jax.block_until_ready(result)
         total += (time.perf_counter() - started) / calls
     return total * 1e3
+
+
+def decode_step_matmul_flops(engine: Engine, model) -> float:
+    """The FLOPs of the weights' matmuls in the next decode step of `engine`'s running requests: 2 per weight
+    of every matrix (the embedding only where it is also the LM head) per request."""
+    from flax import nnx
+
+    config = engine.model_config
+    matrices = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)) if leaf.ndim >= 2)
+    if not config.tie_word_embeddings:
+        matrices -= model.model.embed_tokens.weight.value.size
+    return 2.0 * len(engine.scheduler.running) * matrices
 
 
 def decode_step_bytes(engine: Engine, model) -> dict[str, float]:
@@ -710,7 +730,10 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> tuple[str, dict]
     return (f"engine {step_time:.2f} ms per step, GPU busy {busy / engine_trace.gpu_span_ms:.0%} of it "
             f"({busy / steps:.2f} ms of kernels and copies per step, {engine_trace.gpu_ops / steps:.0f} of them); "
             f"the step's calls replayed back to back {replay_time:.2f} ms, GPU busy "
-            f"{replay_trace.gpu_busy_ms / replay_trace.gpu_span_ms:.0%}; the engine's thread per step: {phases}; "
+            f"{replay_trace.gpu_busy_ms / replay_trace.gpu_span_ms:.0%}; GPU idle per engine step: "
+            + ", ".join(engine_trace.idle_lines(per=steps)) + "; replayed: "
+            + ", ".join(replay_trace.idle_lines(per=steps))
+            + f"; the engine's thread per step: {phases}; "
             "host per engine step by profiler event: " + "; ".join(engine_trace.host_lines(per=steps, top=8)) +
             "; GPU per engine step by kind of kernel: " + "; ".join(engine_trace.kernel_lines(per=steps, top=20)),
             figures)  # fmt: skip

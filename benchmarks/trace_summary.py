@@ -1,12 +1,14 @@
 """What a `jax.profiler` trace says about a run: the GPU's busy time, and where the host spent its time.
 
     summary = profiled(directory, run)    # run() under the profiler (Python tracer off), then `summarize`
-    summary.gpu_busy_ms, summary.gpu_span_ms, summary.gpu_ops, summary.host_ms_by_name, summary.gpu_by_kind
+    summary.gpu_busy_ms, summary.gpu_span_ms, summary.gpu_ops, summary.host_ms_by_name, summary.gpu_by_kind,
+    summary.idle_by_gap
 
 Shared by the benchmarks in this folder; it reads the Perfetto trace (``*.trace.json.gz``) that
 ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes.
 """
 
+import bisect
 import collections
 import dataclasses
 import glob
@@ -23,23 +25,45 @@ class TraceSummary:
     """gpu_busy_ms: time in which some GPU stream runs a kernel or a copy; gpu_span_ms: from the first of them to
     the last; gpu_ops: how many ran; host_ms_by_name: total duration of each host event name (its own time and
     the time of what it calls, so nested names overlap), largest first; gpu_by_kind: kernels and copies grouped by
-    `kernel_kind`, each (count, ms), largest time first. NaN and zero counts where the trace has no GPU (a CPU dry
-    run)."""
+    `kernel_kind`, each (count, ms), largest time first; idle_by_gap: the span's idle time by the length of the
+    gap between one operation and the next (`GAP_CLASSES_US`: launch gaps, short waits, the host), each (count,
+    ms). NaN and zero counts where the trace has no GPU (a CPU dry run)."""
 
     gpu_busy_ms: float
     gpu_span_ms: float
     gpu_ops: int
     host_ms_by_name: dict[str, float]
     gpu_by_kind: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    idle_by_gap: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
     def host_lines(self, *, per: int = 1, top: int = 12) -> list[str]:
         """The `top` host event names, each as "name: ms" divided by `per` (e.g. per call)."""
         return [f"{name}: {ms / per:.3f} ms" for name, ms in list(self.host_ms_by_name.items())[:top]]
 
+    def idle_lines(self, *, per: int = 1) -> list[str]:
+        """Idle time by gap length, each as "gaps < 10 us: count x, ms" divided by `per` (e.g. per step)."""
+        return [f"gaps {label}: {count / per:.0f}x {ms / per:.3f} ms"
+                for label, (count, ms) in self.idle_by_gap.items()]  # fmt: skip
+
     def kernel_lines(self, *, per: int = 1, top: int = 12) -> list[str]:
         """The `top` kinds of GPU operation, each as "kind: count x, ms" divided by `per` (e.g. per step)."""
         return [f"{kind}: {count / per:.0f}x {ms / per:.3f} ms"
                 for kind, (count, ms) in list(self.gpu_by_kind.items())[:top]]  # fmt: skip
+
+
+GAP_CLASSES_US = (10.0, 100.0)
+"""Bounds of the idle gaps `summarize` tells apart: under 10 us the GPU moves from one launch to the next (the
+launch gap of a stream with work queued), 10-100 us a short wait (a host callback, a copy to the host), beyond
+that the GPU waited for the host to send work."""
+
+
+def _gap_label(index: int) -> str:
+    bounds = GAP_CLASSES_US
+    if index == 0:
+        return f"< {bounds[0]:g} us"
+    if index == len(bounds):
+        return f">= {bounds[-1]:g} us"
+    return f"{bounds[index - 1]:g}-{bounds[index]:g} us"
 
 
 def kernel_kind(name: str) -> str:
@@ -81,11 +105,17 @@ def summarize(events: list[dict]) -> TraceSummary:
     host_ms = dict(host.most_common())
     if not spans:
         return TraceSummary(float("nan"), float("nan"), 0, host_ms)
-    busy, end = 0.0, -float("inf")
+    busy, end = 0.0, spans[0][0]
+    idle = {_gap_label(i): [0, 0.0] for i in range(len(GAP_CLASSES_US) + 1)}
     for start, stop in spans:
+        if start > end:
+            gap = idle[_gap_label(bisect.bisect_right(GAP_CLASSES_US, start - end))]
+            gap[0] += 1
+            gap[1] += (start - end) / 1e3
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
-    return TraceSummary(busy / 1e3, (end - spans[0][0]) / 1e3, len(spans), host_ms, by_kind)
+    idle_by_gap = {label: (count, ms) for label, (count, ms) in idle.items()}
+    return TraceSummary(busy / 1e3, (end - spans[0][0]) / 1e3, len(spans), host_ms, by_kind, idle_by_gap)
 
 
 def profiled(directory: str, run: Callable[[], None]) -> TraceSummary:
