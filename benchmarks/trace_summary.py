@@ -27,7 +27,8 @@ class TraceSummary:
     the time of what it calls, so nested names overlap), largest first; gpu_by_kind: kernels and copies grouped by
     `kernel_kind`, each (count, ms), largest time first; idle_by_gap: the span's idle time by the length of the
     gap between one operation and the next (`GAP_CLASSES_US`: launch gaps, short waits, the host), each (count,
-    ms). NaN and zero counts where the trace has no GPU (a CPU dry run)."""
+    ms); host_calls_by_name: how many events of each host name. NaN and zero counts where the trace has no GPU (a
+    CPU dry run)."""
 
     gpu_busy_ms: float
     gpu_span_ms: float
@@ -35,10 +36,12 @@ class TraceSummary:
     host_ms_by_name: dict[str, float]
     gpu_by_kind: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
     idle_by_gap: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
+    host_calls_by_name: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def host_lines(self, *, per: int = 1, top: int = 12) -> list[str]:
-        """The `top` host event names, each as "name: ms" divided by `per` (e.g. per call)."""
-        return [f"{name}: {ms / per:.3f} ms" for name, ms in list(self.host_ms_by_name.items())[:top]]
+        """The `top` host event names, each as "name: count x, ms" divided by `per` (e.g. per call)."""
+        return [f"{name}: {self.host_calls_by_name.get(name, 0) / per:.0f}x {ms / per:.3f} ms"
+                for name, ms in list(self.host_ms_by_name.items())[:top]]  # fmt: skip
 
     def idle_lines(self, *, per: int = 1) -> list[str]:
         """Idle time by gap length, each as "gaps < 10 us: count x, ms" divided by `per` (e.g. per step)."""
@@ -98,13 +101,14 @@ def summarize(events: list[dict]) -> TraceSummary:
         kind[0] += 1
         kind[1] += e["dur"] / 1e3
     by_kind = {name: (count, ms) for name, (count, ms) in sorted(kinds.items(), key=lambda item: -item[1][1])}
-    host = collections.Counter()
+    host, host_calls = collections.Counter(), collections.Counter()
     for e in complete:
         if e["pid"] in host_pids:
             host[e["name"]] += e["dur"] / 1e3
+            host_calls[e["name"]] += 1
     host_ms = dict(host.most_common())
     if not spans:
-        return TraceSummary(float("nan"), float("nan"), 0, host_ms)
+        return TraceSummary(float("nan"), float("nan"), 0, host_ms, host_calls_by_name=dict(host_calls))
     busy, end = 0.0, spans[0][0]
     idle = {_gap_label(i): [0, 0.0] for i in range(len(GAP_CLASSES_US) + 1)}
     for start, stop in spans:
@@ -115,7 +119,8 @@ def summarize(events: list[dict]) -> TraceSummary:
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
     idle_by_gap = {label: (count, ms) for label, (count, ms) in idle.items()}
-    return TraceSummary(busy / 1e3, (end - spans[0][0]) / 1e3, len(spans), host_ms, by_kind, idle_by_gap)
+    return TraceSummary(busy / 1e3, (end - spans[0][0]) / 1e3, len(spans), host_ms, by_kind, idle_by_gap,
+                        dict(host_calls))  # fmt: skip
 
 
 def profiled(directory: str, run: Callable[[], None]) -> TraceSummary:
