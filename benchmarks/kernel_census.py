@@ -208,9 +208,9 @@ def step_executables(runner) -> list[tuple[str, tuple]]:
     return [("decode", ("allocate", False)), ("decode", decode), ("decode", ("sample", True)), ("prefill", prefill)]
 
 
-_CENSUSES: dict[bytes, tuple[Census, float]] = {}
-"""`compile_census`'s results by lowered module: an executable that a variant leaves as it was (the allocator's,
-say) is compiled once."""
+_CENSUSES: dict[tuple[bytes, str], tuple[Census, float]] = {}
+"""`compile_census`'s results by lowered module and XLA options: an executable that a variant leaves as it was
+(the allocator's, say) is compiled once."""
 
 
 def target_sms() -> int:
@@ -218,25 +218,26 @@ def target_sms() -> int:
     return num_sms() if jax.default_backend() == "gpu" else H200_SMS
 
 
-def compiled_census(exported: export.Exported, leaves, device) -> tuple[Census, float]:
-    """(the census of `exported`, a `jax.export` module of flat arguments like `leaves`, compiled for `device`,
-    its compile seconds)."""
+def compiled_census(exported: export.Exported, leaves, device, options: dict) -> tuple[Census, float]:
+    """(the census of `exported`, a `jax.export` module of flat arguments like `leaves`, compiled for `device`
+    with XLA's `options`, its compile seconds)."""
     sharding = SingleDeviceSharding(device)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in leaves]
     started = time.perf_counter()
-    compiled = jax.jit(exported.call).trace(*abstract).lower().compile()
+    compiled = jax.jit(exported.call).trace(*abstract).lower().compile(options or None)
     return census(compiled.as_text()), time.perf_counter() - started
 
 
 def compile_census(runner, key: tuple, device) -> tuple[Census, float]:
     """(the census of executable `key` of `runner` compiled for `device`, its compile seconds): lowered for CUDA
-    as the engine's worker processes lower it (`export_step`)."""
+    as the engine's worker processes lower it (`export_step`), compiled with the runner's options."""
     blob = export_step(runner, key, platform="cuda")
-    memo = hashlib.sha256(blob).digest()
+    options = runner.compiler_options(key)
+    memo = (hashlib.sha256(blob).digest(), repr(sorted(options.items())))
     if memo not in _CENSUSES:
         _, args, _ = runner.call(key)
         exported = export.deserialize(pickle.loads(blob)["exported"])
-        _CENSUSES[memo] = compiled_census(exported, jax.tree.leaves(args), device)
+        _CENSUSES[memo] = compiled_census(exported, jax.tree.leaves(args), device, options)
     return _CENSUSES[memo]
 
 
@@ -280,7 +281,7 @@ def attention_calls(device) -> list[dict]:
 
             unchecked = [export.DisabledSafetyCheck.custom_call(MOSAIC_GPU_CALL)]
             exported = export.export(jax.jit(call), platforms=["cuda"], disabled_checks=unchecked)(*leaves)
-        result, _ = compiled_census(exported, leaves, device)
+        result, _ = compiled_census(exported, leaves, device, {})
         print(f"attention | {workload.id} {workload.name}: {result.total} launches", flush=True)
         rows.append(dict(workload=workload.id, name=workload.name, launches=result.total, by_kind=result.by_kind(),
                          by_label=result.launches))  # fmt: skip

@@ -727,8 +727,9 @@ def _busy_variant(engine: Engine, trace: str, *, steps: int) -> tuple[str, dict]
     replay_trace = profiled(f"{trace}/replay", replays)
     busy = engine_trace.gpu_busy_ms
     figures = {"step_ms": step_time, "kernel_ms": busy / steps, "ops": engine_trace.gpu_ops / steps}
-    return (f"engine {step_time:.2f} ms per step, GPU busy {busy / engine_trace.gpu_span_ms:.0%} of it "
-            f"({busy / steps:.2f} ms of kernels and copies per step, {engine_trace.gpu_ops / steps:.0f} of them); "
+    return (f"engine {step_time:.2f} ms per step, its kernels and copies {busy / steps:.2f} ms of it "
+            f"({busy / steps / step_time:.0%}; {engine_trace.gpu_ops / steps:.0f} of them); profiled, the GPU busy "
+            f"{busy / engine_trace.gpu_span_ms:.0%} of {engine_trace.gpu_span_ms / steps:.2f} ms per step; "
             f"the step's calls replayed back to back {replay_time:.2f} ms, GPU busy "
             f"{replay_trace.gpu_busy_ms / replay_trace.gpu_span_ms:.0%}; GPU idle per engine step: "
             + ", ".join(engine_trace.idle_lines(per=steps)) + "; replayed: "

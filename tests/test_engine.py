@@ -492,6 +492,32 @@ def test_warming_up_runs_every_executable_once_and_changes_no_state():
     assert [o.output_token_ids for o in engine.generate(PROMPTS[3:], sampling)] == want[3:]  # PROMPTS[3] hits
 
 
+def test_cublas_matmuls_compile_the_model_steps_with_xla_options_and_keep_the_tokens(monkeypatch):
+    """``cublas_matmuls`` compiles the executables that run the model (forward shapes, decode-step calls) with
+    `CUBLAS_MATMUL_OPTIONS` and the others with none; on a CPU the tokens are the default engine's."""
+    from jax_hybrid_attn.engine.model_runner import CUBLAS_MATMUL_OPTIONS, ModelRunner
+
+    config, model = tiny_model("gemma3_text")
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    options = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64, decode_steps=2)
+    want = [o.output_token_ids for o in Engine(model, config, EngineConfig(**options)).generate(PROMPTS, sampling)]
+    compiled_with = {}
+    compile_one = ModelRunner._compile_one
+
+    def recording(lowered, options):
+        compiled_with[lowered.as_text()] = options
+        return compile_one(lowered, options)
+
+    monkeypatch.setattr(ModelRunner, "_compile_one", staticmethod(recording))
+    engine = Engine(model, config, EngineConfig(**options, cublas_matmuls=True))
+    assert [o.output_token_ids for o in engine.generate(PROMPTS, sampling)] == want
+    by_kind = {kind: engine.runner.compiler_options((kind, variant)) for kind, variant in engine.runner._executables}
+    assert by_kind == {"allocate": {}, "sample": {}, "forward": CUBLAS_MATMUL_OPTIONS,
+                       "decode_steps": CUBLAS_MATMUL_OPTIONS}  # fmt: skip
+    assert sorted(map(len, compiled_with.values())) == sorted(
+        len(engine.runner.compiler_options(key)) for key in engine.runner._executables)  # fmt: skip
+
+
 def test_the_engine_warms_up_after_compiling_on_a_gpu_unless_told(monkeypatch):
     """`Engine.compile`'s `warm_up` defaults to the backend being a GPU; an explicit value wins."""
     from jax_hybrid_attn.engine.model_runner import CompileReport, ModelRunner

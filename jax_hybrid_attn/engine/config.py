@@ -81,6 +81,10 @@ class EngineConfig:
         concatenate the weights inside the scanned layers at every step. The model passed in keeps transformers'
         layout. Ignored when ``tensor_parallel`` > 1: a fused ``[q|k|v]`` weight cannot be split column-parallel
         by whole heads.
+      cublas_matmuls: compile the forward steps with every matmul on cuBLAS (XLA's Triton GEMMs off) and XLA's
+        dynamic-slice fusion on (`model_runner.CUBLAS_MATMUL_OPTIONS`): a scan over layers then hands cuBLAS each
+        layer's weights in place in their stack, where Triton GEMMs need them copied out first at every step.
+        Nothing changes on a CPU.
     """
 
     block_size: int | None = None
@@ -103,6 +107,7 @@ class EngineConfig:
     cascade_attention: str = "auto"
     unroll_decode_layers: bool = False
     fuse_projections: bool = True
+    cublas_matmuls: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", check_int("tensor_parallel", self.tensor_parallel))
@@ -117,7 +122,7 @@ class EngineConfig:
         if self.num_blocks is not None and self.kv_memory is not None:
             raise ValueError(f"give at most one of num_blocks={self.num_blocks} and kv_memory={self.kv_memory}")
         for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only", "unroll_decode_layers",
-                     "fuse_projections"):
+                     "fuse_projections", "cublas_matmuls"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, maximum=2**32 - 1))
         if self.kv_cache_dtype is not None:

@@ -42,6 +42,9 @@ __all__ = ["CompileReport", "ModelRunner", "executable_keys"]
 
 MAX_COMPILE_THREADS = 16
 """Executables XLA compiles at once in `ModelRunner.compile` (at most the host's cores)."""
+CUBLAS_MATMUL_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dynamic_slice_fusion": True}
+"""XLA's options for the forward steps with ``EngineConfig.cublas_matmuls``: matmuls on cuBLAS, which reads an
+operand at an offset into a larger buffer (a layer's weights in their stack) without a copy."""
 
 
 def executable_keys(shapes: tuple[StepShape, ...], *, num_decode_steps: int = 1) -> list[tuple]:
@@ -231,7 +234,7 @@ class ModelRunner:
                 lowering_s = time.perf_counter() - t
                 report.lowering_s += lowering_s
                 ready = time.perf_counter() - started
-                compiling = pool.submit(self._compile_one, lowered)
+                compiling = pool.submit(self._compile_one, lowered, self.compiler_options(key))
                 futures[key] = (lowering_s, ready, out_tree, compiling)
 
             if lowering is None:
@@ -272,11 +275,18 @@ class ModelRunner:
         jax.block_until_ready((self.manager.state, self.num_computed, self.kv_cache))
         return time.perf_counter() - started
 
+    def compiler_options(self, key: tuple) -> dict:
+        """XLA's options for executable `key`: `CUBLAS_MATMUL_OPTIONS` for those that run the model with
+        ``cublas_matmuls``, else none."""
+        kind, _ = key
+        runs_the_model = kind in ("forward", "decode_steps")
+        return dict(CUBLAS_MATMUL_OPTIONS) if runs_the_model and self.config.cublas_matmuls else {}
+
     @staticmethod
-    def _compile_one(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, float, float]:
-        """(the executable, its compile seconds, when it ended)."""
+    def _compile_one(lowered: jax.stages.Lowered, options: dict) -> tuple[jax.stages.Compiled, float, float]:
+        """(the executable compiled with XLA's `options`, its compile seconds, when it ended)."""
         t = time.perf_counter()
-        compiled = lowered.compile()
+        compiled = lowered.compile(options or None)
         done = time.perf_counter()
         return compiled, done - t, done
 
