@@ -163,7 +163,9 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x):
         if self.gate_up_proj is not None:
-            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+            # The barrier keeps XLA from running the activation as a cuBLASLt epilogue of the product: that call
+            # cannot read a scanned layer's weights in place in their stack (`EngineConfig.cublas_matmuls`).
+            gate, up = jnp.split(jax.lax.optimization_barrier(self.gate_up_proj(x)), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(activation(self.act)(gate) * up)
