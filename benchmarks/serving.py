@@ -536,11 +536,11 @@ def busy_share(rows: list, *, shape: dict, num_requests: int = 256, steps: int =
     line, timed = _busy_variant(engine, f"{trace}/{len(rows)}", steps=steps)
     floor = {key: (value + decode_step_bytes(engine, model)[key]) / 2 for key, value in floor_before.items()}
     read_gbps, matmul_tflops = read_ceiling_gbps(), matmul_ceiling_tflops()
-    floor_ms = floor["total"] / (read_gbps * 1e6)
+    read_ms = lambda num_bytes: num_bytes / (read_gbps * 1e6)
+    floor_ms = read_ms(floor["total"])
     flops = decode_step_matmul_flops(engine, model)
     # The weights' matmuls at R rows are as much compute as reading: each part takes the longer of the two.
-    step_floor_ms = max(floor["weights"] / (read_gbps * 1e6), flops / (matmul_tflops * 1e9)) + floor["kv"] / (
-        read_gbps * 1e6)
+    step_floor_ms = max(read_ms(floor["weights"]), flops / (matmul_tflops * 1e9)) + read_ms(floor["kv"])
     label = f" ({variant_label(variant)})" if variant else ""
     line = (f"decode step of {num_requests} requests{label}: must read "
             f"{floor['weights'] / 1e9:.2f} GB of weights + "

@@ -2,7 +2,7 @@
 
     summary = profiled(directory, run)    # run() under the profiler (Python tracer off), then `summarize`
     summary.gpu_busy_ms, summary.gpu_span_ms, summary.gpu_ops, summary.host_ms_by_name, summary.gpu_by_kind,
-    summary.idle_by_gap
+    summary.idle_by_gap, summary.host_calls_by_name
 
 Shared by the benchmarks in this folder; it reads the Perfetto trace (``*.trace.json.gz``) that
 ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes.
@@ -110,15 +110,15 @@ def summarize(events: list[dict]) -> TraceSummary:
     if not spans:
         return TraceSummary(float("nan"), float("nan"), 0, host_ms, host_calls_by_name=dict(host_calls))
     busy, end = 0.0, spans[0][0]
-    idle = {_gap_label(i): [0, 0.0] for i in range(len(GAP_CLASSES_US) + 1)}
+    gaps = [[0, 0.0] for _ in range(len(GAP_CLASSES_US) + 1)]  # per gap class: count, ms
     for start, stop in spans:
         if start > end:
-            gap = idle[_gap_label(bisect.bisect_right(GAP_CLASSES_US, start - end))]
+            gap = gaps[bisect.bisect_right(GAP_CLASSES_US, start - end)]
             gap[0] += 1
             gap[1] += (start - end) / 1e3
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
-    idle_by_gap = {label: (count, ms) for label, (count, ms) in idle.items()}
+    idle_by_gap = {_gap_label(i): (count, ms) for i, (count, ms) in enumerate(gaps)}
     return TraceSummary(busy / 1e3, (end - spans[0][0]) / 1e3, len(spans), host_ms, by_kind, idle_by_gap,
                         dict(host_calls))  # fmt: skip
 
