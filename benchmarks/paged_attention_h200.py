@@ -1,7 +1,7 @@
 """Paged attention kernels on the H200: parity against the reference for every feature, then timings.
 
 Run from the repository root:  PYTHONPATH=. python benchmarks/paged_attention_h200.py
-(``--sections parity,decode,prefill`` picks parts; ``--sweep`` also times the configurations behind the
+(``--sections parity,decode,engine-decode,prefill`` picks parts; ``--sweep`` also times the configurations behind the
 kernel defaults). Prints one line per parity case and per timed case, and a summary table last, and writes the rows
 as JSON by section (``--json PATH``, default: benchmarks/paged_attention_h200.json). Timing: CUPTI kernel time
 (Mosaic GPU profiler, every kernel of the jitted call), median of 30 runs, compile excluded. Decode is
@@ -112,14 +112,30 @@ def record(rows, *fields):
     rows.append(("time", *fields))
 
 
+def varied_decode_batch(seed, seq_lens, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype=jnp.bfloat16):
+    """One decode per request of `seq_lens` keys, generated on the device; blocks scattered by a random
+    permutation, the rest of each block table the null block 0."""
+    blocks = [-(-int(n) // block_size) for n in seq_lens]
+    key_cache, key_q = jax.random.split(jax.random.key(seed))
+    kv_cache = jax.random.normal(key_cache, (sum(blocks) + 1, 2, block_size, num_kv_heads, head_dim), dtype)
+    pages = iter(1 + np.random.default_rng(seed).permutation(sum(blocks)))
+    tables = np.zeros((len(seq_lens), max(blocks)), np.int32)
+    for row, count in enumerate(blocks):
+        tables[row, :count] = [next(pages) for _ in range(count)]
+    metadata = make_attention_metadata([1] * len(seq_lens), list(map(int, seq_lens)), tables, block_size=block_size)
+    return jax.random.normal(key_q, (len(seq_lens), num_q_heads, head_dim), dtype), kv_cache, metadata
+
+
 def time_decode(rows, name, q, kv_cache, metadata, options, full_ms, *, breakdown=False):
     """One decode timing line: GB/s of the K and V blocks a query can see, and with `breakdown` a line of the
     call's kernels; returns the time."""
-    num_reqs, seq_len = q.shape[0], int(metadata.seq_lens[0])
     cache = as_kv_cache(kv_cache)
     _, block_size, num_kv_heads, head_dim = cache.dims
-    _, first = visible_keys(1, seq_len, options.get("params", CAUSAL))
-    needed = num_reqs * (seq_len - int(first[0]) // block_size * block_size) * num_kv_heads * head_dim * 2 * cache.dtype.itemsize
+    keys = 0
+    for seq_len in np.asarray(metadata.seq_lens)[: q.shape[0]].tolist():
+        _, first = visible_keys(1, seq_len, options.get("params", CAUSAL))
+        keys += seq_len - int(first[0]) // block_size * block_size
+    needed = keys * num_kv_heads * head_dim * 2 * cache.dtype.itemsize
     fn = jax.jit(partial(paged_attention, **options))
     try:
         expected = reference.paged_attention(q, kv_cache, metadata, **options).astype(jnp.float32)
@@ -245,6 +261,35 @@ def decode_section(rows, *, sweep):
         del q, kv_cache
 
 
+ENGINE_DECODE_REQUESTS, ENGINE_DECODE_KEYS = 256, (129, 1089)
+GEMMA3_1B_HEADS = dict(num_q_heads=4, num_kv_heads=1, head_dim=256, block_size=16)  # the engine's block size
+GEMMA3_1B_WINDOW = 512
+
+
+def engine_decode_section(rows, *, sweep):
+    """The attention calls of `serving.py --sections busy`'s decode step, one layer each: 256 requests of
+    128-1,088 keys (seeded), Gemma-3-1B's heads (4 query, 1 KV, head_dim 256), block size 16, full and within
+    its 512-key window; the requests as drawn and longest first (what scheduling the longest CTAs first could
+    give). With `sweep`, also with the keys split over 2 and 4 CTAs, and the same 128k keys as 64 to 512 requests
+    of equal length (what each request's CTA costs beyond its bytes)."""
+    seq_lens = np.random.default_rng(0).integers(*ENGINE_DECODE_KEYS, ENGINE_DECODE_REQUESTS)
+    for order, lens in (("as drawn", seq_lens), ("longest first", np.sort(seq_lens)[::-1])):
+        q, kv_cache, metadata = varied_decode_batch(1, lens, **GEMMA3_1B_HEADS)
+        for label, params in (("full", CAUSAL), (f"window {GEMMA3_1B_WINDOW}",
+                                                 LayerAttentionParams(sliding_window=GEMMA3_1B_WINDOW))):
+            name = f"engine decode {label}, {order}"
+            time_decode(rows, name, q, kv_cache, metadata, dict(params=params), None, breakdown=order == "as drawn")
+            for splits in (2, 4) if sweep else ():
+                with configs_changed(decode=dict(num_splits=splits)):
+                    time_decode(rows, f"{name}, splits={splits}", q, kv_cache, metadata, dict(params=params), None)
+        del q, kv_cache
+    for num_reqs in (64, 128, 256, 512) if sweep else ():
+        q, kv_cache, metadata = varied_decode_batch(1, [131_072 // num_reqs] * num_reqs, **GEMMA3_1B_HEADS)
+        time_decode(rows, f"engine decode full, {num_reqs} x {131_072 // num_reqs} keys", q, kv_cache, metadata, {},
+                    None)  # fmt: skip
+        del q, kv_cache
+
+
 def decode_variant_sweep(rows):
     """The decodes that move half the plain case's bytes per key (head_dim 64; GQA 8:1, half the KV heads) under
     other pipelines and splits, 64 requests x 8,192 keys."""
@@ -342,7 +387,9 @@ JSON_FIGURES = {  # a timing row's figures, as its fields print them
 def row_section(row) -> str:
     """The section a summary row comes from."""
     kind, name = row[:2]
-    return "parity" if kind == "parity" else "prefill" if "prefill" in name else "decode"
+    if kind == "parity":
+        return "parity"
+    return "prefill" if "prefill" in name else "engine-decode" if "engine decode" in name else "decode"
 
 
 def json_row(row) -> dict:
@@ -372,7 +419,8 @@ def write_json(path, rows, sections, *, sweep: bool) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="parity,decode,prefill", help="comma-separated: parity, decode, prefill")
+    parser.add_argument("--sections", default="parity,decode,prefill",
+                        help="comma-separated: parity, decode, engine-decode, prefill")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time the configurations behind the defaults")
     parser.add_argument("--match", default="", help="parity: only the cases whose name contains this text")
     parser.add_argument("--variant", default="", help="parity: every kernel with these KernelConfig fields, e.g. "
@@ -389,6 +437,8 @@ def main():
         decode_section(rows, sweep=args.sweep)
         if args.sweep:
             decode_variant_sweep(rows)
+    if "engine-decode" in sections:
+        engine_decode_section(rows, sweep=args.sweep)
     if "prefill" in sections:
         prefill_section(rows, sweep=args.sweep)
         if args.sweep:
