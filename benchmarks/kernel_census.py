@@ -17,7 +17,7 @@ an instruction of the optimized module that starts work on the GPU (a fusion, a 
 or a cuBLAS call, a copy, an asynchronous slice), times the trip count of every loop around it. A profile
 (`serving.py --sections busy`, CUPTI) counts a few more: cuBLAS may run two kernels per call and a copy's driver
 its own. ``--engine-variant`` (repeatable) adds the engine with those `EngineConfig` fields changed, e.g.
-``--engine-variant unroll_decode_layers=1``. Section ``attention``: the launches of one `paged_attention` call of
+``--engine-variant cublas_matmuls=0``. Section ``attention``: the launches of one `paged_attention` call of
 each decode workload of `roofline.py` in `ATTENTION_WORKLOADS` (the kernel and the small XLA kernels around it).
 
 Prints a table of launches per executable (and per layer for a forward) by kind, and writes the rows as JSON

@@ -20,7 +20,7 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/serving.py [--sect
               share of the wall time the GPU runs kernels or copies (CUPTI profile); and the engine's step
               time against its jitted calls replayed back to back. ``--engine-variant FIELD=INT,...`` (repeatable):
               busy and throughput also with these EngineConfig fields changed, beside the default, e.g.
-              ``--engine-variant unroll_decode_layers=1 --engine-variant fuse_projections=0``;
+              ``--engine-variant cublas_matmuls=0 --engine-variant fuse_projections=0``;
   prefill     (GPU) where a prefill step's time goes: the throughput workload's prompts with one token each (every
               step a whole 8,192-token chunk of prefill): wall time per step, the model's FLOPs per second against
               the bf16 matmul ceiling, the layers' matmuls alone, kernel time by kind (CUPTI profile);
@@ -353,7 +353,7 @@ def matmul_ceiling_tflops(*, calls: int = 20) -> float:
 
 
 def parse_engine_variant(text: str) -> dict:
-    """``"unroll_decode_layers=1,fuse_projections=0"`` -> those `EngineConfig` fields (bools from 0 / 1)."""
+    """``"cublas_matmuls=0,fuse_projections=0"`` -> those `EngineConfig` fields (bools from 0 / 1)."""
     defaults = EngineConfig()
     variant = {}
     for setting in text.split(","):
@@ -795,7 +795,7 @@ def main():
                         help="throughput: ours with each of these EngineConfig.decode_steps, e.g. 1,8 (default: 1)")  # fmt: skip
     parser.add_argument("--engine-variant", action="append", default=[],
                         help="busy, prefill, throughput: also the engine with these EngineConfig fields, beside the "
-                             "default, e.g. unroll_decode_layers=1 (comma-separated FIELD=INT; repeatable)")  # fmt: skip
+                             "default, e.g. cublas_matmuls=0 (comma-separated FIELD=INT; repeatable)")  # fmt: skip
     args = parser.parse_args()
     variants = ({}, *map(parse_engine_variant, args.engine_variant))
     rows: list = []

@@ -7,10 +7,9 @@ Run from the repository root:  PYTHONPATH=. python benchmarks/startup.py [--sect
              process, timed whole: `jha generate` with the tuned flags cold (an empty compilation cache), again
              with the cache filled, with the CLI's defaults (cache filled), and cold with `--cascade-attention
              off` (what the default's cascade decode shape costs a new process) and cold with
-             `--unroll-decode-layers` (what unrolled decode steps cost it); then transformers'
-             `generate_batch` (`paged|sdpa`) on the same token ids. Ours split their wall time into import,
-             weight loading, engine setup, compiling (of it lowering), serving, and the first token's time since
-             the process started;
+             `--no-cublas-matmuls` (XLA's Triton GEMMs); then transformers' `generate_batch` (`paged|sdpa`) on the
+             same token ids. Ours split their wall time into import, weight loading, engine setup, compiling (of it
+             lowering), serving, and the first token's time since the process started;
   kernels    in this process: every step shape lowered (the engine's executables, abstract weights), the Mosaic GPU
              kernels each one holds (distinct modules: jaxlib compiles each once per process, one at a time, under
              one lock), each kernel's compile on its own (`MosaicGpuCompile`), then each shape's XLA compile;
@@ -138,14 +137,17 @@ def processes(rows: list, *, shape: dict, transformers_too: bool, num_prompts: i
             "cold, cascade off": ours("ours, cold (empty cache), --cascade-attention off", model_dir, prompts,
                                       [*NEWCOMER_FLAGS, "--cascade-attention", "off", "--compilation-cache",
                                        os.path.join(work, "cache-off")], rows),
-            # what the decode steps' layers unrolled (`--unroll-decode-layers`: no weight copies) cost a new process
-            "cold, unrolled decode": ours("ours, cold (empty cache), --unroll-decode-layers", model_dir, prompts,
-                                          [*NEWCOMER_FLAGS, "--unroll-decode-layers", "--compilation-cache",
-                                           os.path.join(work, "cache-unrolled")], rows),
         }  # fmt: skip
+        # the matmuls on XLA's Triton GEMMs (`--no-cublas-matmuls`: each scanned layer's weights copied out first)
+        triton = ours("ours, cold (empty cache), --no-cublas-matmuls", model_dir, prompts,
+                      [*NEWCOMER_FLAGS, "--no-cublas-matmuls", "--compilation-cache",
+                       os.path.join(work, "cache-triton")], rows)  # fmt: skip
         outputs = runs["cold"]["payload"]["outputs"]
         same = all(r["payload"]["outputs"] == outputs for r in runs.values())
-        line = f"all {len(runs)} runs' greedy tokens equal: {same}"
+        agree = np.mean([a == b for x, y in zip(outputs, triton["payload"]["outputs"])
+                         for a, b in zip(x["output_token_ids"], y["output_token_ids"])])  # fmt: skip
+        line = (f"all {len(runs)} cuBLAS runs' greedy tokens equal: {same}; the Triton GEMMs' equal to theirs: "
+                f"{agree:.1%} (bf16 sums in another order)")
         print("processes", line, flush=True)
         rows.append(("processes", line))
         if transformers_too:

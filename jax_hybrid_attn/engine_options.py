@@ -62,10 +62,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="decode steps per device call when every request decodes (default: 1)")  # fmt: skip
     g.add_argument("--cascade-attention", choices=("auto", "always", "off"), default="auto",
                    help="a prompt prefix every decode shares, read once per step (default: auto, where it pays)")  # fmt: skip
-    g.add_argument("--unroll-decode-layers", action="store_true",
-                   help="decode steps with the layers unrolled: no copies of weights, a longer compile")  # fmt: skip
-    g.add_argument("--cublas-matmuls", action="store_true",
-                   help="the model's matmuls on cuBLAS, reading each scanned layer's weights in place (GPU)")  # fmt: skip
+    g.add_argument("--cublas-matmuls", action=argparse.BooleanOptionalAction, default=True,
+                   help="the model's matmuls on cuBLAS, reading each scanned layer's weights in place, or on XLA's "
+                        "Triton GEMMs, which copy them out first (GPU; default: cuBLAS)")  # fmt: skip
     cache = g.add_mutually_exclusive_group()
     cache.add_argument("--compilation-cache", metavar="DIR",
                        help="keep compiled steps in DIR (JAX's persistent compilation cache, every entry and XLA's "
@@ -119,7 +118,7 @@ def make_engine_config(args):
         kv_memory=args.kv_memory, hybrid=args.hybrid, enable_prefix_caching=not args.no_prefix_caching,
         seed=args.seed, tensor_parallel=args.tensor_parallel, decode_steps=args.decode_steps,
         cascade_attention=args.cascade_attention, kv_cache_dtype=KV_CACHE_DTYPE_NAMES[args.kv_cache_dtype],
-        unroll_decode_layers=args.unroll_decode_layers, cublas_matmuls=args.cublas_matmuls,
+        cublas_matmuls=args.cublas_matmuls,
         compilation_cache=args.compilation_cache and os.path.join(args.compilation_cache, "jha-steps"),
     )  # fmt: skip
 

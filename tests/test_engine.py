@@ -154,24 +154,6 @@ def test_calls_of_several_decode_steps_give_the_one_step_engines_samples():
     assert one[2].finish_reason == "stop" and several.stats.multi_step_calls > 0
 
 
-@pytest.mark.parametrize("decode_steps", [1, 4])
-def test_unrolled_decode_layers_give_the_dense_forwards_greedy_tokens(decode_steps):
-    """``unroll_decode_layers``: the decode steps' layers unrolled (Mistral's two layers are a scan of two repeats
-    otherwise), one step or several per call, through chunks, prefix hits and preemption: the dense forward's
-    greedy tokens, every block back in the pool; only the decode executables differ from the scanned engine's."""
-    config, model = tiny_model("mistral")
-    want = [dense_greedy(model, p, MAX_TOKENS) for p in PROMPTS]
-    sizes = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64, decode_steps=decode_steps)
-    engine = tightest_engine(model, config, **sizes, unroll_decode_layers=True)
-    got = generate_within(engine, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), max_steps=200)
-    assert [o.output_token_ids for o in got] == want
-    assert engine.stats.preemptions > 0 and engine.stats.cached_prompt_tokens > 0
-    assert not engine.has_unfinished_requests() and engine.manager.num_free_blocks == engine.layout.num_blocks - 1
-    decode, mixed = (engine.runner.trace(("forward", shape)).lower().as_text().count("stablehlo.while")
-                     for shape in engine.runner.shapes)  # fmt: skip
-    assert decode == mixed - 1, (decode, mixed)  # the mixed step's loop over the layers, and the same others
-
-
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
 def test_cascade_decode_steps_give_the_same_greedy_tokens(family):
     """Decode steps with cascade attention on the full-attention layers (``cascade_attention="always"``): requests
@@ -405,6 +387,21 @@ def test_the_kernel_path_in_interpret_mode_gives_the_reference_paths_tokens():
     assert tokens["kernel"] == tokens["reference"]
 
 
+@pytest.mark.parametrize("family, logits_dtype", [("gemma3_text", jnp.bfloat16), ("gemma2", jnp.float32)])
+def test_the_forward_hands_the_sampler_the_lm_heads_logits_unconverted(family, logits_dtype):
+    """A bf16 engine's forward returns the LM head's bf16 logits (the sampler converts them as it reads them),
+    float32 where the model soft-caps them (Gemma 2); the greedy tokens are the dense forward's."""
+    config = ModelConfig.from_hf(FAMILIES[family]().to_dict())
+    model = Decoder(config, rngs=nnx.Rngs(3), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                                                max_model_len=64))  # fmt: skip
+    for shape in engine.runner.shapes:
+        assert engine.runner.trace(("forward", shape)).out_info[1].dtype == logits_dtype
+    prompts = PROMPTS[:2]
+    got = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    assert [o.output_token_ids for o in got] == [dense_greedy(model, p, 4) for p in prompts]
+
+
 def test_the_pool_can_be_sized_in_bytes():
     config, model = tiny_model("gemma3_text")
     budget = 200_000
@@ -493,14 +490,17 @@ def test_warming_up_runs_every_executable_once_and_changes_no_state():
 
 
 def test_cublas_matmuls_compile_the_model_steps_with_xla_options_and_keep_the_tokens(monkeypatch):
-    """``cublas_matmuls`` compiles the executables that run the model (forward shapes, decode-step calls) with
-    `CUBLAS_MATMUL_OPTIONS` and the others with none; on a CPU the tokens are the default engine's."""
+    """``cublas_matmuls`` (the default) compiles the executables that run the model (forward shapes, decode-step
+    calls) with `CUBLAS_MATMUL_OPTIONS` and the others with none; off, none has options; on a CPU the tokens are
+    the same."""
     from jax_hybrid_attn.engine.model_runner import CUBLAS_MATMUL_OPTIONS, ModelRunner
 
     config, model = tiny_model("gemma3_text")
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     options = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64, decode_steps=2)
-    want = [o.output_token_ids for o in Engine(model, config, EngineConfig(**options)).generate(PROMPTS, sampling)]
+    triton = Engine(model, config, EngineConfig(**options, cublas_matmuls=False))
+    want = [o.output_token_ids for o in triton.generate(PROMPTS, sampling)]
+    assert all(triton.runner.compiler_options(key) == {} for key in triton.runner._executables)
     compiled_with = {}
     compile_one = ModelRunner._compile_one
 
@@ -509,7 +509,7 @@ def test_cublas_matmuls_compile_the_model_steps_with_xla_options_and_keep_the_to
         return compile_one(lowered, options)
 
     monkeypatch.setattr(ModelRunner, "_compile_one", staticmethod(recording))
-    engine = Engine(model, config, EngineConfig(**options, cublas_matmuls=True))
+    engine = Engine(model, config, EngineConfig(**options))
     assert [o.output_token_ids for o in engine.generate(PROMPTS, sampling)] == want
     by_kind = {kind: engine.runner.compiler_options((kind, variant)) for kind, variant in engine.runner._executables}
     assert by_kind == {"allocate": {}, "sample": {}, "forward": CUBLAS_MATMUL_OPTIONS,

@@ -42,16 +42,15 @@ def test_layer_runs_follow_the_pattern():
     assert LayerRun(3, 2, 3).layers(1) == [4, 6, 8]
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-def test_the_scanned_decoder_computes_what_the_decoder_does(unroll):
+def test_the_scanned_decoder_computes_what_the_decoder_does():
     config = gemma3_config(14)  # runs: the 6-layer period twice, then 2 sliding layers
     model = Decoder(config, rngs=nnx.Rngs(3))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, 21), jnp.int32)
     want, _ = model(tokens, DenseAttention(21))
-    scanned = jax.jit(lambda m, t: m(t, DenseAttention(21), unroll=unroll))
+    scanned = jax.jit(lambda m, t: m(t, DenseAttention(21)))
     got, _ = scanned(ScannedDecoder.from_decoder(model), tokens)
     loops = scanned.lower(ScannedDecoder.from_decoder(model), tokens).as_text().count("stablehlo.while")
-    assert loops == (0 if unroll else 2), loops  # each run of two repeats: a loop, or unrolled
+    assert loops == 2, loops  # each run of two repeats: a loop
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 

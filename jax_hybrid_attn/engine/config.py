@@ -71,10 +71,6 @@ class EngineConfig:
         (`cascade`: the prefix's blocks read once per step, not once per request) on full-attention layers:
         "auto" where the cost rule (`cascade.cascade_pays`) says it pays, on the kernels of one device (one more
         decode step compiled); "always" for every decode step (tests, measurements); "off".
-      unroll_decode_layers: compile the decode-only steps with the layers unrolled instead of scanned over their
-        pattern (`models.layer_scan`): their matmuls then read each layer's weights in place, where a scan copies
-        them out of their stack first (about a dozen copy kernels per layer on a GPU), at the cost of a longer
-        compile of those steps (every layer's kernels apart). Mixed steps stay scanned.
       fuse_projections: serve layers whose q/k/v projections, and dense MLPs' gate/up projections, are fused into
         one Linear each, their weights concatenated once when the engine stacks them
         (`models.layer_scan.ScannedDecoder.from_decoder`): one matmul per group, where XLA would otherwise
@@ -83,8 +79,8 @@ class EngineConfig:
         by whole heads.
       cublas_matmuls: compile the forward steps with every matmul on cuBLAS (XLA's Triton GEMMs off) and XLA's
         dynamic-slice fusion on (`model_runner.CUBLAS_MATMUL_OPTIONS`): a scan over layers then hands cuBLAS each
-        layer's weights in place in their stack, where Triton GEMMs need them copied out first at every step.
-        Nothing changes on a CPU.
+        layer's weights in place in their stack, where Triton GEMMs need them copied out first at every step
+        (on by default). Nothing changes on a CPU.
     """
 
     block_size: int | None = None
@@ -105,9 +101,8 @@ class EngineConfig:
     compile_workers: int | None = None
     decode_steps: int = 1
     cascade_attention: str = "auto"
-    unroll_decode_layers: bool = False
     fuse_projections: bool = True
-    cublas_matmuls: bool = False
+    cublas_matmuls: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "tensor_parallel", check_int("tensor_parallel", self.tensor_parallel))
@@ -121,8 +116,8 @@ class EngineConfig:
                 object.__setattr__(self, name, check_int(name, getattr(self, name), maximum=None))
         if self.num_blocks is not None and self.kv_memory is not None:
             raise ValueError(f"give at most one of num_blocks={self.num_blocks} and kv_memory={self.kv_memory}")
-        for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only", "unroll_decode_layers",
-                     "fuse_projections", "cublas_matmuls"):
+        for name in ("hybrid", "enable_prefix_caching", "sliding_window_in_window_only", "fuse_projections",
+                     "cublas_matmuls"):
             object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0, maximum=2**32 - 1))
         if self.kv_cache_dtype is not None:

@@ -138,7 +138,6 @@ def forward(
     num_tokens: int,
     max_query_len: int,
     cascade: bool = False,
-    unroll_decode_layers: bool = False,
     mesh: Mesh | None = None,
     axis: str | None = None,
 ) -> tuple[Array, Float[Array, "R V"]]:
@@ -146,12 +145,9 @@ def forward(
     `max_query_len` and `cascade` static, `kv_cache` donated): T bounds the step's tokens, `max_query_len` each
     row's (1 for a decode-only step). Each layer writes its K/V into `kv_cache` ([num_tensors, B, 2, S, K, H]) and
     attends (`PagedCache`). With `cascade`, the full-attention layers split off the blocks that every scheduled
-    row's table starts with (`step_common_prefix_blocks`) as cascade attention. Returns (the cache, float32
-    logits of each row's last token).
-
-    With `unroll_decode_layers`, a decode-only step (`max_query_len` 1) runs the layers unrolled: it reads every
-    weight once and little else, and a scan copies each layer's weights out of their stack first
-    (`ScannedDecoder`'s `unroll`); mixed steps, bound by their matmuls' arithmetic, keep the scans.
+    row's table starts with (`step_common_prefix_blocks`) as cascade attention. Returns (the cache, the logits of
+    each row's last token, in the LM head's dtype unless the model soft-caps them: `sample` converts them to
+    float32 as it reads them).
 
     Nothing in it makes the host wait for the device: the scans over layers have static trip counts and no
     branch depends on device values. With a `mesh`, attention runs per device over `axis`."""
@@ -164,8 +160,8 @@ def forward(
         common_prefix_blocks=step_common_prefix_blocks(out, allocator_config.block_sizes) if cascade else None,
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
-    logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token,
-                          unroll=unroll_decode_layers and max_query_len == 1, pack_vectors=mesh is None)
+    logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token, pack_vectors=mesh is None,
+                          float32_logits=False)  # fmt: skip
     if mesh is not None:  # replicated, as `sample` takes them whatever the shape
         logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     return cache.kv, logits

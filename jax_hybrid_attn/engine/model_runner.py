@@ -135,8 +135,7 @@ class ModelRunner:
             cascade=config.cascade_step,
         )  # fmt: skip
         run_forward = partial(forward, self.layout, self.allocator_config, config.implementation, config.interpret,
-                              unroll_decode_layers=config.unroll_decode_layers, mesh=self.mesh,
-                              axis=None if self.mesh is None else TENSOR_AXIS)  # fmt: skip
+                              mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS)  # fmt: skip
         self._forward = jax.jit(run_forward, static_argnames=("num_tokens", "max_query_len", "cascade"),
                                 donate_argnames=("kv_cache",))  # fmt: skip
         self._decode_steps = jax.jit(partial(decode_steps, self.allocator_config, run_forward),

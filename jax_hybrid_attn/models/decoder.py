@@ -333,8 +333,12 @@ class DecoderEnds(nnx.Module):
             x = x * jnp.asarray(math.sqrt(config.hidden_size), dt)  # in the dtype, as transformers does
         return x
 
-    def logits(self, x: Float[Array, "T D"], logits_indices: Int[Array, "R"] | None) -> Float[Array, "R V"]:
-        """Float32 logits of the rows `logits_indices` of `x` (every row when None)."""
+    def logits(self, x: Float[Array, "T D"], logits_indices: Int[Array, "R"] | None, *,
+               float32: bool = True) -> Float[Array, "R V"]:  # fmt: skip
+        """Float32 logits of the rows `logits_indices` of `x` (every row when None). Without `float32`, in the LM
+        head's dtype where the model has no final soft cap: the same values before their conversion, for a
+        caller that converts them as it reads them (a serving step's sampler), so that no kernel writes them
+        twice."""
         config, dt = self.config, self.dtype
         x = self.norm(x)
         if logits_indices is not None:
@@ -343,7 +347,8 @@ class DecoderEnds(nnx.Module):
             logits = matmul(x, self.embed_tokens.weight[...].astype(dt).T)
         else:
             logits = self.lm_head(x)
-        logits = logits.astype(jnp.float32)
+        if float32 or config.final_logit_softcapping is not None:
+            logits = logits.astype(jnp.float32)
         if config.final_logit_softcapping is not None:
             cap = config.final_logit_softcapping
             logits = cap * jnp.tanh(logits / cap)

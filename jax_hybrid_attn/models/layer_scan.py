@@ -16,8 +16,8 @@ one matmul per group on weights concatenated once, here. Left apart, XLA merges 
 itself, by concatenating their weights inside the scan's body, at every step, on top of copying each sliced
 weight.
 
-A scan's body slices each stacked weight once per iteration, and on a GPU each slice is a kernel of its own. The
-small weights (norm weights, biases, sinks, KV-cache scales) are therefore sliced together: `VectorPack` puts a
+A scan's body slices each stacked weight once per iteration. On a GPU, cuBLAS reads a matrix's slice in place
+(`EngineConfig.cublas_matmuls`), but every other slice is a kernel of its own. The small weights (norm weights, biases, sinks, KV-cache scales) are therefore sliced together: `VectorPack` puts a
 period's small weights in one array per dtype, and the body slices only those and the matrices.
 
 Shape letters: T tokens · D hidden size · V vocabulary · R rows kept for the LM head.
@@ -146,19 +146,17 @@ class ScannedDecoder:
         cache: AttentionCache,
         *,
         logits_indices: Int[Array, "R"] | None = None,
-        unroll: bool = False,
         pack_vectors: bool = True,
+        float32_logits: bool = True,
     ) -> tuple[Float[Array, "R V"], AttentionCache]:
         """`Decoder.__call__`: the same logits and cache, the layers run as scans.
 
-        `unroll`: the scans unrolled, so that each layer's matmuls read its weights where they are stacked. A
-        scan's body slices every stacked weight per iteration, and XLA copies each slice into a buffer of its own
-        before the matmul reads it (a copy kernel per weight and layer on a GPU); unrolled, every layer's kernels
-        are compiled apart (a longer compile) and no weight is copied.
-
         `pack_vectors`: a scan's body slices one array per dtype holding all of its period's small weights (norm
         weights, biases, sinks, KV-cache scales: `VectorPack`), concatenated once per call, instead of one slice
-        per weight and layer. Leave it off where the vectors are split over devices differently."""
+        per weight and layer. Leave it off where the vectors are split over devices differently.
+
+        `float32_logits`: off, the logits stay in the LM head's dtype where the model has no final soft cap
+        (`DecoderEnds.logits`)."""
         ends = nnx.merge(self.ends_graph, self.ends)
         x = ends.embed(token_ids)
         for run, graphs, weights in zip(self.runs, self.layer_graphs, self.layer_weights, strict=True):
@@ -175,8 +173,8 @@ class ScannedDecoder:
                 (x, cache), _ = period((x, cache), (unstacked, range(run.start, run.stop)))
                 continue
             layer_ids = jnp.asarray([run.layers(j) for j in range(run.period)], jnp.int32).T  # [repeats, period]
-            if not pack_vectors or unroll:
-                (x, cache), _ = jax.lax.scan(period, (x, cache), (weights, layer_ids), unroll=unroll)
+            if not pack_vectors:
+                (x, cache), _ = jax.lax.scan(period, (x, cache), (weights, layer_ids))
                 continue
             pack = VectorPack.of(weights)
 
@@ -186,7 +184,7 @@ class ScannedDecoder:
 
             matrices, vectors = pack.pack(weights)
             (x, cache), _ = jax.lax.scan(packed_period, (x, cache), (matrices, vectors, layer_ids))
-        return ends.logits(x, logits_indices), cache
+        return ends.logits(x, logits_indices, float32=float32_logits), cache
 
 
 PACKED_MAX_SIZE = 65_536
