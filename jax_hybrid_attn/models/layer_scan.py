@@ -17,8 +17,9 @@ itself, by concatenating their weights inside the scan's body, at every step, on
 weight.
 
 A scan's body slices each stacked weight once per iteration. On a GPU, cuBLAS reads a matrix's slice in place
-(`EngineConfig.cublas_matmuls`), but every other slice is a kernel of its own. The small weights (norm weights, biases, sinks, KV-cache scales) are therefore sliced together: `VectorPack` puts a
-period's small weights in one array per dtype, and the body slices only those and the matrices.
+(`EngineConfig.cublas_matmuls`), but every other slice is a kernel of its own. The small weights (norm weights,
+biases, sinks, KV-cache scales) are therefore sliced together: `VectorPack` puts a period's small weights in one
+array per dtype, and the body slices only those and the matrices.
 
 Shape letters: T tokens · D hidden size · V vocabulary · R rows kept for the LM head.
 """
