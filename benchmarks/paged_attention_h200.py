@@ -66,15 +66,9 @@ def check(inputs_kwargs, options, query_lens, seq_lens):
     return ok, float(np.abs(out - ref).max())
 
 
-def device_batch(seed, *, num_reqs, query_len, seq_len, num_q_heads, num_kv_heads, head_dim, block_size, dtype=jnp.bfloat16):
-    """A large batch generated on the device; blocks scattered by a random permutation."""
-    blocks_per_req = -(-seq_len // block_size)
-    key_cache, key_q = jax.random.split(jax.random.key(seed))
-    kv_cache = jax.random.normal(key_cache, (num_reqs * blocks_per_req + 1, 2, block_size, num_kv_heads, head_dim), dtype)
-    tables = 1 + np.random.default_rng(seed).permutation(num_reqs * blocks_per_req).reshape(num_reqs, blocks_per_req)
-    metadata = make_attention_metadata([query_len] * num_reqs, [seq_len] * num_reqs, tables, block_size=block_size)
-    q = jax.random.normal(key_q, (num_reqs * query_len, num_q_heads, head_dim), dtype)
-    return q, kv_cache, metadata
+def device_batch(seed, *, num_reqs, query_len, seq_len, **shape):
+    """A large batch of `num_reqs` requests alike (`varied_batch`)."""
+    return varied_batch(seed, [seq_len] * num_reqs, query_len=query_len, **shape)
 
 
 def kernel_ms(fn, *args, repeats=30):
@@ -112,9 +106,10 @@ def record(rows, *fields):
     rows.append(("time", *fields))
 
 
-def varied_decode_batch(seed, seq_lens, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype=jnp.bfloat16):
-    """One decode per request of `seq_lens` keys, generated on the device; blocks scattered by a random
-    permutation, the rest of each block table the null block 0."""
+def varied_batch(seed, seq_lens, *, query_len=1, num_q_heads, num_kv_heads, head_dim, block_size,
+                 dtype=jnp.bfloat16):  # fmt: skip
+    """A large batch generated on the device: `query_len` new tokens per request of `seq_lens` keys; blocks
+    scattered by a random permutation, the rest of each block table the null block 0."""
     blocks = [-(-int(n) // block_size) for n in seq_lens]
     key_cache, key_q = jax.random.split(jax.random.key(seed))
     kv_cache = jax.random.normal(key_cache, (sum(blocks) + 1, 2, block_size, num_kv_heads, head_dim), dtype)
@@ -122,8 +117,10 @@ def varied_decode_batch(seed, seq_lens, *, num_q_heads, num_kv_heads, head_dim, 
     tables = np.zeros((len(seq_lens), max(blocks)), np.int32)
     for row, count in enumerate(blocks):
         tables[row, :count] = [next(pages) for _ in range(count)]
-    metadata = make_attention_metadata([1] * len(seq_lens), list(map(int, seq_lens)), tables, block_size=block_size)
-    return jax.random.normal(key_q, (len(seq_lens), num_q_heads, head_dim), dtype), kv_cache, metadata
+    metadata = make_attention_metadata([query_len] * len(seq_lens), list(map(int, seq_lens)), tables,
+                                       block_size=block_size)  # fmt: skip
+    q = jax.random.normal(key_q, (len(seq_lens) * query_len, num_q_heads, head_dim), dtype)
+    return q, kv_cache, metadata
 
 
 def time_decode(rows, name, q, kv_cache, metadata, options, full_ms, *, breakdown=False):
@@ -274,7 +271,7 @@ def engine_decode_section(rows, *, sweep):
     of equal length (what each request's CTA costs beyond its bytes)."""
     seq_lens = np.random.default_rng(0).integers(*ENGINE_DECODE_KEYS, ENGINE_DECODE_REQUESTS)
     for order, lens in (("as drawn", seq_lens), ("longest first", np.sort(seq_lens)[::-1])):
-        q, kv_cache, metadata = varied_decode_batch(1, lens, **GEMMA3_1B_HEADS)
+        q, kv_cache, metadata = varied_batch(1, lens, **GEMMA3_1B_HEADS)
         for label, params in (("full", CAUSAL), (f"window {GEMMA3_1B_WINDOW}",
                                                  LayerAttentionParams(sliding_window=GEMMA3_1B_WINDOW))):
             name = f"engine decode {label}, {order}"
@@ -284,7 +281,7 @@ def engine_decode_section(rows, *, sweep):
                     time_decode(rows, f"{name}, splits={splits}", q, kv_cache, metadata, dict(params=params), None)
         del q, kv_cache
     for num_reqs in (64, 128, 256, 512) if sweep else ():
-        q, kv_cache, metadata = varied_decode_batch(1, [131_072 // num_reqs] * num_reqs, **GEMMA3_1B_HEADS)
+        q, kv_cache, metadata = varied_batch(1, [131_072 // num_reqs] * num_reqs, **GEMMA3_1B_HEADS)
         time_decode(rows, f"engine decode full, {num_reqs} x {131_072 // num_reqs} keys", q, kv_cache, metadata, {},
                     None)  # fmt: skip
         del q, kv_cache
