@@ -139,8 +139,8 @@ NEW_PER_STEP, NEW_PROMPT = 4, 256
 
 def time_mixed_steps(config, state, computed, *, steps: int, sample, warmup: int = 10):
     """Each step, 4 requests finish and 4 new ones with 256-token prompts take their slots (untimed: `free` and
-    `add_requests`); the timed step prefills the new prompts (several blocks per group each: the one-row path)
-    and decodes the others. Median and 10th percentile (us), failed rows."""
+    `add_requests`); the timed step prefills the new prompts (several blocks per group each, no prefix hit: the
+    step's loop serves them together) and decodes the others. Median and 10th percentile (us), failed rows."""
     num_requests = computed.shape[0]
     slots = jnp.arange(num_requests, dtype=jnp.int32)
     rng = np.random.default_rng(1)

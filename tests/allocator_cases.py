@@ -137,6 +137,8 @@ class Mirror:
             else:
                 assert got == want, f"{rid!r}: allocator {got}, oracle {want}"
         assert manager.get_num_common_prefix_blocks() == oracle.num_common_prefix_blocks()
+        stats = manager.state.stats  # lookups, tokens queried, tokens hit, as vLLM's prefix-cache stats count them
+        assert [int(stats.requests), int(stats.queries), int(stats.hits)] == oracle.stats
         check_invariants(manager)
 
 

@@ -23,10 +23,12 @@ How the rows go (the step is a few hundred array operations whatever R is; `xla_
   * Rows with nothing to do this step (a decode that neither crosses a block edge nor frees nor caches a block)
     succeed without any work (`row_plan.idle_rows`).
   * The others go in order, up to `CHUNK_ROWS` at a time, through the vectorised path (`vectorised`), which
-    serves a leading run of running requests that free only hashed blocks and need at most one new block and one
-    cached block per group.
-  * The first row that path cannot serve exactly (a new request, a row that frees an unhashed block or needs
-    several blocks, a row that fails) goes alone through the general one-row path (`single_row`); then the
+    serves a leading run of rows that free only hashed blocks, at most one per group. The first chunk, outside any
+    loop, takes running requests that need at most one new and one cached block per group (a decode step); the
+    loop after it also takes rows that need several blocks (prefill chunks) and new requests that surely miss the
+    prefix cache.
+  * The first row that path cannot serve exactly (a new request that may hit, a row that frees an unhashed block
+    or several blocks, a row that fails) goes alone through the general one-row path (`single_row`); then the
     vectorised path resumes after it.
   * Rare work sits in 0-or-1-trip loops (`xla_cpu.run_if`). On a GPU each such check is a host sync of its
     predicate, so an iteration has two: ring compaction with stamp re-ranking before the frees and takes (one check
@@ -123,8 +125,8 @@ DEFERRED_STEP_INSERT_ROUNDS = 4
 
 
 class _RowLoop:
-    """The rows with work, in order: chunks through the vectorised path, the rows it stops at (and new requests)
-    through the one-row path (C = `chunk` rows per chunk)."""
+    """The rows with work, in order: chunks through the vectorised path, the rows it stops at through the one-row
+    path (C = `chunk` rows per chunk)."""
 
     def __init__(self, config: AllocatorConfig, rows: StepRows):
         self.config, self.rows = config, rows
@@ -164,42 +166,30 @@ class _RowLoop:
         )
         return state, results
 
-    def vectorised(self, queue, k, state: AllocatorState, results: RowResults):
-        """A chunk of the queue from `k` through the vectorised path, then the row it stopped at, and the rare
-        work (collided prefix-map inserts) behind the same check."""
-        num_rows = self.num_rows
-        members = jax.lax.dynamic_slice_in_dim(queue, k, self.chunk)
-        state, served, stop, inserts = allocate_leading_rows(self.config, state, self.rows_at(members))
-        results = self.record(members, served, results)
-        stop_row = jnp.where(stop < self.chunk, members[jnp.minimum(stop, self.chunk - 1)], num_rows)
-
-        def rare(state, results):  # one host sync on a GPU for both kinds of rare work
-            state = dataclasses.replace(state, pool=pool_ops.finish_inserts(state.pool, inserts))
-            return run_if(stop_row < num_rows, partial(self.one_row, stop_row), state, results)
-
-        state, results = run_if((stop_row < num_rows) | jnp.any(inserts.pending), rare, state, results)
-        return jnp.where(stop < self.chunk, k + stop + 1, k + self.chunk), state, results
-
-    def new_request(self, queue, k, state: AllocatorState, results: RowResults):
-        """A row that holds no blocks goes straight to the general path."""
-        return (k + 1, *self.one_row(queue[k], state, results))
-
     def step(self, work: Bool[Array, "R"], carry):
         """One iteration over the rows marked in `work`, from the `k`-th: the prefix-map inserts left pending, then a
-        chunk, or the next row if it is a new request."""
+        chunk of the queue through the vectorised path (several blocks a row, new requests without a prefix hit),
+        then the row it stopped at through the general path, and the rare work (collided prefix-map inserts) behind
+        the same check."""
         k, state, inserts, results = carry
+        num_rows = self.num_rows
         pool = run_if(  # the inserts left by the first chunk
             jnp.any(inserts.pending), lambda pool: (pool_ops.finish_inserts(pool, inserts),), state.pool
         )[0]
         state = dataclasses.replace(state, pool=pool)
-        queue = self.queue(work)
-        head = queue[k]  # the next row with work (`num_rows` once only inserts are left)
-        slot_of_head = jnp.clip(
-            self.rows.slot[jnp.minimum(head, self.num_rows - 1)], 0, self.config.max_num_seqs - 1
+        members = jax.lax.dynamic_slice_in_dim(self.queue(work), k, self.chunk)
+        state, served, stop, run_inserts = allocate_leading_rows(
+            self.config, state, self.rows_at(members), multi_block=True
         )
-        head_is_new = (head < self.num_rows) & ~RequestRows(state.requests.rows, slot_of_head).running
-        carry = run_if(~head_is_new, partial(self.vectorised, queue), k, state, results)
-        k, state, results = run_if(head_is_new, partial(self.new_request, queue), *carry)
+        results = self.record(members, served, results)
+        stop_row = jnp.where(stop < self.chunk, members[jnp.minimum(stop, self.chunk - 1)], num_rows)
+
+        def rare(state, results):  # one host sync on a GPU for both kinds of rare work
+            state = dataclasses.replace(state, pool=pool_ops.finish_inserts(state.pool, run_inserts))
+            return run_if(stop_row < num_rows, partial(self.one_row, stop_row), state, results)
+
+        state, results = run_if((stop_row < num_rows) | jnp.any(run_inserts.pending), rare, state, results)
+        k = jnp.where(stop < self.chunk, k + stop + 1, k + self.chunk)
         return k, state, Inserts.none(inserts.pending.shape[0]), results
 
 
