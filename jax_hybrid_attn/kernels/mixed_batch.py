@@ -18,7 +18,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
 from .._compat import check_interpret_threads, plgpu, resolve_interpret
 from ..layout import FP8_DTYPE, V_TRANSPOSED_BLOCK, KVArrays, KVCache
@@ -259,8 +259,10 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
         )  # fmt: skip
 
     def all_tokens(config, tiled):  # every token's output from one launch whose tiles hold the requests of `tiled`
-        all_requests = with_tokens_after_the_requests(requests, num_tokens)
-        tiled = jnp.append(tiled, True)  # and the tokens after the last request
+        all_requests, rows = with_tokens_after_the_requests(
+            metadata, num_tokens=num_tokens, block_size=block_size, num_blocks=num_blocks
+        )
+        tiled = jnp.where(jnp.arange(metadata.num_reqs + 1) < metadata.num_reqs, tiled[rows], True)
         tiles = query_tiles.prefill_tiles(
             all_requests.query_lens, group_size, num_tokens, rows=config.rows, tiled=tiled
         )
@@ -301,15 +303,32 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
     )  # fmt: skip
 
 
-def with_tokens_after_the_requests(requests: query_tiles.Requests, num_tokens: int) -> query_tiles.Requests:
-    """`requests` and one more, holding the tokens after the last one up to T: no context (no keys, so no
-    steps), flagged, so that the kernel writes NaN for its tokens before `num_actual_tokens` (no request holds
-    them) and 0 for the padding from there on."""
-    query_start_loc, query_lens, seq_lens, block_tables, flags = requests
-    return query_tiles.Requests(
-        jnp.append(query_start_loc, num_tokens).astype(query_start_loc.dtype),
-        jnp.append(query_lens, jnp.maximum(num_tokens - query_start_loc[-1], 0)).astype(query_lens.dtype),
-        jnp.append(seq_lens, 0).astype(seq_lens.dtype),
-        jnp.concatenate([block_tables, jnp.zeros_like(block_tables[:1])]),
-        jnp.append(flags, True),
+def with_tokens_after_the_requests(
+    metadata: AttentionMetadata, *, num_tokens: int, block_size: int, num_blocks: int
+) -> tuple[query_tiles.Requests, Int[Array, "R+1"]]:
+    """The requests of `metadata` as the kernels see them (`unservable_requests` flagged, key counts and block ids
+    kept inside the block table and the pool), and one more holding the tokens after the last request up to T: no
+    context (no keys, so no steps), hence flagged wherever it holds a token, so that the kernel writes NaN for its
+    tokens before `num_actual_tokens` (no request holds them) and 0 for the padding from there on.
+
+    Built by gathers, not concatenations: inside a scan over layers XLA fuses them with the layers' other work on
+    the metadata instead of launching a kernel per appended array and layer. Returns (the R + 1 requests, the
+    request each of them copies: r, and R - 1 for the last)."""
+    num_reqs = metadata.num_reqs
+    request = jnp.arange(num_reqs + 1)
+    before_last = request < num_reqs
+    rows = jnp.minimum(request, num_reqs - 1)
+    starts = metadata.query_start_loc[jnp.minimum(jnp.arange(num_reqs + 2), num_reqs)]
+    query_start_loc = jnp.where(jnp.arange(num_reqs + 2) <= num_reqs, starts, num_tokens)
+    seq_lens = jnp.where(before_last, metadata.seq_lens[rows], 0)
+    block_tables = jnp.where(before_last[:, None], metadata.block_tables[rows], 0)
+    extended = metadata.replace(query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables)
+    flagged = unservable_requests(extended, block_size=block_size, num_blocks=num_blocks)
+    requests = query_tiles.Requests(
+        query_start_loc,
+        extended.query_lens,
+        jnp.minimum(seq_lens, block_tables.shape[1] * block_size),
+        jnp.clip(block_tables, 0, num_blocks - 1),
+        flagged,
     )
+    return requests, rows
