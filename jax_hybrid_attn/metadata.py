@@ -61,6 +61,10 @@ class AttentionMetadata:
       num_common_prefix_blocks: [] int32, or None: the leading block-table entries that every request holds
         alike; given, `attention.paged_attention` computes the step as cascade attention (`cascade`: the shared
         prefix once for every query, each request's suffix, merged).
+      block_ids_in_range: static; the caller guarantees that every id in `block_tables` lies in the pool's
+        ``[0, B)`` (the engine's `PagedCache` checks its tables once per step, outside its scans over layers, and
+        flags a request with a bad id through its ``seq_lens``). Under jit the attention then skips that check
+        per request, a reduction over the block table in every layer; ``checked=True`` checks on the host anyway.
     """
 
     query_start_loc: Int[Array, "R+1"]
@@ -73,6 +77,7 @@ class AttentionMetadata:
     causal: bool = True
     token_budget: int | None = None
     num_common_prefix_blocks: Int[Array, ""] | None = None
+    block_ids_in_range: bool = False
 
     def __post_init__(self):
         # The static fields as Python scalars (numpy ones accepted): they key jit's caches and compare by value.
@@ -80,8 +85,9 @@ class AttentionMetadata:
             value = getattr(self, name)
             if isinstance(value, np.integer):
                 object.__setattr__(self, name, int(value))
-        if isinstance(self.causal, np.bool_):
-            object.__setattr__(self, "causal", bool(self.causal))
+        for name in ("causal", "block_ids_in_range"):
+            if isinstance(getattr(self, name), np.bool_):
+                object.__setattr__(self, name, bool(getattr(self, name)))
 
     @property
     def num_reqs(self) -> int:
@@ -105,7 +111,7 @@ register_pytree_dataclass(
     AttentionMetadata,
     data_fields=["query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_actual_tokens",
                  "num_common_prefix_blocks"],
-    meta_fields=["max_query_len", "max_seq_len", "causal", "token_budget"],
+    meta_fields=["max_query_len", "max_seq_len", "causal", "token_budget", "block_ids_in_range"],
 )
 
 

@@ -308,9 +308,12 @@ def check_paged_attention_args(
 def unservable_requests(metadata: AttentionMetadata, *, block_size: int, num_blocks: int) -> jax.Array:
     """[R] bool: requests the metadata cannot serve: a query longer than ``metadata.max_query_len`` or than its
     ``seq_lens``, a ``seq_lens`` beyond the block table's ``P * S`` positions, or a block id outside the pool's
-    ``[0, B)``. Traced metadata cannot be checked on the host, so the reference and the kernels give those
-    requests' tokens NaN instead of a wrong number (``checked=True`` raises instead, on concrete values)."""
+    ``[0, B)`` (unless ``metadata.block_ids_in_range`` vouches for the ids). Traced metadata cannot be checked on
+    the host, so the reference and the kernels give those requests' tokens NaN instead of a wrong number
+    (``checked=True`` raises instead, on concrete values)."""
     query_lens, seq_lens, tables = metadata.query_lens, metadata.seq_lens, metadata.block_tables
     capacity = tables.shape[1] * block_size
-    bad_block = jnp.any((tables < 0) | (tables >= num_blocks), axis=1)
-    return (query_lens > metadata.max_query_len) | (query_lens > seq_lens) | (seq_lens > capacity) | bad_block
+    unservable = (query_lens > metadata.max_query_len) | (query_lens > seq_lens) | (seq_lens > capacity)
+    if metadata.block_ids_in_range:
+        return unservable
+    return unservable | jnp.any((tables < 0) | (tables >= num_blocks), axis=1)

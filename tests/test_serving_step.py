@@ -239,3 +239,43 @@ def test_join_refuses_bad_arguments():
         layer_attention(q, k, None, jnp.zeros(shape), metadata)
     with pytest.raises(ValueError, match="params"):
         layer_attention(q, k, k, jnp.zeros(shape), metadata, params=dict(sliding_window=4))
+
+
+def test_the_engine_cache_checks_its_block_tables_once_per_step_and_flags_a_bad_row():
+    """`PagedCache` with `bad_rows` (computed once per step): a row whose table holds an id outside its tensor
+    comes out NaN in that group's layer, flagged through its ``seq_lens``, as the per-layer check flags it without
+    them; the other rows are unchanged; each layer's metadata vouches for its ids, so none checks them again."""
+    from jax_hybrid_attn.engine.paged_cache import PagedCache, rows_with_bad_blocks
+
+    config = make_config(in_window_only=False)
+    manager = KVCacheManager(config)
+    manager.add_request("a", SHARED_PREFIX[:30])
+    manager.add_request("b", SHARED_PREFIX[:20] + [1, 2, 3])
+    out = manager.schedule([("a", 30), ("b", 12)])
+    full = 2  # the full-attention group and layer
+    bad = dataclasses.replace(out, block_tables=out.block_tables.at[full, 0, 0].set(config.num_blocks + 5))
+    rng = np.random.default_rng(3)
+    num_tokens = int(out.query_start_loc[-1])
+    q = jnp.asarray(rng.standard_normal((num_tokens, NUM_Q_HEADS, HEAD_DIM)), jnp.float32)
+    k, v = jnp.asarray(rng.standard_normal((2, num_tokens, NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((3, config.num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
+
+    def attend(step, bad_rows):
+        cache = PagedCache(
+            kv=kv, step=step, positions=step.positions[:num_tokens], layer=None, layer_group=(0, 1, 2),
+            layer_tensor=(0, 1, 2), blocks_per_row=config.blocks_per_row, max_query_len=num_tokens,
+            max_seq_len=config.max_model_len, implementation="reference", bad_rows=bad_rows,
+        )  # fmt: skip
+        y, _ = cache.attend(full, q, k, v, params=LAYERS[full])
+        return cache.metadata(full, full), np.asarray(y)
+
+    _, clean = attend(out, None)
+    for bad_rows in (None, rows_with_bad_blocks(bad, num_blocks=config.num_blocks)):
+        metadata, y = attend(bad, bad_rows)
+        assert metadata.block_ids_in_range == (bad_rows is not None)
+        first = int(out.query_start_loc[1])
+        assert np.isnan(y[:first]).all()
+        np.testing.assert_array_equal(y[first:], clean[first:])
+    assert np.asarray(rows_with_bad_blocks(bad, num_blocks=config.num_blocks)).tolist() == [
+        [False] * 4, [False] * 4, [True] + [False] * 3
+    ]

@@ -2,8 +2,9 @@
 
 Events go in vLLM's order: row, then group, then block index (frees from the highest index down); the frees of
 one (row, group) are one vLLM ``free_blocks`` call. The one-row path enumerates its row's events from the counts
-into `AllocatorConfig.max_row_step_blocks` slots (`expand_events`); the vectorised path has one event slot per
-(row, group) (`one_event_per_group`), since its rows free, take and cache at most one block per group.
+into `AllocatorConfig.max_row_step_blocks` slots (`expand_events`), and the vectorised path its takes and caches
+into `vectorised.multi_block_capacity` slots when its rows may need several blocks; otherwise it has one event slot
+per (row, group) (`one_event_per_group`), since its rows then free, take and cache at most one block per group.
 
 Block tables are written through a flat view (``tables.reshape(-1)``, [G * R_slots * P_max], written GRP in the
 annotations; indices from `table_index`): one cheap 1-D gather or scatter each. E is the number of event slots.
@@ -68,7 +69,7 @@ class Events:
 
 
 def expand_events(counts: Int[Array, "G R"], capacity: int) -> Events:
-    """``counts[g, r]`` events for each (row, group), in order, in `capacity` slots (the one-row path)."""
+    """``counts[g, r]`` events for each (row, group), in order, in `capacity` slots."""
     num_groups = counts.shape[0]
     call, index, present = expand(counts.T.reshape(-1), capacity)
     return Events(call // num_groups, call % num_groups, index, present)

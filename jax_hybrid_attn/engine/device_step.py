@@ -32,7 +32,7 @@ from ..allocator import step as step_ops
 from ..allocator.columns import RequestRows
 from ..models.layer_scan import ScannedDecoder
 from .kv_layout import KVCacheLayout
-from .paged_cache import PagedCache
+from .paged_cache import PagedCache, rows_with_bad_blocks
 from .sampling import sample_tokens
 
 __all__ = ["NO_SLOT", "StepPlan", "StepResult", "allocate", "decode_steps", "forward", "sample"]
@@ -158,6 +158,7 @@ def forward(
         token_budget=allocator_config.max_num_batched_tokens, implementation=implementation,
         interpret=interpret, mesh=mesh, axis=axis, kv_layout=layout.kv_layout,
         common_prefix_blocks=step_common_prefix_blocks(out, allocator_config.block_sizes) if cascade else None,
+        bad_rows=rows_with_bad_blocks(out, num_blocks=kv_cache.shape[1]),
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
     logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token, pack_vectors=mesh is None,
