@@ -242,10 +242,10 @@ def test_join_refuses_bad_arguments():
 
 
 def test_the_engine_cache_checks_its_block_tables_once_per_step_and_flags_a_bad_row():
-    """`PagedCache` with `bad_rows` (computed once per step): a row whose table holds an id outside its tensor
-    comes out NaN in that group's layer, flagged through its ``seq_lens``, as the per-layer check flags it without
-    them; the other rows are unchanged; each layer's metadata vouches for its ids, so none checks them again."""
-    from jax_hybrid_attn.engine.paged_cache import PagedCache, rows_with_bad_blocks
+    """`with_checked_block_tables` (once per step, before the layers): a row whose table holds an id outside its
+    tensor comes out NaN, flagged through its ``seq_lens``, as the per-layer check flags it without it; the other
+    rows are unchanged; each layer's metadata vouches for its ids, so none checks them again."""
+    from jax_hybrid_attn.engine.paged_cache import PagedCache, with_checked_block_tables
 
     config = make_config(in_window_only=False)
     manager = KVCacheManager(config)
@@ -259,23 +259,26 @@ def test_the_engine_cache_checks_its_block_tables_once_per_step_and_flags_a_bad_
     q = jnp.asarray(rng.standard_normal((num_tokens, NUM_Q_HEADS, HEAD_DIM)), jnp.float32)
     k, v = jnp.asarray(rng.standard_normal((2, num_tokens, NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
     kv = jnp.asarray(rng.standard_normal((3, config.num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)), jnp.float32)
+    max_keys = max(config.blocks_per_row) * BLOCK_SIZE
 
-    def attend(step, bad_rows):
+    def attend(step, in_range):
         cache = PagedCache(
             kv=kv, step=step, positions=step.positions[:num_tokens], layer=None, layer_group=(0, 1, 2),
             layer_tensor=(0, 1, 2), blocks_per_row=config.blocks_per_row, max_query_len=num_tokens,
-            max_seq_len=config.max_model_len, implementation="reference", bad_rows=bad_rows,
+            max_seq_len=config.max_model_len, implementation="reference", block_ids_in_range=in_range,
         )  # fmt: skip
         y, _ = cache.attend(full, q, k, v, params=LAYERS[full])
         return cache.metadata(full, full), np.asarray(y)
 
-    _, clean = attend(out, None)
-    for bad_rows in (None, rows_with_bad_blocks(bad, num_blocks=config.num_blocks)):
-        metadata, y = attend(bad, bad_rows)
-        assert metadata.block_ids_in_range == (bad_rows is not None)
+    _, clean = attend(out, False)
+    checked = with_checked_block_tables(bad, num_blocks=config.num_blocks, max_keys=max_keys)
+    assert np.asarray(checked.seq_lens).tolist()[:2] == [max_keys + 1, int(out.seq_lens[1])]
+    assert int(checked.block_tables.max()) < config.num_blocks
+    for step, in_range in ((bad, False), (checked, True)):
+        metadata, y = attend(step, in_range)
+        assert metadata.block_ids_in_range == in_range
         first = int(out.query_start_loc[1])
         assert np.isnan(y[:first]).all()
         np.testing.assert_array_equal(y[first:], clean[first:])
-    assert np.asarray(rows_with_bad_blocks(bad, num_blocks=config.num_blocks)).tolist() == [
-        [False] * 4, [False] * 4, [True] + [False] * 3
-    ]
+    same = with_checked_block_tables(out, num_blocks=config.num_blocks, max_keys=max_keys)
+    np.testing.assert_array_equal(np.asarray(same.seq_lens), np.asarray(out.seq_lens))

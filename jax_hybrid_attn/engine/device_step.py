@@ -15,6 +15,7 @@ blocks), step n+1 computes from what step n really did.
 Shape letters: R rows (request slots, ``max_num_seqs``) · T tokens of the step · V vocabulary.
 """
 
+import operator
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -32,7 +33,7 @@ from ..allocator import step as step_ops
 from ..allocator.columns import RequestRows
 from ..models.layer_scan import ScannedDecoder
 from .kv_layout import KVCacheLayout
-from .paged_cache import PagedCache, rows_with_bad_blocks
+from .paged_cache import PagedCache, with_checked_block_tables
 from .sampling import sample_tokens
 
 __all__ = ["NO_SLOT", "StepPlan", "StepResult", "allocate", "decode_steps", "forward", "sample"]
@@ -151,14 +152,18 @@ def forward(
 
     Nothing in it makes the host wait for the device: the scans over layers have static trip counts and no
     branch depends on device values. With a `mesh`, attention runs per device over `axis`."""
+    checked = with_checked_block_tables(
+        out, num_blocks=kv_cache.shape[1],
+        max_keys=max(map(operator.mul, allocator_config.blocks_per_row, allocator_config.block_sizes)),
+    )  # fmt: skip
     cache = PagedCache(
-        kv=kv_cache, step=out, positions=out.positions[:num_tokens], layer=None, layer_group=layout.layer_group,
+        kv=kv_cache, step=checked, positions=out.positions[:num_tokens], layer=None, layer_group=layout.layer_group,
         layer_tensor=layout.layer_tensor, blocks_per_row=allocator_config.blocks_per_row,
         max_query_len=max_query_len, max_seq_len=allocator_config.max_model_len,
         token_budget=allocator_config.max_num_batched_tokens, implementation=implementation,
         interpret=interpret, mesh=mesh, axis=axis, kv_layout=layout.kv_layout,
         common_prefix_blocks=step_common_prefix_blocks(out, allocator_config.block_sizes) if cascade else None,
-        bad_rows=rows_with_bad_blocks(out, num_blocks=kv_cache.shape[1]),
+        block_ids_in_range=True,
     )  # fmt: skip
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
     logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token, pack_vectors=mesh is None,

@@ -20,7 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Int
 
 from .._compat import register_pytree_dataclass
 from ..allocator import StepOutput
@@ -30,7 +30,7 @@ from ..layout import FP8_DTYPE, KVCache, KVLayout
 from ..metadata import AttentionMetadata
 from ..sharding import sharded_layer_attention
 
-__all__ = ["PagedCache", "rows_with_bad_blocks"]
+__all__ = ["PagedCache", "with_checked_block_tables"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +53,9 @@ class PagedCache:
         without a window or chunk attend as cascade attention (`cascade`). Windowed and chunked layers do not:
         their kernels already skip a prefix that lies outside every query's window or chunk.
       kv_layout: the tensors' layout (static; `KVCacheLayout.kv_layout`).
-      bad_rows: [G, R] per group, the rows whose block table holds an id outside a tensor's ``[0, B)``
-        (`rows_with_bad_blocks`, computed once per step), or None. Given, each layer's metadata has its ids
-        clipped into range and those rows flagged through their ``seq_lens`` (beyond the table), and says so
-        (`AttentionMetadata.block_ids_in_range`): the attention then checks no block table per layer.
+      block_ids_in_range: static; `step`'s block tables hold only ids in a tensor's ``[0, B)``
+        (`with_checked_block_tables`, once per step): each layer's metadata says so
+        (`AttentionMetadata.block_ids_in_range`), and the attention checks no block table per layer.
     """
 
     kv: jax.Array
@@ -75,7 +74,7 @@ class PagedCache:
     axis: str | None = None
     common_prefix_blocks: Int[Array, "G"] | None = None
     kv_layout: KVLayout = "NHD"
-    bad_rows: Bool[Array, "G R"] | None = None
+    block_ids_in_range: bool = False
 
     def at_layer(self, layer) -> "PagedCache":
         return dataclasses.replace(self, layer=layer)
@@ -92,20 +91,16 @@ class PagedCache:
             tensor = jnp.asarray(self.layer_tensor, jnp.int32)[layer]
         width = self.blocks_per_row[self.layer_group[kind_layer]]
         slots = step.slot_mappings[group, : self.positions.shape[0]]
-        block_tables, seq_lens = step.block_tables[group, :, :width], step.seq_lens
-        if self.bad_rows is not None:
-            block_tables = jnp.clip(block_tables, 0, num_blocks - 1)
-            seq_lens = jnp.where(self.bad_rows[group], width * block_size + 1, seq_lens)
         return AttentionMetadata(
             query_start_loc=step.query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables + tensor * num_blocks,
+            seq_lens=step.seq_lens,
+            block_tables=step.block_tables[group, :, :width] + tensor * num_blocks,
             slot_mapping=jnp.where(slots == PAD_SLOT_ID, PAD_SLOT_ID, slots + tensor * num_blocks * block_size),
             num_actual_tokens=step.query_start_loc[-1],
             max_query_len=self.max_query_len,
             max_seq_len=self.max_seq_len,
             token_budget=self.token_budget,
-            block_ids_in_range=self.bad_rows is not None,
+            block_ids_in_range=self.block_ids_in_range,
         )
 
     def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None):
@@ -129,15 +124,23 @@ class PagedCache:
         return out, dataclasses.replace(self, kv=pool.data.reshape(self.kv.shape))
 
 
-def rows_with_bad_blocks(step: StepOutput, *, num_blocks: int) -> Bool[Array, "G R"]:
-    """Per group, the rows whose block table holds an id outside ``[0, num_blocks)`` (`PagedCache.bad_rows`)."""
+def with_checked_block_tables(step: StepOutput, *, num_blocks: int, max_keys: int) -> StepOutput:
+    """`step` with its block tables checked once, before the layers: ids clipped into ``[0, num_blocks)``, and a
+    row that held an id outside it in any group flagged through its ``seq_lens`` (``max_keys + 1``, beyond the
+    ``P * S`` keys of every group's table, so that its tokens come out NaN, never a wrong number); for
+    `PagedCache` with ``block_ids_in_range``."""
     tables = step.block_tables
-    return jnp.any((tables < 0) | (tables >= num_blocks), axis=-1)
+    bad = jnp.any((tables < 0) | (tables >= num_blocks), axis=(0, 2))
+    return dataclasses.replace(
+        step,
+        block_tables=jnp.clip(tables, 0, num_blocks - 1),
+        seq_lens=jnp.where(bad, max_keys + 1, step.seq_lens),
+    )
 
 
 register_pytree_dataclass(
     PagedCache,
-    data_fields=["kv", "step", "positions", "layer", "common_prefix_blocks", "bad_rows"],
+    data_fields=["kv", "step", "positions", "layer", "common_prefix_blocks"],
     meta_fields=["layer_group", "layer_tensor", "blocks_per_row", "max_query_len", "max_seq_len",
-                 "token_budget", "implementation", "interpret", "mesh", "axis", "kv_layout"],
+                 "token_budget", "implementation", "interpret", "mesh", "axis", "kv_layout", "block_ids_in_range"],
 )  # fmt: skip
