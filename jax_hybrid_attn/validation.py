@@ -81,8 +81,9 @@ def check_metadata(metadata) -> None:
         value = getattr(metadata, name)
         if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= INT32_MAX:
             raise ValueError(f"metadata.{name}={value!r} must be an int in [0, {INT32_MAX}]")
-    if not isinstance(metadata.causal, bool):
-        raise ValueError(f"metadata.causal={metadata.causal!r} must be a bool")
+    for name in ("causal", "block_ids_in_range"):
+        if not isinstance(getattr(metadata, name), bool):
+            raise ValueError(f"metadata.{name}={getattr(metadata, name)!r} must be a bool")
     budget, num_tokens = metadata.token_budget, metadata.slot_mapping.shape[0]
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < num_tokens):
         raise ValueError(f"metadata.token_budget={budget!r} must be None or an int >= T={num_tokens}")

@@ -173,6 +173,8 @@ CASES = [
      E, r"metadata\.slot_mapping\.shape"),  # fmt: skip
     ("max-query-len-negative", lambda: attention(metadata=MD.replace(max_query_len=-1)), E, r"metadata\.max_query_len"),
     ("metadata-causal-int", lambda: attention(metadata=MD.replace(causal=1)), E, r"metadata\.causal"),
+    ("metadata-block-ids-in-range-str", lambda: attention(metadata=MD.replace(block_ids_in_range="yes")),
+     E, r"metadata\.block_ids_in_range='yes' must be a bool"),  # fmt: skip
     # paged_attention: checked mode
     ("checked-block-id-too-large", lambda: checked(block_tables=edited("block_tables", (1, 0), NUM_BLOCKS)),
      E, r"metadata\.block_tables"),  # fmt: skip
