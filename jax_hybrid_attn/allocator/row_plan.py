@@ -138,6 +138,12 @@ def gather_rows(config: AllocatorConfig, requests: RequestTable, slots: Int[Arra
     return slot_ok, slot, RequestRows(materialize(requests.rows[slot]))
 
 
+def looks_up_prefix(rows: StepRows, is_new: Bool[Array, "R"]) -> Bool[Array, "R"]:
+    """The rows whose request searches the prefix cache: it holds no blocks (`is_new`), starts from token 0 and has
+    tokens to compute (vLLM's lookup of a waiting request)."""
+    return is_new & (rows.num_computed == 0) & (rows.num_new > 0)
+
+
 def _numbers_ok(config: AllocatorConfig, rows: StepRows, computed, new_tokens) -> Bool[Array, "R"]:
     """The row's numbers allow a step: tokens to compute, non-negative counts, within ``max_model_len``."""
     return (

@@ -18,7 +18,7 @@ from . import pool as pool_ops
 from .columns import STAT_HITS, STAT_QUERIES, STAT_REQUESTS, BlockRows
 from .config import AllocatorConfig
 from .coordinator import compute_hits, may_hit
-from .row_plan import RowPlan, RowResults, StepRows, gather_rows, plan_rows
+from .row_plan import RowPlan, RowResults, StepRows, gather_rows, looks_up_prefix, plan_rows
 from .state import AllocatorState, BlockPool, RequestTable
 from .xla_cpu import updated
 
@@ -40,9 +40,7 @@ def _search_prefix(
     """Look up the prefix of a request that holds no blocks and starts from token 0 (hits capped at
     ``num_tokens - 1``), and count the lookup in the prefix-cache statistics. Returns (pool, hit)."""
     num_tokens = stored.num_tokens[0]
-    search = (
-        row.active[0] & slot_ok[0] & ~stored.running[0] & (row.num_computed[0] == 0) & (row.num_new[0] > 0)
-    )
+    search = (row.active & slot_ok & looks_up_prefix(row, ~stored.running))[0]
     # A prompt whose first block misses in a full-attention group has no hit: skip the search.
     lookup = search & may_hit(config, pool, requests, slot[0], num_tokens - 1)
 

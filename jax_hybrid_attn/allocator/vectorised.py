@@ -27,7 +27,7 @@ from .columns import STAT_QUERIES, STAT_REQUESTS
 from .config import AllocatorConfig
 from .coordinator import may_hit
 from .prefix_map import Inserts
-from .row_plan import RowPlan, RowResults, StepRows, gather_rows, plan_rows
+from .row_plan import RowPlan, RowResults, StepRows, gather_rows, looks_up_prefix, plan_rows
 from .state import AllocatorState, BlockPool, RequestTable
 from .xla_cpu import cpu_cond, cumsum, updated
 
@@ -59,7 +59,7 @@ def _without_hits(
     """Whether each new request would surely find no prefix hit when its turn comes in the run (see the module
     docstring). Running requests look up nothing: True."""
     stored = plan.stored
-    searches = plan.is_new & (rows.num_computed == 0) & (rows.num_new > 0)
+    searches = looks_up_prefix(rows, plan.is_new)
     if not config.enable_caching:
         return jnp.ones_like(searches)
     max_length = stored.num_tokens - 1
@@ -115,7 +115,7 @@ def _first_stop(
 def _count_lookups(pool: BlockPool, plan: RowPlan, rows: StepRows, served: Bool[Array, "R"]) -> BlockPool:
     """The prefix-cache statistics of the new requests the run served (each a lookup that found nothing), as the
     one-row path counts them."""
-    searched = served & plan.is_new & (rows.num_computed == 0) & (rows.num_new > 0)
+    searched = served & looks_up_prefix(rows, plan.is_new)
     stats = pool.stats
     counters = updated(
         pool.counters,
