@@ -105,9 +105,17 @@ class Mirror:
         return out
 
     def free(self, request_id):
-        slot = self.manager._slot(request_id)
-        self.manager.free(request_id)
-        self.oracle.free_request(slot)
+        self.free_requests([request_id])
+
+    def free_requests(self, request_ids):
+        """One device call for all of them; the oracle frees them one at a time, in order."""
+        slots = [self.manager._slot(request_id) for request_id in request_ids]
+        if len(request_ids) == 1:
+            self.manager.free(request_ids[0])
+        else:
+            self.manager.free_requests(request_ids)
+        for slot in slots:
+            self.oracle.free_request(slot)
         self.check()
 
     def preempt(self, request_id):

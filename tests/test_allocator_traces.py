@@ -1,5 +1,5 @@
 """Random traces of add / allocate (prefill chunks, decode, prefix hits, lookahead, admission gate) / append /
-free / preempt / reset, run on the jitted allocator and on the plain-Python oracle of vLLM's rules: same success
+free (one request or several per call) / preempt / reset, run on the jitted allocator and on the plain-Python oracle of vLLM's rules: same success
 flags, block tables, reference counts, hashes and free-queue order after every step, and the invariants
 (free + used = total - 1, a block in as many tables as its count, null block never free, window requests within
 their cap, ids in range)."""
@@ -57,14 +57,13 @@ def run_trace(config, seed: int, num_ops: int = 30):
                 done = manager.num_computed_tokens(rid) == manager.num_tokens(rid)
                 if done and manager.num_tokens(rid) < config.max_model_len - 3:
                     mirror.append(rid, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 2))])
-        elif kind == "free":
-            mirror.free(live.pop(rng.randrange(len(live))))
+        elif kind == "free":  # one request, or several in one call (prefix blocks they share drop a reference each)
+            mirror.free_requests([live.pop(rng.randrange(len(live))) for _ in range(rng.randint(1, len(live) - 1))])
         elif kind == "preempt":
             mirror.preempt(rng.choice(live))
         elif kind == "reset":
             mirror.reset()
-    for rid in live:
-        mirror.free(rid)
+    mirror.free_requests(live)
     assert manager.num_free_blocks == config.num_blocks - 1
 
 

@@ -356,37 +356,41 @@ def allocate_slots(
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def free(config: AllocatorConfig, state: AllocatorState, slots: Int[Array, "R"]) -> AllocatorState:
     """Free every block of each request (finished or preempted), in row order; each group frees its blocks
-    tail first. The slots keep their tokens and hashes (a preempted request is resumed as a new request)."""
+    tail first. The slots keep their tokens and hashes (a preempted request is resumed as a new request). A slot
+    out of range, or named by an earlier row, frees nothing.
+
+    One `pool.free_blocks` over all rows, one call per (row, group) as vLLM frees them one request at a time: a
+    block that several requests hold (a prefix hit) drops one reference per request and is queued by its last
+    one. No loop over the rows: on a GPU each trip would launch its kernels and sync with the host."""
     slots = jnp.asarray(slots, jnp.int32)
+    num_rows = slots.shape[0]
     num_groups, width = config.num_groups, config.max_blocks_per_row
-
-    def one(i, state):
-        req = state.requests
-        slot_ok = (slots[i] >= 0) & (slots[i] < config.max_num_seqs)
-        slot = jnp.clip(slots[i], 0, config.max_num_seqs - 1)
-        reverse = req.tables[:, slot, ::-1]  # [G, P_max]: tail block first
-        position = width - 1 - jnp.arange(width, dtype=jnp.int32)
-        lengths = RequestRows(req.rows, slot).num_table_blocks  # [G]
-        mask = slot_ok & (position[None, :] < lengths[:, None]) & (reverse != NULL_BLOCK_ID)
-        calls = jnp.broadcast_to(jnp.arange(num_groups, dtype=jnp.int32)[:, None], reverse.shape)
-        pool = pool_ops.free_blocks(
-            state.pool,
-            reverse.reshape(-1),
-            mask.reshape(-1),
-            calls.reshape(-1),
-            num_calls=num_groups,
-            unique=True,
-        )
-        drop = jnp.where(slot_ok, slot, config.max_num_seqs)
-        cleared = req.rows[slot].at[RUNNING].set(0).at[ROW_GROUP_COLUMNS:].set(0)
-        req = dataclasses.replace(
-            req,
-            tables=req.tables.at[:, drop, :].set(NULL_BLOCK_ID, mode="drop"),
-            rows=req.rows.at[drop].set(cleared, mode="drop"),
-        )
-        return dataclasses.replace(state, pool=pool, requests=req)
-
-    return jax.lax.fori_loop(0, slots.shape[0], one, state)
+    req = state.requests
+    row = jnp.arange(num_rows)
+    earlier = jnp.any((slots[None, :] == slots[:, None]) & (row[None, :] < row[:, None]), axis=1)
+    slot_ok = (slots >= 0) & (slots < config.max_num_seqs) & ~earlier
+    slot = jnp.clip(slots, 0, config.max_num_seqs - 1)
+    reverse = jnp.moveaxis(req.tables[:, slot, ::-1], 0, 1)  # [R, G, P_max]: each group's tail block first
+    position = width - 1 - jnp.arange(width, dtype=jnp.int32)
+    lengths = RequestRows(req.rows[slot]).num_table_blocks.T  # [R, G]
+    mask = slot_ok[:, None, None] & (position < lengths[..., None]) & (reverse != NULL_BLOCK_ID)
+    calls = jnp.arange(num_rows * num_groups, dtype=jnp.int32).reshape(num_rows, num_groups)
+    pool = pool_ops.free_blocks(
+        state.pool,
+        reverse.reshape(-1),
+        mask.reshape(-1),
+        jnp.broadcast_to(calls[..., None], reverse.shape).reshape(-1),
+        num_calls=num_rows * num_groups,
+        unique=False,
+    )
+    drop = jnp.where(slot_ok, slot, config.max_num_seqs)
+    cleared = req.rows[slot].at[:, RUNNING].set(0).at[:, ROW_GROUP_COLUMNS:].set(0)
+    req = dataclasses.replace(
+        req,
+        tables=req.tables.at[:, drop, :].set(NULL_BLOCK_ID, mode="drop"),
+        rows=req.rows.at[drop].set(cleared, mode="drop"),
+    )
+    return dataclasses.replace(state, pool=pool, requests=req)
 
 
 @partial(jax.jit, static_argnames=("config",))
