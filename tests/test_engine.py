@@ -373,7 +373,9 @@ def test_engine_config_names_what_is_wrong():
 
 def test_the_kernel_path_in_interpret_mode_gives_the_reference_paths_tokens():
     """The Mosaic GPU kernels (interpreted on the CPU) inside the engine: bf16, head size 64 as the kernels need;
-    warmed up first, as on a GPU (every kernel launch of an idle plan, no row to attend)."""
+    warmed up first, as on a GPU (every kernel launch of an idle plan, no row to attend). Both give the dense
+    forward's greedy tokens, and the bf16 forward hands the sampler the LM head's bf16 logits (the sampler converts
+    them as it reads them)."""
     config = ModelConfig.from_hf(dict(FAMILIES["gemma3_text"]().to_dict(), head_dim=64, query_pre_attn_scalar=64))
     model = Decoder(config, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     prompts = [PROMPTS[1], PROMPTS[4]]
@@ -382,21 +384,22 @@ def test_the_kernel_path_in_interpret_mode_gives_the_reference_paths_tokens():
         engine = Engine(model, config, EngineConfig(block_size=16, max_num_seqs=2, max_num_batched_tokens=32,
                                                     max_model_len=64, implementation=implementation,
                                                     interpret=interpret))  # fmt: skip
+        for shape in engine.runner.shapes:
+            assert engine.runner.trace(("forward", shape)).out_info[1].dtype == jnp.bfloat16
         engine.compile(warm_up=True)
         tokens[implementation] = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))]
-    assert tokens["kernel"] == tokens["reference"]
+    assert tokens["kernel"] == tokens["reference"] == [dense_greedy(model, p, 3) for p in prompts]
 
 
-@pytest.mark.parametrize("family, logits_dtype", [("gemma3_text", jnp.bfloat16), ("gemma2", jnp.float32)])
-def test_the_forward_hands_the_sampler_the_lm_heads_logits_unconverted(family, logits_dtype):
-    """A bf16 engine's forward returns the LM head's bf16 logits (the sampler converts them as it reads them),
-    float32 where the model soft-caps them (Gemma 2); the greedy tokens are the dense forward's."""
-    config = ModelConfig.from_hf(FAMILIES[family]().to_dict())
+def test_a_soft_capping_model_hands_the_sampler_float32_logits():
+    """Where the model soft-caps its logits (Gemma 2), a bf16 engine's forward returns them in float32; the greedy
+    tokens are the dense forward's."""
+    config = ModelConfig.from_hf(FAMILIES["gemma2"]().to_dict())
     model = Decoder(config, rngs=nnx.Rngs(3), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
                                                 max_model_len=64))  # fmt: skip
     for shape in engine.runner.shapes:
-        assert engine.runner.trace(("forward", shape)).out_info[1].dtype == logits_dtype
+        assert engine.runner.trace(("forward", shape)).out_info[1].dtype == jnp.float32
     prompts = PROMPTS[:2]
     got = engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0))
     assert [o.output_token_ids for o in got] == [dense_greedy(model, p, 4) for p in prompts]
@@ -457,13 +460,12 @@ def test_an_image_prompt_is_refused_by_name_and_nothing_compiles():
 def test_warming_up_runs_every_executable_once_and_changes_no_state():
     """`ModelRunner.warm_up` (an idle plan through every executable, decode-step calls and the cascade shape
     included) leaves the allocator, the token counts and the KV cache bit for bit as they were, prefix cache and
-    all; the engine then gives the tokens of one that never warmed up."""
+    all; the engine then gives the dense forward's greedy tokens, as one that never warmed up does."""
     config, model = tiny_model("gemma3_text")
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     options = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64, decode_steps=2,
                    cascade_attention="always")  # fmt: skip
-    cold = Engine(model, config, EngineConfig(**options))
-    want = [o.output_token_ids for o in cold.generate(PROMPTS, sampling)]
+    want = [dense_greedy(model, prompt, MAX_TOKENS) for prompt in PROMPTS]
     engine = Engine(model, config, EngineConfig(**options))
     engine.compile(warm_up=False)
     assert [o.output_token_ids for o in engine.generate(PROMPTS[:3], sampling)] == want[:3]  # fills the cache
@@ -492,15 +494,15 @@ def test_warming_up_runs_every_executable_once_and_changes_no_state():
 def test_cublas_matmuls_compile_the_model_steps_with_xla_options_and_keep_the_tokens(monkeypatch):
     """``cublas_matmuls`` (the default) compiles the executables that run the model (forward shapes, decode-step
     calls) with `CUBLAS_MATMUL_OPTIONS` and the others with none; off, none has options; on a CPU the tokens are
-    the same."""
+    the dense forward's."""
     from jax_hybrid_attn.engine.model_runner import CUBLAS_MATMUL_OPTIONS, ModelRunner
 
     config, model = tiny_model("gemma3_text")
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     options = dict(block_size=4, max_num_seqs=3, max_num_batched_tokens=16, max_model_len=64, decode_steps=2)
     triton = Engine(model, config, EngineConfig(**options, cublas_matmuls=False))
-    want = [o.output_token_ids for o in triton.generate(PROMPTS, sampling)]
-    assert all(triton.runner.compiler_options(key) == {} for key in triton.runner._executables)
+    assert all(triton.runner.compiler_options(key) == {} for key in triton.runner.executable_keys())
+    want = [dense_greedy(model, prompt, MAX_TOKENS) for prompt in PROMPTS]
     compiled_with = {}
     compile_one = ModelRunner._compile_one
 
