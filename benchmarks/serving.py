@@ -596,7 +596,9 @@ def prefill_share(rows: list, *, shape: dict, num_prompts: int = 256, trace: str
             f"TFLOP/s); the layers' matmuls alone at {budget:,} tokens {matmuls_ms[None]:.2f} ms (with the models' "
             f"precision={PRECISION.name} {matmuls_ms[PRECISION]:.2f} ms); kernels and copies "
             f"{profile.gpu_busy_ms / steps:.2f} ms per step ({profile.gpu_ops / steps:.0f} of them), GPU busy "
-            f"{profile.gpu_busy_ms / profile.gpu_span_ms:.0%}; GPU per step by kind of kernel: "
+            f"{profile.gpu_busy_ms / profile.gpu_span_ms:.0%}; GPU idle per step: "
+            + ", ".join(profile.idle_lines(per=steps)) + "; host per step by profiler event: "
+            + "; ".join(profile.host_lines(per=steps, top=12)) + "; GPU per step by kind of kernel: "
             + "; ".join(profile.kernel_lines(per=steps, top=16)))  # fmt: skip
     print("prefill", line, flush=True)
     rows.append(("prefill", line))
@@ -789,7 +791,7 @@ def main():
                         help="the JSON file of the rows, by section")  # fmt: skip
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--trace", metavar="DIR", help="busy: also profile a few steps into DIR (Perfetto traces)")
+    parser.add_argument("--trace", metavar="DIR", help="busy, prefill: keep the profiles' Perfetto traces in DIR")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 1B shape (a dry run on a CPU)")
     parser.add_argument("--decode-steps", default="1",
                         help="throughput: ours with each of these EngineConfig.decode_steps, e.g. 1,8 (default: 1)")  # fmt: skip
