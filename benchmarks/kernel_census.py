@@ -12,7 +12,8 @@ tiling (or go to cuBLAS) there.
 
 The model and sizes are those of `serving.py --sections busy`: the Gemma-3-1B shape, 256 sequences, blocks of 16,
 an 8,192-token budget. Per step it counts the launches of each executable the engine calls: a decode step's
-allocate, forward (every row one token) and greedy sample, and a prefill step's forward (8,192 tokens). A launch is
+allocate, forward (every row one token) and greedy sample, and a prefill step's forward (8,192 tokens); and the
+allocator's calls that admit and finish a batch of requests (`add_requests`, `free`). A launch is
 an instruction of the optimized module that starts work on the GPU (a fusion, a custom call: a Mosaic GPU kernel
 or a cuBLAS call, a copy, an asynchronous slice), times the trip count of every loop around it. A profile
 (`serving.py --sections busy`, CUPTI) counts a few more: cuBLAS may run two kernels per call and a copy's driver
@@ -31,6 +32,7 @@ import hashlib
 import pickle
 import re
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -39,6 +41,10 @@ from jax import export
 from jax.sharding import SingleDeviceSharding
 
 from jax_hybrid_attn import paged_attention
+from jax_hybrid_attn.allocator import init_state
+from jax_hybrid_attn.allocator import requests as request_ops
+from jax_hybrid_attn.allocator import step as step_ops
+from jax_hybrid_attn.allocator.request_batches import RequestBatches
 from jax_hybrid_attn.engine import EngineConfig
 from jax_hybrid_attn.engine.step_cache import MOSAIC_GPU_CALL, RunnerSpec, export_step
 from jax_hybrid_attn.kernels.mixed_batch import lowering_for_sms, num_sms
@@ -101,11 +107,13 @@ KINDS = (  # (kind, what the launch's label matches), first match wins
 @dataclasses.dataclass(frozen=True)
 class Census:
     """The launches of one executable: per label (a fusion's name stem and kind, a custom call's target, an
-    opcode), how many per call; loops whose trip count depends on the data (the allocator's) counted once each,
-    `data_dependent_loops` of them."""
+    opcode), how many per call; loops whose trip count depends on the data (the allocator's) counted once each.
+    `host_syncs`: the loops of a data-dependent trip count and the branches that run on every call (once per trip
+    of the known-count loops around them; not those inside another such loop or branch): on a GPU each reads its
+    condition back to the host, so the host waits for the device there."""
 
     launches: dict[str, int]
-    data_dependent_loops: int = 0
+    host_syncs: int = 0
 
     @property
     def total(self) -> int:
@@ -152,9 +160,9 @@ def census(text: str) -> Census:
     count depends on the data); of a conditional, its largest branch."""
     computations, entry = _computations(text)
     launches = collections.Counter()
-    unknown_loops = [0]
+    syncs = [0]
 
-    def count(name: str, times: int, into: collections.Counter) -> None:
+    def count(name: str, times: int, into: collections.Counter, *, every_call: bool = True) -> None:
         for line in computations[name]:
             found = re.match(r"^(?:ROOT )?%[\w.\-]+ = .*? ([\w\-]+)\(", line)
             if found is None:
@@ -163,25 +171,27 @@ def census(text: str) -> Census:
             if opcode == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
                 n = 1 if trips is None else int(trips.group(1))  # a data-dependent loop: one iteration
-                unknown_loops[0] += trips is None
-                count(re.search(r"body=%([\w.\-]+)", line).group(1), times * n, into)
-                count(re.search(r"condition=%([\w.\-]+)", line).group(1), times * (n + 1), into)
+                syncs[0] += times if trips is None and every_call else 0
+                inside = every_call and trips is not None
+                count(re.search(r"body=%([\w.\-]+)", line).group(1), times * n, into, every_call=inside)
+                count(re.search(r"condition=%([\w.\-]+)", line).group(1), times * (n + 1), into, every_call=inside)
             elif opcode == "conditional":
+                syncs[0] += times if every_call else 0
                 branches = re.search(r"branch_computations=\{([^}]*)\}", line)
                 names = ([b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else
                          re.findall(r"(?:true|false)_computation=%([\w.\-]+)", line))  # fmt: skip
                 counted = []
                 for branch in names:
                     counted.append(collections.Counter())
-                    count(branch, times, counted[-1])
+                    count(branch, times, counted[-1], every_call=False)
                 into.update(max(counted, key=lambda c: sum(c.values())))
             elif opcode == "call":
-                count(re.search(r"to_apply=%([\w.\-]+)", line).group(1), times, into)
+                count(re.search(r"to_apply=%([\w.\-]+)", line).group(1), times, into, every_call=every_call)
             elif opcode not in NO_LAUNCH:
                 into[_label(line, opcode)] += times
 
     count(entry, 1, launches)
-    return Census(dict(launches), unknown_loops[0])
+    return Census(dict(launches), syncs[0])
 
 
 def compile_target():
@@ -256,11 +266,41 @@ def run(variant: dict, device, rows: list) -> None:
             per_layer = result.total / model_config.num_layers if key[0] == "forward" else None
             print(f"{label} | {step} | {name}: {result.total} launches"
                   + ("" if per_layer is None else f", {per_layer:.1f} per layer")
-                  + f", {result.data_dependent_loops} data-dependent loops counted once; compiled in {seconds:.1f} s",
+                  + f", {result.host_syncs} host syncs; compiled in {seconds:.1f} s",
                   flush=True)  # fmt: skip
             rows.append(dict(engine=label, step=step, executable=name, launches=result.total, per_layer=per_layer,
                              by_kind=result.by_kind(), by_label=result.launches,
-                             data_dependent_loops=result.data_dependent_loops, compile_s=seconds))  # fmt: skip
+                             host_syncs=result.host_syncs, compile_s=seconds))  # fmt: skip
+        if not variant:  # the allocator's calls do not change with the model's variants
+            for name, result, seconds in request_batch_census(runner, device):
+                print(f"{label} | requests | {name}: {result.total} launches, {result.host_syncs} host syncs; "
+                      f"compiled in {seconds:.1f} s", flush=True)  # fmt: skip
+                rows.append(dict(engine=label, step="requests", executable=name, launches=result.total,
+                                 per_layer=None, by_kind=result.by_kind(), by_label=result.launches,
+                                 host_syncs=result.host_syncs, compile_s=seconds))  # fmt: skip
+
+
+def request_batch_census(runner, device) -> list[tuple[str, Census, float]]:
+    """(name, census, compile seconds) of the allocator's calls that admit and finish requests (`add_requests`,
+    `free`; `RequestBatches`) at the largest batch the engine sends, for `device`."""
+    config = runner.allocator_config
+    size = RequestBatches(config).sizes[-1]
+    ints = jax.ShapeDtypeStruct((size,), jnp.int32)
+    state = jax.eval_shape(lambda: init_state(config))
+    calls = {
+        f"add_requests ({size} prompts)": (partial(request_ops.add_requests, config),
+                                           (state, ints, jax.ShapeDtypeStruct((size, config.max_model_len),
+                                                                              jnp.int32),
+                                            ints, jax.ShapeDtypeStruct((size, 2), jnp.uint32), ints)),
+        f"free ({size} requests)": (partial(step_ops.free, config), (state, ints)),
+    }  # fmt: skip
+    results = []
+    for name, (function, args) in calls.items():
+        leaves, tree = jax.tree.flatten(args)
+        exported = export.export(jax.jit(lambda *xs, f=function: f(*jax.tree.unflatten(tree, xs))),
+                                 platforms=["cuda"])(*leaves)  # fmt: skip
+        results.append((name, *compiled_census(exported, leaves, device, {})))
+    return results
 
 
 def attention_calls(device) -> list[dict]:
@@ -309,13 +349,14 @@ def main() -> None:
     print(f"\nLaunches per call, {target}, jax {jax.__version__}")
     if "census" in results:
         print("Engine, Gemma-3-1B shape (26 layers); loops of a data-dependent trip count (the allocator's) once")
-        print("| engine | step | executable | launches | per layer | " + " | ".join(kinds) + " |")
-        print("|---|---|---|---|---|" + "---|" * len(kinds))
+        print("| engine | step | executable | launches | per layer | host syncs | "
+              + " | ".join(kinds) + " |")
+        print("|---|---|---|---|---|---|" + "---|" * len(kinds))
         for row in results["census"]:
             per_layer = "" if row["per_layer"] is None else f"{row['per_layer']:.1f}"
             cells = " | ".join(str(row["by_kind"].get(kind, 0)) for kind in kinds)
             print(f"| {row['engine']} | {row['step']} | {row['executable']} | {row['launches']} | {per_layer} | "
-                  f"{cells} |")  # fmt: skip
+                  f"{row['host_syncs']} | {cells} |")  # fmt: skip
     if "attention_calls" in results:
         print("\n| attention call | launches | " + " | ".join(kinds) + " |")
         print("|---|---|" + "---|" * len(kinds))
