@@ -65,6 +65,9 @@ class AttentionMetadata:
         ``[0, B)`` (the engine's `PagedCache` checks its tables once per step, outside its scans over layers, and
         flags a request with a bad id through its ``seq_lens``). Under jit the attention then skips that check
         per request, a reduction over the block table in every layer; ``checked=True`` checks on the host anyway.
+      kernel_plan: None, or the kernels' launch plan for this metadata (`kernels.mixed_batch.plan_kernels`, built
+        once per step from the same metadata with another layer's block tables): the layers that share it skip
+        building their tile tables. The reference path ignores it.
     """
 
     query_start_loc: Int[Array, "R+1"]
@@ -78,6 +81,7 @@ class AttentionMetadata:
     token_budget: int | None = None
     num_common_prefix_blocks: Int[Array, ""] | None = None
     block_ids_in_range: bool = False
+    kernel_plan: object | None = None
 
     def __post_init__(self):
         # The static fields as Python scalars (numpy ones accepted): they key jit's caches and compare by value.
@@ -110,7 +114,7 @@ class AttentionMetadata:
 register_pytree_dataclass(
     AttentionMetadata,
     data_fields=["query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_actual_tokens",
-                 "num_common_prefix_blocks"],
+                 "num_common_prefix_blocks", "kernel_plan"],
     meta_fields=["max_query_len", "max_seq_len", "causal", "token_budget", "block_ids_in_range"],
 )
 

@@ -154,6 +154,35 @@ def test_mixed_batch_equals_its_parts():
                                    **TOLERANCES[jnp.dtype(jnp.bfloat16)])  # fmt: skip
 
 
+@pytest.mark.parametrize("query_lens, seq_lens", [([1, 1, 1], [50, 17, 64]), ([1, 2, 40], [50, 77, 60])],
+                         ids=["decodes", "mixed"])  # fmt: skip
+def test_a_launch_planned_once_for_the_step_gives_the_layers_outputs(query_lens, seq_lens):
+    """`plan_kernels` builds the launch's requests and tiles once (from another layer's block tables: the plan
+    holds none); a layer's call with it as ``metadata.kernel_plan`` gives the unplanned call's output bit for bit.
+    A plan of another shape, or for metadata that does not vouch for its block ids, is refused."""
+    inputs = random_paged_inputs(12, query_lens=query_lens, seq_lens=seq_lens, num_q_heads=8, num_kv_heads=2,
+                                 head_dim=64, block_size=16, dtype=jnp.bfloat16)  # fmt: skip
+    metadata = inputs.metadata.replace(block_ids_in_range=True)
+    window = LayerAttentionParams(sliding_window=30)
+    other_layer = metadata.replace(block_tables=jnp.zeros_like(metadata.block_tables))
+    plan = mixed_batch.plan_kernels(other_layer, num_q_heads=8, head_dim=64, q_dtype=jnp.bfloat16,
+                                    kv_cache=inputs.kv_cache)  # fmt: skip
+    assert isinstance(plan, mixed_batch.KernelPlan)
+    unplanned = paged_attention(inputs.q, inputs.kv_cache, metadata, params=window, interpret=True)
+    planned = paged_attention(inputs.q, inputs.kv_cache, metadata.replace(kernel_plan=plan), params=window,
+                              interpret=True)  # fmt: skip
+    assert np.isfinite(np.asarray(unplanned[: sum(query_lens)], np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(planned, np.float32), np.asarray(unplanned, np.float32))
+    assert mixed_batch.plan_kernels(inputs.metadata, num_q_heads=8, head_dim=64, q_dtype=jnp.bfloat16,
+                                    kv_cache=inputs.kv_cache) is None  # fmt: skip
+    with pytest.raises(ValueError, match=r"kernel_plan was built for another call: \{'group_size': \(4, 2\)"):
+        paged_attention(inputs.q[:, :4], inputs.kv_cache, metadata.replace(kernel_plan=plan), params=window,
+                        interpret=True)  # fmt: skip
+    with pytest.raises(ValueError, match="metadata.kernel_plan must be a KernelPlan"):
+        paged_attention(inputs.q, inputs.kv_cache, metadata.replace(kernel_plan=plan.tiles), params=window,
+                        interpret=True)  # fmt: skip
+
+
 @pytest.mark.parametrize("kv_pair", [False, True])
 def test_blocks_larger_than_a_kernel_step(kv_pair):
     """S = 256 (transformers' continuous batching default): each step reads ``block_kv`` rows of one block."""

@@ -141,6 +141,7 @@ def forward(
     cascade: bool = False,
     mesh: Mesh | None = None,
     axis: str | None = None,
+    queries: tuple[int, int, str] | None = None,
 ) -> tuple[Array, Float[Array, "R V"]]:
     """The model's forward over the first T = `num_tokens` tokens of `out` (jit it with `num_tokens`,
     `max_query_len` and `cascade` static, `kv_cache` donated): T bounds the step's tokens, `max_query_len` each
@@ -151,7 +152,9 @@ def forward(
     float32 as it reads them).
 
     Nothing in it makes the host wait for the device: the scans over layers have static trip counts and no
-    branch depends on device values. With a `mesh`, attention runs per device over `axis`."""
+    branch depends on device values. With a `mesh`, attention runs per device over `axis`. `queries`: the
+    layers' query heads, head size and dtype, for which the kernels' launches are planned once per step
+    (`PagedCache.with_kernel_plans`); None: each layer plans its own."""
     checked = with_checked_block_tables(
         out, num_blocks=kv_cache.shape[1],
         max_keys=max(map(operator.mul, allocator_config.blocks_per_row, allocator_config.block_sizes)),
@@ -165,6 +168,9 @@ def forward(
         common_prefix_blocks=step_common_prefix_blocks(out, allocator_config.block_sizes) if cascade else None,
         block_ids_in_range=True,
     )  # fmt: skip
+    if queries is not None:
+        num_q_heads, head_dim, q_dtype = queries
+        cache = cache.with_kernel_plans(num_q_heads=num_q_heads, head_dim=head_dim, q_dtype=q_dtype)
     last_token = jnp.maximum(out.query_start_loc[1:] - 1, 0)
     logits, cache = model(out.token_ids[:num_tokens], cache, logits_indices=last_token, pack_vectors=mesh is None,
                           float32_logits=False)  # fmt: skip

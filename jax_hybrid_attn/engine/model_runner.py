@@ -134,8 +134,10 @@ class ModelRunner:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             cascade=config.cascade_step,
         )  # fmt: skip
+        queries = (model_config.num_heads, model_config.head_dim, jnp.dtype(model.dtype).name)
         run_forward = partial(forward, self.layout, self.allocator_config, config.implementation, config.interpret,
-                              mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS)  # fmt: skip
+                              mesh=self.mesh, axis=None if self.mesh is None else TENSOR_AXIS,
+                              queries=queries)  # fmt: skip
         self._forward = jax.jit(run_forward, static_argnames=("num_tokens", "max_query_len", "cascade"),
                                 donate_argnames=("kv_cache",))  # fmt: skip
         self._decode_steps = jax.jit(partial(decode_steps, self.allocator_config, run_forward),

@@ -26,9 +26,11 @@ from .._compat import register_pytree_dataclass
 from ..allocator import StepOutput
 from ..attention import layer_attention
 from ..constants import PAD_SLOT_ID
+from ..kernels.mixed_batch import KernelPlan, plan_kernels
 from ..layout import FP8_DTYPE, KVCache, KVLayout
 from ..metadata import AttentionMetadata
 from ..sharding import sharded_layer_attention
+from ..validation import resolve_implementation
 
 __all__ = ["PagedCache", "with_checked_block_tables"]
 
@@ -56,6 +58,8 @@ class PagedCache:
       block_ids_in_range: static; `step`'s block tables hold only ids in a tensor's ``[0, B)``
         (`with_checked_block_tables`, once per step): each layer's metadata says so
         (`AttentionMetadata.block_ids_in_range`), and the attention checks no block table per layer.
+      kernel_plans: per block-table width P, the kernels' launch plan of the layers of that width
+        (`with_kernel_plans`, once per step), or None: each layer plans its own launch.
     """
 
     kv: jax.Array
@@ -75,6 +79,7 @@ class PagedCache:
     common_prefix_blocks: Int[Array, "G"] | None = None
     kv_layout: KVLayout = "NHD"
     block_ids_in_range: bool = False
+    kernel_plans: dict[int, KernelPlan | None] | None = None
 
     def at_layer(self, layer) -> "PagedCache":
         return dataclasses.replace(self, layer=layer)
@@ -101,7 +106,24 @@ class PagedCache:
             max_seq_len=self.max_seq_len,
             token_budget=self.token_budget,
             block_ids_in_range=self.block_ids_in_range,
+            kernel_plan=None if self.kernel_plans is None else self.kernel_plans[width],
         )
+
+    def with_kernel_plans(self, *, num_q_heads: int, head_dim: int, q_dtype) -> "PagedCache":
+        """This cache with the kernels' launch plan of each block-table width (`mixed_batch.plan_kernels`) for
+        layers whose q has `num_q_heads` heads of `head_dim` in `q_dtype`: built here, before the scans over
+        layers, instead of in every iteration of them. Unchanged where the layers do not run the kernels
+        (the reference path) or run split over a mesh (each device plans for its own heads)."""
+        if self.mesh is not None or resolve_implementation(self.implementation, self.interpret) != "kernel":
+            return self
+        first_layer_of_width = {}
+        for layer, group in enumerate(self.layer_group):
+            first_layer_of_width.setdefault(self.blocks_per_row[group], layer)
+        pool = KVCache(self.kv.reshape(-1, *self.kv.shape[2:]), self.kv_layout)  # only its dims and dtype count
+        plans = {width: plan_kernels(self.metadata(layer, layer), num_q_heads=num_q_heads, head_dim=head_dim,
+                                     q_dtype=q_dtype, kv_cache=pool)
+                 for width, layer in first_layer_of_width.items()}  # fmt: skip
+        return dataclasses.replace(self, kernel_plans=plans)
 
     def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None):
         """Write the layer's k/v into its tensor at its group's slots, then attend (`layer_attention`). A float8
@@ -140,7 +162,7 @@ def with_checked_block_tables(step: StepOutput, *, num_blocks: int, max_keys: in
 
 register_pytree_dataclass(
     PagedCache,
-    data_fields=["kv", "step", "positions", "layer", "common_prefix_blocks"],
+    data_fields=["kv", "step", "positions", "layer", "common_prefix_blocks", "kernel_plans"],
     meta_fields=["layer_group", "layer_tensor", "blocks_per_row", "max_query_len", "max_seq_len",
                  "token_budget", "implementation", "interpret", "mesh", "axis", "kv_layout", "block_ids_in_range"],
 )  # fmt: skip

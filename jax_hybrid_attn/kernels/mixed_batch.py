@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .._compat import check_interpret_threads, plgpu, resolve_interpret
+from .._compat import check_interpret_threads, plgpu, register_pytree_dataclass, resolve_interpret
 from ..layout import FP8_DTYPE, V_TRANSPOSED_BLOCK, KVArrays, KVCache
 from ..metadata import AttentionMetadata
 from ..params import CAUSAL, LayerAttentionParams
@@ -30,8 +30,8 @@ from .config import SMEM_BUDGET_BYTES, default_config
 from .launch import direct_io_supported, launch_attention
 
 __all__ = [
-    "KERNEL_DTYPES", "check_kernel_support", "decode_splits", "kernel_configs", "lowering_for_sms", "num_sms",
-    "paged_attention_kernels", "paged_attention_parts_kernels",
+    "KERNEL_DTYPES", "KernelPlan", "check_kernel_support", "decode_splits", "kernel_configs", "lowering_for_sms",
+    "num_sms", "paged_attention_kernels", "paged_attention_parts_kernels", "plan_kernels",
 ]  # fmt: skip
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -251,22 +251,22 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
         )  # fmt: skip
 
     def writes_tokens(config):  # whether the launch can read q and write the output in [T, N, H] itself
-        kv_itemsize = kv_cache.dtype.itemsize
-        return (
-            config.direct_io and config.num_splits == 1 and direct_io_supported(group_size)
-            and config.smem_bytes(head_dim, q.dtype.itemsize, kv_itemsize, direct=True, v_transposed=v_transposed)
-            <= SMEM_BUDGET_BYTES
-        )  # fmt: skip
+        return _writes_tokens(config, head_dim, q.dtype, kv_cache.dtype, group_size, v_transposed=v_transposed)
 
     def all_tokens(config, tiled):  # every token's output from one launch whose tiles hold the requests of `tiled`
-        all_requests, rows = with_tokens_after_the_requests(
-            metadata, num_tokens=num_tokens, block_size=block_size, num_blocks=num_blocks
-        )
-        tiled = jnp.where(jnp.arange(metadata.num_reqs + 1) < metadata.num_reqs, tiled[rows], True)
-        tiles = query_tiles.prefill_tiles(
-            all_requests.query_lens, group_size, num_tokens, rows=config.rows, tiled=tiled
-        )
-        return run(tiles, config, all_requests, direct=True)
+        plan = metadata.kernel_plan
+        if plan is not None and not isinstance(plan, KernelPlan):
+            raise ValueError(f"metadata.kernel_plan must be a KernelPlan (plan_kernels) or None, got "
+                             f"{type(plan).__name__}")  # fmt: skip
+        if plan is None:
+            plan = _direct_launch_plan(metadata, tiled, num_tokens=num_tokens, block_size=block_size,
+                                       num_blocks=num_blocks, group_size=group_size, rows=config.rows)  # fmt: skip
+        else:
+            plan.check(num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size, group_size=group_size,
+                       rows=config.rows, num_reqs=metadata.num_reqs, blocks_per_row=metadata.block_tables.shape[1],
+                       max_query_len=metadata.max_query_len, block_ids_in_range=metadata.block_ids_in_range)
+        return run(plan.tiles, config, plan.requests(metadata.block_tables, clip=not metadata.block_ids_in_range),
+                   direct=True)
 
     is_decode = query_lens <= query_tiles.tokens_per_tile(group_size)
     prefill_launch = metadata.max_query_len > query_tiles.tokens_per_tile(group_size)  # static
@@ -321,7 +321,7 @@ def with_tokens_after_the_requests(
     starts = metadata.query_start_loc[jnp.minimum(jnp.arange(num_reqs + 2), num_reqs)]
     query_start_loc = jnp.where(jnp.arange(num_reqs + 2) <= num_reqs, starts, num_tokens)
     seq_lens = jnp.where(before_last, metadata.seq_lens[rows], 0)
-    block_tables = jnp.where(before_last[:, None], metadata.block_tables[rows], 0)
+    block_tables = _tail_block_tables(metadata.block_tables, rows)
     extended = metadata.replace(query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables)
     flagged = unservable_requests(extended, block_size=block_size, num_blocks=num_blocks)
     requests = query_tiles.Requests(
@@ -332,3 +332,122 @@ def with_tokens_after_the_requests(
         flagged,
     )
     return requests, rows
+
+
+def _tail_block_tables(block_tables: Int[Array, "R P"], rows: Int[Array, "R+1"]) -> Int[Array, "R+1 P"]:
+    """The block tables of `with_tokens_after_the_requests`' requests (the last, which has no keys, holds block
+    0)."""
+    before_last = jnp.arange(rows.shape[0]) < rows.shape[0] - 1
+    return jnp.where(before_last[:, None], block_tables[rows], 0)
+
+
+def _writes_tokens(config, head_dim: int, q_dtype, kv_dtype, group_size: int, *, v_transposed: bool) -> bool:
+    """Whether a launch of `config` can read q and write the output in [T, N, H] itself (`launch.direct_io`)."""
+    smem = config.smem_bytes(head_dim, jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize, direct=True,
+                             v_transposed=v_transposed)  # fmt: skip
+    return (config.direct_io and config.num_splits == 1 and direct_io_supported(group_size)
+            and smem <= SMEM_BUDGET_BYTES)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """The part of a step's kernel launch that no layer changes: the requests as the kernels see them (with the
+    tail request of `with_tokens_after_the_requests`) and the query tiles of the launch that writes every token's
+    output in [T, N, H]. `plan_kernels` builds it once per step and metadata (a scan over layers would rebuild it
+    in every iteration: XLA's GPU pipeline keeps loop-invariant work inside a `while` body); the layers that share
+    the metadata take it as ``AttentionMetadata.kernel_plan``, with their own block tables.
+
+    Attributes:
+      query_start_loc: [R+2]; query_lens, seq_lens (within the block table), rows: [R+1]; flagged: [R+1] int32,
+        as the kernel reads it (`with_tokens_after_the_requests`).
+      tiles: the launch's `tiles.QueryTiles`.
+      num_tokens, num_blocks, block_size, blocks_per_row, max_query_len, group_size, rows_per_tile: static, what
+        the plan was built for (T, B, S, P, the metadata's bound, G, rows per tile); a call of another shape raises
+        ValueError, as does one whose metadata does not vouch for its block ids (``block_ids_in_range``: the flags
+        do not look at them).
+    """
+
+    query_start_loc: Int[Array, "R+2"]
+    query_lens: Int[Array, "R+1"]
+    seq_lens: Int[Array, "R+1"]
+    flagged: Int[Array, "R+1"]
+    rows: Int[Array, "R+1"]
+    tiles: query_tiles.QueryTiles
+    num_tokens: int
+    num_blocks: int
+    block_size: int
+    blocks_per_row: int
+    max_query_len: int
+    group_size: int
+    rows_per_tile: int
+
+    def check(self, **expected: int) -> None:
+        """Raise ValueError unless the plan was built for these static values (and ``num_reqs`` R)."""
+        built = dict(num_tokens=self.num_tokens, num_blocks=self.num_blocks, block_size=self.block_size,
+                     group_size=self.group_size, rows=self.rows_per_tile, num_reqs=self.rows.shape[0] - 1,
+                     blocks_per_row=self.blocks_per_row, max_query_len=self.max_query_len,
+                     block_ids_in_range=True)  # fmt: skip
+        wrong = {name: (built[name], value) for name, value in expected.items() if built[name] != value}
+        if wrong:
+            raise ValueError(f"metadata.kernel_plan was built for another call: {wrong} (planned, called)")
+
+    def requests(self, block_tables: Int[Array, "R P"], *, clip: bool) -> query_tiles.Requests:
+        """The planned requests with a layer's block tables, gathered for the tail request; with `clip`, clipped
+        into the pool (needless where the metadata vouches for its ids)."""
+        tables = _tail_block_tables(block_tables, self.rows)
+        if clip:
+            tables = jnp.clip(tables, 0, self.num_blocks - 1)
+        return query_tiles.Requests(self.query_start_loc, self.query_lens, self.seq_lens, tables, self.flagged)
+
+
+register_pytree_dataclass(
+    KernelPlan,
+    data_fields=["query_start_loc", "query_lens", "seq_lens", "flagged", "rows", "tiles"],
+    meta_fields=["num_tokens", "num_blocks", "block_size", "blocks_per_row", "max_query_len", "group_size",
+                 "rows_per_tile"],
+)
+
+
+def _direct_launch_plan(metadata: AttentionMetadata, tiled: Bool[Array, "R"], *, num_tokens: int, block_size: int,
+                        num_blocks: int, group_size: int, rows: int) -> KernelPlan:  # fmt: skip
+    """The `KernelPlan` of the launch whose tiles hold the requests of `tiled` (and the tail request)."""
+    requests, request_rows = with_tokens_after_the_requests(
+        metadata, num_tokens=num_tokens, block_size=block_size, num_blocks=num_blocks
+    )
+    tiled = jnp.where(jnp.arange(metadata.num_reqs + 1) < metadata.num_reqs, tiled[request_rows], True)
+    tiles = query_tiles.prefill_tiles(requests.query_lens, group_size, num_tokens, rows=rows, tiled=tiled)
+    # the flags as the kernel reads them (int32), converted here rather than in every layer's launch
+    return KernelPlan(requests.query_start_loc, requests.query_lens, requests.seq_lens,
+                      requests.flagged.astype(jnp.int32), request_rows, tiles, num_tokens=num_tokens, num_blocks=num_blocks, block_size=block_size,
+                      blocks_per_row=metadata.block_tables.shape[1], max_query_len=metadata.max_query_len,
+                      group_size=group_size, rows_per_tile=rows)  # fmt: skip
+
+
+def plan_kernels(
+    metadata: AttentionMetadata, *, num_q_heads: int, head_dim: int, q_dtype, kv_cache: KVCache
+) -> KernelPlan | None:
+    """The `KernelPlan` of `metadata` for the layers whose q has `num_q_heads` heads of `head_dim` in `q_dtype`
+    over caches shaped and typed like `kv_cache` (any of them: only its dims, dtype and layout count), or None
+    where their calls have no launch that writes every token's output (the plan would not be used) or the metadata
+    does not vouch for its block ids (``block_ids_in_range``: each layer's would have to be checked). Traceable;
+    build it once per step, outside a scan over layers, and pass it as ``metadata.kernel_plan``."""
+    if not metadata.block_ids_in_range:
+        return None
+    num_blocks, block_size, num_kv_heads, _ = kv_cache.dims
+    group_size = num_q_heads // num_kv_heads
+    decode_config, prefill_config = kernel_configs(
+        head_dim, q_dtype, kv_cache.dtype, decode_ctas=max(1, metadata.num_reqs * num_kv_heads),
+        max_seq_len=metadata.max_seq_len, kv_layout=kv_cache.layout, block_size=block_size,
+    )  # fmt: skip
+    v_transposed = kv_cache.layout == "HND_VT"
+    per_tile = query_tiles.tokens_per_tile(group_size)
+    is_decode = metadata.query_lens <= per_tile
+    if metadata.max_query_len > per_tile:  # a prefill launch: it writes every token's but the decodes'
+        config, tiled = prefill_config, ~is_decode
+    else:
+        config, tiled = decode_config, jnp.ones_like(is_decode)
+    if not _writes_tokens(config, head_dim, q_dtype, kv_cache.dtype, group_size, v_transposed=v_transposed):
+        return None
+    return _direct_launch_plan(metadata.replace(kernel_plan=None), tiled, num_tokens=metadata.num_tokens,
+                               block_size=block_size, num_blocks=num_blocks, group_size=group_size,
+                               rows=config.rows)  # fmt: skip
