@@ -1,5 +1,11 @@
-"""Test session setup: enough CPU client threads for Mosaic GPU interpret mode; no compilation cache of the CLI's;
-the vLLM tests only with vLLM; a worker's memory mappings kept below the kernel's limit.
+"""Test session setup: enough CPU client threads for Mosaic GPU interpret mode; no compilation cache of the CLI's,
+but one JAX cache for the session; the vLLM tests only with vLLM; a worker's memory mappings kept below the
+kernel's limit.
+
+XLA's compiles are most of the suite's time, and many tests compile the same executables (the same tiny engine in
+several tests, the embedded model in every CLI and server subprocess). The session keeps JAX's persistent
+compilation cache in one temporary directory that its workers, their subprocesses and the notebooks' kernels share
+(through the environment), made by the first process and removed when it ends.
 
 The variable is read when the CPU backend starts, so it is set here, before any test runs a computation
 (`jax_hybrid_attn._compat.check_interpret_threads` explains why).
@@ -13,7 +19,11 @@ worker clears JAX's caches when a test module leaves more than half of the limit
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
+
+import jax
 
 from jax_hybrid_attn._compat import INTERPRET_CPU_THREADS
 from jax_hybrid_attn.engine_options import COMPILATION_CACHE_VARIABLE
@@ -22,6 +32,24 @@ os.environ.setdefault("PJRT_NPROC", str(INTERPRET_CPU_THREADS))
 # The CLI keeps compiled steps in the user's cache directory by default; the tests (and the servers and CLIs they
 # start as subprocesses) compile theirs, and those that test the cache point it at a directory of their own.
 os.environ[COMPILATION_CACHE_VARIABLE] = "off"
+
+_SESSION_CACHE_VARIABLE = "JHA_TESTS_JAX_CACHE"
+_JAX_CACHE_SETTINGS = {  # every executable, however fast it compiled or small it is
+    "jax_compilation_cache_dir": None,
+    "jax_persistent_cache_min_compile_time_secs": 0,
+    "jax_persistent_cache_min_entry_size_bytes": -1,
+}
+_owns_session_cache = _SESSION_CACHE_VARIABLE not in os.environ  # the first process: pytest, or its controller
+if _owns_session_cache:
+    os.environ[_SESSION_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jha-tests-jax-cache-")
+for _name, _value in {**_JAX_CACHE_SETTINGS, "jax_compilation_cache_dir": os.environ[_SESSION_CACHE_VARIABLE]}.items():
+    jax.config.update(_name, _value)
+    os.environ[_name.upper()] = str(_value)  # subprocesses and notebook kernels read it when JAX starts
+
+
+def pytest_unconfigure(config):
+    if _owns_session_cache:
+        shutil.rmtree(os.environ[_SESSION_CACHE_VARIABLE], ignore_errors=True)
 
 # The vLLM plugin's tests need vLLM, which pins its own torch: they run in their own environment
 # (scripts/test-vllm) and are not collected where vLLM is not installed.
@@ -49,6 +77,4 @@ def pytest_runtest_teardown(item, nextitem):
     last_of_its_module = nextitem is None or nextitem.path != item.path
     threshold = _MAPPINGS_AFTER_A_MODULE if last_of_its_module else _MAPPINGS_HIGH_WATER
     if _mappings_share() > threshold:
-        import jax
-
         jax.clear_caches()

@@ -1,8 +1,8 @@
 """Random traces of add / allocate (prefill chunks, decode, prefix hits, lookahead, admission gate) / append /
-free (one request or several per call) / preempt / reset, run on the jitted allocator and on the plain-Python oracle of vLLM's rules: same success
-flags, block tables, reference counts, hashes and free-queue order after every step, and the invariants
-(free + used = total - 1, a block in as many tables as its count, null block never free, window requests within
-their cap, ids in range)."""
+free (one request or several per call) / preempt / reset, run on the jitted allocator and on the plain-Python
+oracle of vLLM's rules: same success flags, block tables, reference counts, hashes and free-queue order after every
+step, and the invariants (free + used = total - 1, a block in as many tables as its count, null block never free,
+window requests within their cap, ids in range)."""
 
 import random
 
