@@ -46,7 +46,7 @@ def launch_attention(
         `direct_io_supported`).
     Returns:
       with `direct`, the output [T, N, H] (q's dtype; rows of tokens no tile holds are left unwritten: with
-      `mixed_batch.with_tokens_after_the_requests`, those of decode tiles only). Else the
+      `launch_plan.with_tokens_after_the_requests`, those of decode tiles only). Else the
       partial outputs [NT, K, splits, rows, H] (`compute_dtype`, normalized per split) and their log-sum-exp
       [NT, K, splits, rows] (float32, natural log; -inf where a split saw no key).
     """
