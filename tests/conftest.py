@@ -1,11 +1,12 @@
 """Test session setup: enough CPU client threads for Mosaic GPU interpret mode; no compilation cache of the CLI's,
-but one JAX cache for the session; the vLLM tests only with vLLM; a worker's memory mappings kept below the
+but one JAX cache for the session's subprocesses; the vLLM tests only with vLLM; a worker's memory mappings kept below the
 kernel's limit.
 
-XLA's compiles are most of the suite's time, and many tests compile the same executables (the same tiny engine in
-several tests, the embedded model in every CLI and server subprocess). The session keeps JAX's persistent
-compilation cache in one temporary directory that its workers, their subprocesses and the notebooks' kernels share
-(through the environment), made by the first process and removed when it ends.
+XLA's compiles are most of the suite's time, and the subprocesses compile the same executables again (the
+embedded model in every CLI and server subprocess and notebook). They share JAX's persistent compilation cache in
+one temporary directory (through the environment), made by the first process and removed when it ends. The test
+processes themselves keep none: a test may compile one module in two ways (`compile_single_task`), which the
+cache's key does not tell apart.
 
 The variable is read when the CPU backend starts, so it is set here, before any test runs a computation
 (`jax_hybrid_attn._compat.check_interpret_threads` explains why).
@@ -43,8 +44,8 @@ _owns_session_cache = _SESSION_CACHE_VARIABLE not in os.environ  # the first pro
 if _owns_session_cache:
     os.environ[_SESSION_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jha-tests-jax-cache-")
 for _name, _value in {**_JAX_CACHE_SETTINGS, "jax_compilation_cache_dir": os.environ[_SESSION_CACHE_VARIABLE]}.items():
-    jax.config.update(_name, _value)
     os.environ[_name.upper()] = str(_value)  # subprocesses and notebook kernels read it when JAX starts
+jax.config.update("jax_compilation_cache_dir", None)  # this process (started with the variables, if a worker): none
 
 
 def pytest_unconfigure(config):
