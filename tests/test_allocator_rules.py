@@ -750,3 +750,44 @@ def test_a_deferring_step_has_no_loop_or_branch_on_device_values(defer_rest):
     )(init_state(config))
     found = device_dependent_control_flow(jaxpr.jaxpr)
     assert (found == []) == defer_rest, found
+
+
+def test_free_has_no_loop_or_branch_on_device_values():
+    from jax_hybrid_attn.allocator import init_state, step
+
+    rows = jnp.arange(HYBRID.max_num_seqs, dtype=jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda state: step.free.__wrapped__(HYBRID, state, rows))(init_state(HYBRID))
+    assert device_dependent_control_flow(jaxpr.jaxpr) == []
+
+
+def test_free_compacts_a_full_ring_as_the_cpu_does_with_the_gpu_path(monkeypatch):
+    """On a GPU `free` always computes the ring compaction and selects it when the ring would overflow; on the CPU
+    the compaction runs behind a loop. Each request hits 8 cached blocks of the free queue (8 stale entries) and
+    frees 9: the ring of 32 overflows every third free. Both ways give the same state after every free."""
+    from jax_hybrid_attn.allocator import pool as pool_ops
+    from jax_hybrid_attn.allocator import step, xla_cpu
+
+    config = make_config([full(4)], num_blocks=16, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=4)
+
+    def run():
+        mirror, states, overflows = Mirror(config), [], 0
+        for i in range(7):
+            mirror.add(f"r{i}", list(range(32)) + [100 + i])
+            mirror.schedule([(f"r{i}", 33)])
+            pool = mirror.manager.state.pool
+            span, num_free = int(pool.ring_span), int(pool.num_free)
+            mirror.free(f"r{i}")
+            added = int(mirror.manager.state.pool.num_free) - num_free
+            overflows += span + added > config.ring_capacity
+            states.append(state_leaves(mirror.manager))
+        return states, overflows
+
+    on_cpu, overflows = run()
+    assert overflows == 2
+    monkeypatch.setattr(pool_ops, "run_or_select", xla_cpu.run_and_select)
+    free = step.free.__wrapped__
+    monkeypatch.setattr(step, "free", jax.jit(lambda *args: free(*args), static_argnums=0))  # a new trace
+    on_gpu, _ = run()
+    for cpu_leaves, gpu_leaves in zip(on_cpu, on_gpu, strict=True):
+        for cpu_leaf, gpu_leaf in zip(cpu_leaves, gpu_leaves, strict=True):
+            np.testing.assert_array_equal(cpu_leaf, gpu_leaf)

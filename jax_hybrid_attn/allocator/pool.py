@@ -42,7 +42,7 @@ from .columns import (
     BlockRows,
 )
 from .state import BlockPool
-from .xla_cpu import cpu_cond, cumsum, materialize, run_if, updated
+from .xla_cpu import cpu_cond, cumsum, materialize, run_if, run_or_select, updated
 
 __all__ = [
     "cache_blocks",
@@ -106,7 +106,8 @@ def free_blocks(
       blocks, mask: events in order; a block may appear in several events unless `unique`.
       calls: [E] nondecreasing call index (< `num_calls`) of each event.
       hashed_only: the caller guarantees that every block reaching 0 holds a hash (all go to the tail).
-      compact: compact the ring first if it would overflow; False when the caller checked (`needs_compaction`).
+      compact: compact the ring first if it would overflow (on a GPU without a host sync: the compaction always
+        runs there and a select keeps it); False when the caller checked (`needs_compaction`).
     """
     num_events, num_blocks = blocks.shape[0], pool.info.shape[0]
     capacity = pool.ring.shape[0]
@@ -130,7 +131,7 @@ def free_blocks(
     added = num_tail + num_head
     ring, head, span = pool.ring, pool.ring_head, pool.ring_span
     if compact:
-        ring, info, head, span = run_if(span + added > capacity, _compact_ring, ring, info, head, span)
+        ring, info, head, span = run_or_select(span + added > capacity, _compact_ring, ring, info, head, span)
 
     wrap = capacity - 1
     index = (head + span + cumsum(to_tail) - 1) & wrap

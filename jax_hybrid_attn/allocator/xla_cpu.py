@@ -23,6 +23,8 @@ measured figures are in ``benchmarks/RESULTS.md`` (the allocator's step sections
 * `run_if`: rarely needed work as a 0-or-1-trip `lax.while_loop`. A `lax.cond` whose pass-through branch returns
   large operands makes XLA copy them on the CPU; a loop updates its carry in place, so the state arrays are never
   copied.
+* `run_or_select`: `run_if` on the CPU; on a GPU the work always runs and a select keeps its result when needed,
+  for work cheap beside the host sync that a loop's predicate costs there (it waits for the step in flight).
 * `cpu_cond`: a check whose general branch is a few cheap operations runs unconditionally on a GPU (where a
   `lax.cond` costs a host sync of its predicate, more than the branch) and behind a `lax.cond` on the CPU (where
   the shortcut saves the branch's block-sized arrays).
@@ -46,7 +48,9 @@ __all__ = [
     "cpu_cond",
     "cumsum",
     "materialize",
+    "run_and_select",
     "run_if",
+    "run_or_select",
     "updated",
 ]
 
@@ -74,6 +78,21 @@ def run_if(pred, fn, *operands):
         return False, fn(*carry[1])
 
     return jax.lax.while_loop(lambda carry: carry[0], body, (pred, operands))[1]
+
+
+def run_and_select(pred, fn, *operands):
+    """``fn(*operands)`` if `pred` else `operands`, without control flow: `fn` always runs, a select keeps its
+    results or the operands."""
+    results = fn(*operands)
+    return jax.tree.map(lambda new, old: jnp.where(pred, new, old), tuple(results), operands)
+
+
+def run_or_select(pred, fn, *operands):
+    """``fn(*operands)`` if `pred` else `operands`: `run_if` on the CPU, `run_and_select` elsewhere (on a GPU
+    the device then never waits on the host for `pred`)."""
+    return jax.lax.platform_dependent(
+        cpu=lambda: run_if(pred, fn, *operands), default=lambda: run_and_select(pred, fn, *operands)
+    )
 
 
 def cpu_cond(pred, general_fn, shortcut_fn):
