@@ -36,7 +36,7 @@ from .kv_layout import KVCacheLayout
 from .paged_cache import PagedCache, with_checked_block_tables
 from .sampling import sample_tokens
 
-__all__ = ["NO_SLOT", "StepPlan", "StepResult", "allocate", "decode_steps", "forward", "sample"]
+__all__ = ["NO_SLOT", "StepPlan", "StepResult", "allocate", "decode_steps", "forward", "pack_result", "sample"]
 
 NO_SLOT = -1
 """`StepPlan.slots` of a padding row."""
@@ -95,6 +95,31 @@ class StepResult(NamedTuple):
     tokens: Int[Array, "R"]
     num_free_blocks: Int[Array, ""]
     common_prefix_blocks: Int[Array, "G"]
+
+    @classmethod
+    def unpacked(cls, packed: np.ndarray, *, num_rows: int) -> "StepResult":
+        """(Host.) The result that `pack_result` packed into `packed` ([..., 7R + 1 + G], any leading axes: the
+        steps of one call), R = `num_rows`; each field keeps the leading axes."""
+        packed = np.asarray(packed)
+        rows = packed[..., : ROW_FIELDS * num_rows].reshape(*packed.shape[:-1], ROW_FIELDS, num_rows)
+        fields = [rows[..., i, :] for i in range(ROW_FIELDS)]
+        for i in (0, 1, 5):  # success, deferred, sampled
+            fields[i] = fields[i].astype(bool)
+        tail = packed[..., ROW_FIELDS * num_rows :]
+        return cls(*fields, num_free_blocks=tail[..., 0], common_prefix_blocks=tail[..., 1:])
+
+
+ROW_FIELDS = 7
+"""`StepResult`'s fields of one value per row, the first seven."""
+
+
+def pack_result(result: StepResult) -> Int[Array, "7R+1+G"]:
+    """`result` as one int32 array (the row fields, then the free blocks and each group's common prefix), so that
+    the host reads a step back in one transfer (`StepResult.unpacked`): each array read back is a copy, a host
+    callback and a wait of its own."""
+    rows = jnp.stack([field.astype(jnp.int32) for field in result[:ROW_FIELDS]])
+    tail = [result.num_free_blocks.astype(jnp.int32).reshape(1), result.common_prefix_blocks.astype(jnp.int32)]
+    return jnp.concatenate([rows.reshape(-1), *tail])
 
 
 @partial(jax.jit, static_argnames=("allocator_config", "defer_rest"), donate_argnames=("allocator",))
@@ -190,10 +215,10 @@ def sample(
     logits: Float[Array, "R V"],
     *,
     greedy_only: bool,
-) -> tuple[AllocatorState, Int[Array, "R"], StepResult]:
+) -> tuple[AllocatorState, Int[Array, "R"], Int[Array, "7R+1+G"]]:
     """Sampling (`greedy_only`: no row has a temperature) of the rows whose sequence now covers every known token,
     the sampled tokens into the allocator and the computed counts into `num_computed` (jitted, the state donated).
-    Returns (the allocator's state, the computed counts, the `StepResult`)."""
+    Returns (the allocator's state, the computed counts, the `StepResult` packed: `pack_result`)."""
     sampled = out.success & (out.seq_lens == known) & (out.num_scheduled_tokens > 0)
     tokens = sample_tokens(
         logits, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, seeds=plan.seeds,
@@ -210,7 +235,7 @@ def sample(
         num_scheduled=out.num_scheduled_tokens, sampled=sampled, tokens=tokens, num_free_blocks=allocator.pool.num_free,
         common_prefix_blocks=step_common_prefix_blocks(out, allocator_config.block_sizes),
     )  # fmt: skip
-    return allocator, num_computed, result
+    return allocator, num_computed, pack_result(result)
 
 
 def decode_steps(
@@ -226,13 +251,13 @@ def decode_steps(
     num_steps: int,
     num_tokens: int,
     greedy_only: bool,
-) -> tuple[AllocatorState, Int[Array, "R"], Array, StepResult]:
+) -> tuple[AllocatorState, Int[Array, "R"], Array, Int[Array, "num_steps 7R+1+G"]]:
     """`num_steps` decode steps in one call (jit it with the keywords static, `allocator`, `num_computed` and
     `kv_cache` donated): each is `allocate` (rows it cannot serve at once deferred: nothing makes the host wait),
     `run_forward` (`forward` with its static configuration bound) at the decode shape of T = `num_tokens`, and
     `sample`; the tokens one step samples are the next one's inputs. `plan` is every step's (one new token per
     row); row r takes part in the first `row_steps[r]` steps only (then computes nothing: a request that would
-    reach its length limit). Returns (the allocator's state, the computed counts, the cache, each step's
+    reach its length limit). Returns (the allocator's state, the computed counts, the cache, each step's packed
     `StepResult` stacked on a leading axis of `num_steps`)."""
 
     def one(carry, index):

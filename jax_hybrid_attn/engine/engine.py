@@ -329,9 +329,11 @@ class Engine:
         if row_steps is not None:  # each step defers the rows it cannot serve at once (it never makes the host wait)
             self.stats.multi_step_calls += 1
             steps = column(row_steps, np.int32, 0)
-            stacked = _StackedResults(self._on_device(self._dispatch_steps, ids, plan, steps, greedy_only))
+            stacked = _StackedResults(self._on_device(self._dispatch_steps, ids, plan, steps, greedy_only),
+                                      num_rows=self.config.max_num_seqs)  # fmt: skip
             return [_SentStep([row if n > j else None for row, n in zip(sent_rows, row_steps, strict=True)],
-                              stacked, sent_at, index=j) for j in range(self.config.decode_steps)]  # fmt: skip
+                              stacked, sent_at, self.config.max_num_seqs, index=j)
+                    for j in range(self.config.decode_steps)]  # fmt: skip
         # The shape bounds what the device computes: prefix hits and earlier failures only lower it
         decode_only = max(needs) == 1
         shape = select_step_shape(self.runner.shapes, sum(needs), decode_only=decode_only,
@@ -342,7 +344,7 @@ class Engine:
         self.stats.cascade_steps += shape.cascade
         self._deferred_rows = False
         call = self._on_device(self._dispatch, ids, plan, shape, defer_rest, greedy_only)
-        return [_SentStep(sent_rows, call, sent_at)]
+        return [_SentStep(sent_rows, call, sent_at, self.config.max_num_seqs)]
 
     def _cascade(self, rows: list[tuple[Request, InFlightWork]]) -> bool:
         """Whether a decode step of `rows` takes the cascade shape (`EngineConfig.cascade_attention`): its
@@ -367,14 +369,14 @@ class Engine:
 
     def _dispatch(
         self, request_ids: list[Hashable], plan: StepPlan, shape: StepShape, defer_rest: bool, greedy_only: bool
-    ) -> StepResult:
-        """(On the device worker.) Send the step's calls through the model runner."""
+    ) -> jax.Array:
+        """(On the device worker.) Send the step's calls through the model runner (its packed `StepResult`)."""
         plan = self._with_slots(plan, request_ids)
         return self.runner.run_step(plan, shape, defer_rest=defer_rest, greedy_only=greedy_only)
 
     def _dispatch_steps(
         self, request_ids: list[Hashable], plan: StepPlan, row_steps: np.ndarray, greedy_only: bool
-    ) -> StepResult:
+    ) -> jax.Array:
         """(On the device worker.) Send a call of ``decode_steps`` decode steps through the model runner."""
         plan = self._with_slots(plan, request_ids)
         return self.runner.run_decode_steps(plan, row_steps, num_steps=self.config.decode_steps,
@@ -423,31 +425,33 @@ class Engine:
 
 
 class _StackedResults:
-    """The `StepResult`s of a call of several decode steps, stacked on the device: read back once, for all."""
+    """The `StepResult`s of a call of several decode steps, packed and stacked on the device: read back once, for
+    all."""
 
-    def __init__(self, call: Future):
-        self.call = call
+    def __init__(self, call: Future, *, num_rows: int):
+        self.call, self.num_rows = call, num_rows
         self._host: StepResult | None = None
 
     def step(self, index: int) -> StepResult:
         if self._host is None:
-            self._host = StepResult(*jax.device_get(tuple(self.call.result())))
+            self._host = StepResult.unpacked(jax.device_get(self.call.result()), num_rows=self.num_rows)
         return StepResult(*(values[index] for values in self._host))
 
 
 @dataclasses.dataclass
 class _SentStep:
     """A step handed to the device worker: its rows (each request with its preemption count when sent), the
-    worker's call (its `StepResult` on the device; for a step of a call of several, the call's `_StackedResults`
-    and the step's `index` in it), and when it was handed over."""
+    worker's call (its packed `StepResult` of `num_rows` rows on the device; for a step of a call of several, the
+    call's `_StackedResults` and the step's `index` in it), and when it was handed over."""
 
     rows: list[tuple[Request, int] | None]
     call: Future | _StackedResults
     sent_at: float
+    num_rows: int
     index: int | None = None
 
     def result(self) -> StepResult:
-        """The step's results on the host (waits for the device)."""
+        """The step's results on the host (waits for the device; one transfer)."""
         if self.index is None:
-            return StepResult(*jax.device_get(tuple(self.call.result())))
+            return StepResult.unpacked(jax.device_get(self.call.result()), num_rows=self.num_rows)
         return self.call.step(self.index)

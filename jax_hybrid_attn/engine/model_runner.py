@@ -33,7 +33,7 @@ from ..models.layer_scan import ScannedDecoder
 from ..models.partitioning import shard_model
 from ..sharding import TENSOR_AXIS, kv_cache_spec, tensor_parallel_mesh
 from .config import EngineConfig
-from .device_step import StepPlan, StepResult, allocate, decode_steps, forward, sample
+from .device_step import StepPlan, allocate, decode_steps, forward, sample
 from .kv_layout import KVCacheLayout
 from .step_cache import StepLowering, flat_positions, load_step
 from .step_shapes import StepShape, step_shapes
@@ -298,9 +298,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ serving
 
-    def run_step(self, plan: StepPlan, shape: StepShape, *, defer_rest: bool, greedy_only: bool) -> StepResult:
+    def run_step(self, plan: StepPlan, shape: StepShape, *, defer_rest: bool, greedy_only: bool) -> jax.Array:
         """Send one step's three calls (nothing is read back): allocate, forward at `shape`, sample. The state
-        becomes their outputs; returns the `StepResult` (device arrays)."""
+        becomes their outputs; returns the `StepResult` packed in one device array (`StepResult.unpacked`)."""
         if not self._executables:
             raise RuntimeError("ModelRunner.compile() must run before the first step")
         plan = jax.device_put(plan, self._default_sharding())
@@ -315,10 +315,10 @@ class ModelRunner:
         return result
 
     def run_decode_steps(self, plan: StepPlan, row_steps: np.ndarray, *, num_steps: int,
-                         greedy_only: bool) -> StepResult:  # fmt: skip
+                         greedy_only: bool) -> jax.Array:  # fmt: skip
         """Send one call of `num_steps` decode steps, row r in the first `row_steps[r]` ([R]) of them
         (`device_step.decode_steps`; nothing is read back). The state becomes its outputs; returns the steps'
-        `StepResult`s stacked on a leading axis (device arrays)."""
+        packed `StepResult`s stacked on a leading axis (one device array)."""
         if ("decode_steps", (num_steps, greedy_only)) not in self._executables:
             raise RuntimeError(f"no executable of {num_steps} decode steps (EngineConfig.decode_steps="
                                f"{self.config.decode_steps})")  # fmt: skip
