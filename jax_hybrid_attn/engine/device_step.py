@@ -61,6 +61,19 @@ class StepPlan(NamedTuple):
     top_p: Float[Array, "R"]
     seeds: Int[Array, "R"]
 
+    def packed(self) -> np.ndarray:
+        """(Host.) The plan as one int32 array [7, R], each field a row (the float and unsigned ones by their
+        bits), so that it goes to the device in one transfer: each array sent is a copy and a host callback of
+        its own. The device functions take it as it is (`unpacked`)."""
+        return np.stack([np.asarray(field, dtype).view(np.int32) for field, dtype in zip(self, PLAN_DTYPES, strict=True)])
+
+    @classmethod
+    def unpacked(cls, plan: "StepPlan | Int[Array, '7 R']") -> "StepPlan":
+        """(Traceable.) The plan that `packed` packed (a `StepPlan` is returned as it is)."""
+        if isinstance(plan, StepPlan):
+            return plan
+        return cls(*(jax.lax.bitcast_convert_type(row, dtype) for row, dtype in zip(plan, PLAN_DTYPES, strict=True)))
+
     @classmethod
     def idle(cls, rows: int) -> "StepPlan":
         """A plan of `rows` padding rows: a step of it computes nothing and changes no state."""
@@ -68,6 +81,10 @@ class StepPlan(NamedTuple):
                    prompt_lens=np.zeros(rows, np.int32), temperature=np.zeros(rows, np.float32),
                    top_k=np.zeros(rows, np.int32), top_p=np.ones(rows, np.float32),
                    seeds=np.zeros(rows, np.uint32))  # fmt: skip
+
+
+PLAN_DTYPES = (np.int32, np.int32, np.int32, np.float32, np.int32, np.float32, np.uint32)
+"""`StepPlan`'s fields' dtypes, in order."""
 
 
 class StepResult(NamedTuple):
@@ -127,7 +144,7 @@ def allocate(
     allocator_config: AllocatorConfig,
     allocator: AllocatorState,
     num_computed: Int[Array, "R"],
-    plan: StepPlan,
+    plan: StepPlan | Int[Array, "7 R"],
     *,
     defer_rest: bool = False,
 ) -> tuple[AllocatorState, StepOutput, Int[Array, "R"]]:
@@ -135,11 +152,13 @@ def allocate(
     configurations share its executables): each row's new tokens are the tokens known and not yet in the cache,
     at most `plan.max_new_tokens`. `num_computed` [R] holds the tokens in the cache of the request in each
     allocator slot, read only where the allocator says the request holds blocks. Returns (the allocator's state,
-    its `StepOutput` of T = ``max_num_batched_tokens`` tokens, [R] tokens known before the step).
+    its `StepOutput` of T = ``max_num_batched_tokens`` tokens, [R] tokens known before the step). `plan` may be
+    packed (`StepPlan.packed`), as the host sends it.
 
     `defer_rest` (`step.allocate_slots`): rows the allocator's vectorised path does not serve at once are
     deferred, and the call makes the host wait for nothing; for decode steps, where that path serves every row
     in the common case."""
+    plan = StepPlan.unpacked(plan)
     slots = plan.slots
     valid = slots != NO_SLOT
     rows = RequestRows(allocator.requests.rows, jnp.where(valid, slots, 0))
@@ -211,14 +230,16 @@ def sample(
     num_computed: Int[Array, "R"],
     out: StepOutput,
     known: Int[Array, "R"],
-    plan: StepPlan,
+    plan: StepPlan | Int[Array, "7 R"],
     logits: Float[Array, "R V"],
     *,
     greedy_only: bool,
 ) -> tuple[AllocatorState, Int[Array, "R"], Int[Array, "7R+1+G"]]:
     """Sampling (`greedy_only`: no row has a temperature) of the rows whose sequence now covers every known token,
     the sampled tokens into the allocator and the computed counts into `num_computed` (jitted, the state donated).
-    Returns (the allocator's state, the computed counts, the `StepResult` packed: `pack_result`)."""
+    Returns (the allocator's state, the computed counts, the `StepResult` packed: `pack_result`). `plan` may be
+    packed (`StepPlan.packed`)."""
+    plan = StepPlan.unpacked(plan)
     sampled = out.success & (out.seq_lens == known) & (out.num_scheduled_tokens > 0)
     tokens = sample_tokens(
         logits, temperature=plan.temperature, top_k=plan.top_k, top_p=plan.top_p, seeds=plan.seeds,
@@ -245,7 +266,7 @@ def decode_steps(
     num_computed: Int[Array, "R"],
     model: ScannedDecoder,
     kv_cache: Array,
-    plan: StepPlan,
+    plan: StepPlan | Int[Array, "7 R"],
     row_steps: Int[Array, "R"],
     *,
     num_steps: int,
@@ -258,7 +279,8 @@ def decode_steps(
     `sample`; the tokens one step samples are the next one's inputs. `plan` is every step's (one new token per
     row); row r takes part in the first `row_steps[r]` steps only (then computes nothing: a request that would
     reach its length limit). Returns (the allocator's state, the computed counts, the cache, each step's packed
-    `StepResult` stacked on a leading axis of `num_steps`)."""
+    `StepResult` stacked on a leading axis of `num_steps`). `plan` may be packed (`StepPlan.packed`)."""
+    plan = StepPlan.unpacked(plan)
 
     def one(carry, index):
         allocator, num_computed, kv_cache = carry

@@ -183,7 +183,7 @@ class ModelRunner:
             return (partial(self._decode_steps, num_steps=num_steps, num_tokens=self.shapes[0].num_tokens,
                             greedy_only=greedy_only),
                     (inputs["allocator"], inputs["num_computed"], inputs["model"], inputs["kv_cache"],
-                     inputs["plan"], inputs["plan"].slots), (0, 1, 3))  # fmt: skip
+                     inputs["plan"], inputs["row_steps"]), (0, 1, 3))  # fmt: skip
         return (partial(sample, config, greedy_only=variant),
                 (inputs["allocator"], inputs["num_computed"], inputs["out"], inputs["known"], inputs["plan"],
                  inputs["logits"]), (0, 1))  # fmt: skip
@@ -196,10 +196,10 @@ class ModelRunner:
     def _abstract_inputs(self) -> dict:
         if self._inputs is None:
             rows = self.config.max_num_seqs
-            dtypes = (np.int32, np.int32, np.int32, np.float32, np.int32, np.float32, np.uint32)
             sharding = self._default_sharding()
             inputs = dict(
-                plan=StepPlan(*(jax.ShapeDtypeStruct((rows,), d, sharding=sharding) for d in dtypes)),
+                plan=jax.ShapeDtypeStruct((len(StepPlan._fields), rows), np.int32, sharding=sharding),  # packed
+                row_steps=jax.ShapeDtypeStruct((rows,), np.int32, sharding=sharding),
                 allocator=_abstract(self.manager.state), num_computed=_abstract(self.num_computed),
                 model=_abstract(self.model), kv_cache=_abstract(self.kv_cache),
             )  # fmt: skip
@@ -303,7 +303,7 @@ class ModelRunner:
         becomes their outputs; returns the `StepResult` packed in one device array (`StepResult.unpacked`)."""
         if not self._executables:
             raise RuntimeError("ModelRunner.compile() must run before the first step")
-        plan = jax.device_put(plan, self._default_sharding())
+        plan = jax.device_put(plan.packed(), self._default_sharding())  # one transfer
         allocator, out, known = self._executables["allocate", defer_rest](
             self.manager.state, self.num_computed, plan
         )
@@ -322,7 +322,7 @@ class ModelRunner:
         if ("decode_steps", (num_steps, greedy_only)) not in self._executables:
             raise RuntimeError(f"no executable of {num_steps} decode steps (EngineConfig.decode_steps="
                                f"{self.config.decode_steps})")  # fmt: skip
-        plan, row_steps = jax.device_put((plan, row_steps), self._default_sharding())
+        plan, row_steps = jax.device_put((plan.packed(), row_steps), self._default_sharding())
         self.manager.state, self.num_computed, self.kv_cache, results = self._executables[
             "decode_steps", (num_steps, greedy_only)
         ](self.manager.state, self.num_computed, self.model, self.kv_cache, plan, row_steps)
