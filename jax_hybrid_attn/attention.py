@@ -23,13 +23,7 @@ from .kv_cache import write_kv_traced
 from .layout import KVArrays, KVCache, like_given
 from .metadata import AttentionMetadata
 from .params import CAUSAL, LayerAttentionParams
-from .validation import (
-    IMPLEMENTATIONS,
-    check_paged_attention_args,
-    check_write_kv_args,
-    query_heads,
-    resolve_implementation,
-)
+from .validation import IMPLEMENTATIONS, check_paged_attention_args, check_write_kv_args, resolve_implementation
 
 __all__ = ["IMPLEMENTATIONS", "layer_attention", "paged_attention"]
 
@@ -42,7 +36,6 @@ def paged_attention(
     params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
     checked: bool = False,
-    num_q_heads: int | None = None,
     implementation: str | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Float[Array, "T N H"]:
@@ -58,13 +51,11 @@ def paged_attention(
     """
     options = dict(params=params, sinks=sinks, checked=checked)
     if isinstance(metadata, AttentionMetadata) and metadata.num_common_prefix_blocks is not None:
-        check_paged_attention_args(q, kv_cache, metadata, num_q_heads=num_q_heads, **options)
-        return cascade_attention(q[:, : query_heads(q, num_q_heads)], kv_cache, metadata,
-                                 num_common_prefix_blocks=metadata.num_common_prefix_blocks,
+        return cascade_attention(q, kv_cache, metadata, num_common_prefix_blocks=metadata.num_common_prefix_blocks,
                                  implementation=implementation, interpret=interpret, **options)  # fmt: skip
     if resolve_implementation(implementation, interpret) == "reference":
-        return reference.paged_attention(q, kv_cache, metadata, num_q_heads=num_q_heads, **options)
-    return paged_attention_kernels(q, kv_cache, metadata, num_q_heads=num_q_heads, interpret=interpret, **options)
+        return reference.paged_attention(q, kv_cache, metadata, **options)
+    return paged_attention_kernels(q, kv_cache, metadata, interpret=interpret, **options)
 
 
 def layer_attention(
@@ -76,7 +67,6 @@ def layer_attention(
     *,
     params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
-    num_q_heads: int | None = None,
     implementation: str | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> tuple[Float[Array, "T N H"], KVCache | KVArrays]:
@@ -86,18 +76,17 @@ def layer_attention(
     jit, call it as any other function; the static options are `params`, the cache's layout and `implementation`.
 
     Args:
-      q: [T, N, H] this step's queries (or [T, N', H] with `num_q_heads`, as `paged_attention`); k, v: [T, K, H]
-        its keys and values (or both None: the layer reads a cache another layer wrote, nothing is written).
+      q: [T, N, H] this step's queries; k, v: [T, K, H] its keys and values (or both None: the layer reads a
+        cache another layer wrote, nothing is written).
       kv_cache: a `KVCache` (arrays, layout, float8 scales) or an "NHD" cache's array or pair, as
         `paged_attention`.
       metadata: the step's metadata of the layer's KV-cache group (`metadata_from_step`).
-      params, sinks, num_q_heads, implementation, interpret: as `paged_attention`.
+      params, sinks, implementation, interpret: as `paged_attention`.
     Returns:
       (attention output [T, N, H] in q's dtype, the updated cache in the form given).
     """
     # The attention's checks first: the write below would otherwise report the metadata's errors as its own
-    params, cache = check_paged_attention_args(q, kv_cache, metadata, params=params, sinks=sinks, checked=False,
-                                               num_q_heads=num_q_heads)  # fmt: skip
+    params, cache = check_paged_attention_args(q, kv_cache, metadata, params=params, sinks=sinks, checked=False)
     if (k is None) != (v is None):
         raise ValueError("k and v must both be given, or both be None (a layer that reads another layer's cache)")
     if k is not None:
@@ -105,16 +94,17 @@ def layer_attention(
     implementation = resolve_implementation(implementation, interpret)
     out, data = _layer_attention(
         q, k, v, cache.data, cache.replace(data=None), metadata, sinks,
-        params=params, num_q_heads=num_q_heads, implementation=implementation, interpret=interpret,
+        params=params, implementation=implementation, interpret=interpret,
     )  # fmt: skip
     return out, like_given(cache.replace(data=data), kv_cache)
 
 
-@partial(jax.jit, static_argnames=("params", "num_q_heads", "implementation", "interpret"), donate_argnames=("data",))
-def _layer_attention(q, k, v, data, kv_cache, metadata, sinks, *, params, num_q_heads, implementation, interpret):
+@partial(jax.jit, static_argnames=("params", "implementation", "interpret"), donate_argnames=("data",))
+def _layer_attention(q, k, v, data, kv_cache, metadata, sinks, *, params, implementation, interpret):
     kv_cache = kv_cache.replace(data=data)
     if k is not None:
         kv_cache = write_kv_traced(kv_cache, k, v, metadata.slot_mapping)
-    out = paged_attention(q, kv_cache, metadata, params=params, sinks=sinks, num_q_heads=num_q_heads,
-                          implementation=implementation, interpret=interpret)  # fmt: skip
+    out = paged_attention(
+        q, kv_cache, metadata, params=params, sinks=sinks, implementation=implementation, interpret=interpret
+    )
     return out, kv_cache.data

@@ -17,7 +17,7 @@ from .masks import attention_mask
 from .metadata import AttentionMetadata, token_requests
 from .params import CAUSAL, LayerAttentionParams
 from .softmax_merge import merge_splits
-from .validation import check_paged_attention_args, query_heads, unservable_requests
+from .validation import check_paged_attention_args, unservable_requests
 
 __all__ = ["paged_attention"]
 
@@ -35,7 +35,6 @@ def paged_attention(
     params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
     checked: bool = False,
-    num_q_heads: int | None = None,
 ) -> Float[Array, "T N H"]:
     """Attention of each query token over its request's paged keys and values.
 
@@ -59,16 +58,14 @@ def paged_attention(
         outside the pool, a query longer than ``max_query_len``) gets NaN output, on the kernels and here alike;
         a table that points at the null block or at another request's block is read as it says. A traced float8
         scale that is not finite and > 0 makes the outputs it touches NaN (a concrete one is refused).
-      num_q_heads: q's first `num_q_heads` heads are the queries (q may hold more: its layer's k heads after
-        them, as one array [T, N + K, H], which the kernels then read in place); None: all of q's heads.
 
     Returns:
       [T, N, H] in ``q.dtype``. Query head n reads KV head ``n // (N // K)``.
     """
     params, kv_cache = check_paged_attention_args(
-        q, kv_cache, metadata, params=params, sinks=sinks, checked=checked, num_q_heads=num_q_heads
+        q, kv_cache, metadata, params=params, sinks=sinks, checked=checked
     )
-    return _paged_attention(q[:, : query_heads(q, num_q_heads)], kv_cache, metadata, sinks, params=params)
+    return _paged_attention(q, kv_cache, metadata, sinks, params=params)
 
 
 @partial(jax.jit, static_argnames=("params",))

@@ -268,7 +268,7 @@ def check_write_kv_args(kv_cache, k, v, slot_mapping, *, checked) -> KVCache:
 
 
 def check_paged_attention_args(
-    q, kv_cache, metadata, *, params, sinks, checked, num_q_heads=None
+    q, kv_cache, metadata, *, params, sinks, checked
 ) -> tuple[LayerAttentionParams, KVCache]:
     """All checks of `paged_attention`; returns ``(params, kv_cache)``: ``params.sm_scale`` resolved to a value,
     the cache as a `KVCache`."""
@@ -279,8 +279,7 @@ def check_paged_attention_args(
         raise ValueError(f"q.dtype={q.dtype} must be one of {[str(d) for d in QUERY_DTYPES]}")
     kv_cache = check_kv_cache(kv_cache)
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.dims
-    num_tokens, _, q_head_dim = q.shape
-    num_q_heads = query_heads(q, num_q_heads)
+    num_tokens, num_q_heads, q_head_dim = q.shape
     if q_head_dim != head_dim:
         raise ValueError(f"q.shape={tuple(q.shape)}: head_dim {q_head_dim} differs from the cache's H={head_dim}")
     if num_q_heads % num_kv_heads:
@@ -305,16 +304,6 @@ def check_paged_attention_args(
             raise ValueError(f"sinks={np.asarray(sinks).tolist()} must be finite")
     params = dataclasses.replace(params, sm_scale=resolve_sm_scale(params.sm_scale, head_dim))
     return params, kv_cache
-
-
-def query_heads(q, num_q_heads: int | None) -> int:
-    """N, the query heads of `q` [T, N', H]: its first `num_q_heads` (q may hold more: its layer's k heads after
-    them, as one array), or all N' where None."""
-    if num_q_heads is None:
-        return q.shape[1]
-    if type(num_q_heads) is not int or not 0 < num_q_heads <= q.shape[1]:
-        raise ValueError(f"{num_q_heads=} must be an int in [1, {q.shape[1]}] (q.shape={tuple(q.shape)})")
-    return num_q_heads
 
 
 def unservable_requests(metadata: AttentionMetadata, *, block_size: int, num_blocks: int) -> jax.Array:

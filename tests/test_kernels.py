@@ -183,32 +183,6 @@ def test_a_launch_planned_once_for_the_step_gives_the_layers_outputs(query_lens,
                         interpret=True)  # fmt: skip
 
 
-@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("query_lens, seq_lens", [([1, 1, 1], [50, 17, 64]), ([1, 2, 40], [50, 77, 60])],
-                         ids=["decodes", "mixed"])  # fmt: skip
-def test_queries_read_in_place_from_q_and_k_as_one_array(query_lens, seq_lens, kv_fp8):
-    """A layer passes q's and k's heads as one array [T, N + K, H] with ``num_q_heads=N``: the kernels read the
-    queries in place and give q alone's output bit for bit, as the reference does; the k heads (NaN here) reach
-    no output."""
-    inputs = random_paged_inputs(13, query_lens=query_lens, seq_lens=seq_lens, num_q_heads=8, num_kv_heads=2,
-                                 head_dim=64, block_size=16, dtype=jnp.bfloat16,
-                                 kv_dtype=jnp.float8_e4m3fn if kv_fp8 else None)  # fmt: skip
-    joined = jnp.concatenate([inputs.q, jnp.full_like(inputs.q[:, :2], jnp.nan)], axis=1)
-    window = LayerAttentionParams(sliding_window=30)
-    for implementation in ("kernel", "reference"):
-        options = dict(params=window, implementation=implementation, interpret=implementation == "kernel")
-        alone = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
-        in_place = paged_attention(joined, inputs.kv_cache, inputs.metadata, num_q_heads=8, **options)
-        assert in_place.shape == inputs.q.shape
-        assert np.isfinite(np.asarray(alone, np.float32)).all()
-        np.testing.assert_array_equal(np.asarray(in_place, np.float32), np.asarray(alone, np.float32))
-    for bad in (0, 11, 8.0):
-        with pytest.raises(ValueError, match=re.escape(f"num_q_heads={bad!r} must be an int in [1, 10]")):
-            paged_attention(joined, inputs.kv_cache, inputs.metadata, num_q_heads=bad, interpret=True)
-    with pytest.raises(ValueError, match="num_q_heads=7 must be a multiple of num_kv_heads=2"):
-        paged_attention(joined, inputs.kv_cache, inputs.metadata, num_q_heads=7, interpret=True)
-
-
 @pytest.mark.parametrize("kv_pair", [False, True])
 def test_blocks_larger_than_a_kernel_step(kv_pair):
     """S = 256 (transformers' continuous batching default): each step reads ``block_kv`` rows of one block."""

@@ -415,11 +415,10 @@ class _PrefixCache:
     def positions(self):
         return jnp.arange(self.start, self.start + self.num_tokens, dtype=jnp.int32)
 
-    def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None, num_q_heads=None):
+    def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None):
         from jax_hybrid_attn.masks import attention_mask
 
         del k_scale, v_scale  # this cache keeps K/V in their own dtype
-        q = q[:, :num_q_heads]
         if self.start:
             k_all, v_all = jnp.concatenate([self.keys[layer], k]), jnp.concatenate([self.values[layer], v])
         else:

@@ -30,7 +30,7 @@ from ..kernels.mixed_batch import KernelPlan, plan_kernels
 from ..layout import FP8_DTYPE, KVCache, KVLayout
 from ..metadata import AttentionMetadata
 from ..sharding import sharded_layer_attention
-from ..validation import query_heads, resolve_implementation
+from ..validation import resolve_implementation
 
 __all__ = ["PagedCache", "with_checked_block_tables"]
 
@@ -125,7 +125,7 @@ class PagedCache:
                  for width, layer in first_layer_of_width.items()}  # fmt: skip
         return dataclasses.replace(self, kernel_plans=plans)
 
-    def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None, num_q_heads=None):
+    def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None):
         """Write the layer's k/v into its tensor at its group's slots, then attend (`layer_attention`). A float8
         cache stores them divided by the layer's `k_scale` / `v_scale` (1.0 where None); other caches ignore
         the scales, as vLLM does."""
@@ -140,9 +140,8 @@ class PagedCache:
         pool = KVCache(pool, self.kv_layout, **scales)
         options = dict(params=params, sinks=sinks, implementation=self.implementation, interpret=self.interpret)
         if self.mesh is None:
-            out, pool = layer_attention(q, k, v, pool, metadata, num_q_heads=num_q_heads, **options)
-        else:  # the heads split over the mesh: the queries alone
-            q = q[:, : query_heads(q, num_q_heads)]
+            out, pool = layer_attention(q, k, v, pool, metadata, **options)
+        else:
             out, pool = sharded_layer_attention(self.mesh, self.axis, q, k, v, pool, metadata, **options)
         return out, dataclasses.replace(self, kv=pool.data.reshape(self.kv.shape))
 

@@ -31,8 +31,7 @@ def launch_attention(
 
     Args:
       q_source: [NT, K, rows, H] packed query rows (`tiles.pack_query_rows`) in `compute_dtype`, rows =
-        ``config.rows``; with `direct`, q itself [T, N', H] (the kernel scales and converts it), whose first
-        N = ``group_size * num_kv_heads`` heads are the queries (q may hold more: the k heads after them).
+        ``config.rows``; with `direct`, q itself [T, N, H] (the kernel scales and converts it).
       k_source, v_source: with `stacked`, the one cache [B, 2, ...] twice (K and V are its axis-1 halves); else
         the pair's K and V caches [B, ...]. For `kv_layout` "HND_VT", v_source is viewed as [..., K, H, S].
       tiles: `tiles.QueryTiles` with [NT] request, query start and query length per tile (length 0: idle).
@@ -70,8 +69,7 @@ def launch_attention(
     )  # fmt: skip
     splits, rows = config.num_splits, config.rows
     if direct:
-        num_tokens = q_source.shape[0]
-        out_type = jax.ShapeDtypeStruct((num_tokens, group_size * num_kv_heads, head_dim), q_source.dtype)
+        out_type = jax.ShapeDtypeStruct(q_source.shape, q_source.dtype)
     else:
         out_type = (
             jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim), q_source.dtype),

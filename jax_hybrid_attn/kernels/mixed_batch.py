@@ -25,7 +25,7 @@ from .._compat import check_interpret_threads, plgpu, resolve_interpret
 from ..layout import FP8_DTYPE, V_TRANSPOSED_BLOCK, KVArrays, KVCache
 from ..metadata import AttentionMetadata
 from ..params import CAUSAL, LayerAttentionParams
-from ..validation import check_paged_attention_args, query_heads, unservable_requests
+from ..validation import check_paged_attention_args, unservable_requests
 from . import tiles as query_tiles
 from .config import SMEM_BUDGET_BYTES, default_config
 from .launch import direct_io_supported, launch_attention
@@ -51,7 +51,6 @@ def paged_attention_kernels(
     params: LayerAttentionParams = CAUSAL,
     sinks: Float[Array, "N"] | None = None,
     checked: bool = False,
-    num_q_heads: int | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> Float[Array, "T N H"]:
     """`reference.paged_attention` on the Mosaic GPU kernels (same arguments); `interpret` runs them in Mosaic GPU
@@ -60,14 +59,11 @@ def paged_attention_kernels(
     Raises:
       NotImplementedError: the kernels do not support this combination (named in the message).
     """
-    params, kv_cache = check_paged_attention_args(q, kv_cache, metadata, params=params, sinks=sinks, checked=checked,
-                                                  num_q_heads=num_q_heads)  # fmt: skip
-    num_q_heads = query_heads(q, num_q_heads)
-    check_kernel_support(q[:, :num_q_heads], kv_cache)
+    params, kv_cache = check_paged_attention_args(q, kv_cache, metadata, params=params, sinks=sinks, checked=checked)
+    check_kernel_support(q, kv_cache)
     if resolve_interpret(interpret) is not None:
         check_interpret_threads()
-    return _paged_attention_kernels(q, kv_cache, metadata, sinks, params=params, interpret=interpret,
-                                    num_q_heads=num_q_heads)  # fmt: skip
+    return _paged_attention_kernels(q, kv_cache, metadata, sinks, params=params, interpret=interpret)
 
 
 def kernel_configs(head_dim: int, q_dtype, kv_dtype, *, decode_ctas: int = 1, max_seq_len: int = 0,
@@ -207,14 +203,9 @@ def paged_attention_parts_kernels(
                                     parts=True)  # fmt: skip
 
 
-@partial(jax.jit, static_argnames=("params", "interpret", "parts", "num_q_heads"))
-def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None, *, params, interpret, parts=False,
-                             num_q_heads=None):  # fmt: skip
-    # q's first `num_q_heads` heads are the queries: the launches that read q themselves take all of it (no copy)
-    heads_in_q = q
-    num_q_heads = num_q_heads or q.shape[1]
-    q = q[:, :num_q_heads]
-    num_tokens, _, head_dim = q.shape
+@partial(jax.jit, static_argnames=("params", "interpret", "parts"))
+def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None, *, params, interpret, parts=False):
+    num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = kv_cache.dims
     k_scale, v_scale = kv_cache.scales()
     group_size = num_q_heads // num_kv_heads
@@ -245,7 +236,7 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
 
     def run(tiles, config, requests, *, direct=False):  # partials and log-sum-exps per tile; with `direct` [T, N, H]
         if direct:  # the kernel scales and converts q itself
-            q_source = heads_in_q
+            q_source = q
         else:
             tokens, heads = query_tiles.tile_rows(
                 tiles, requests.query_start_loc, group_size=group_size, num_kv_heads=num_kv_heads,

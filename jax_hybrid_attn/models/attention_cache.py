@@ -24,7 +24,6 @@ from .._compat import register_pytree_dataclass
 from ..layout import FP8_DTYPE, stored_values
 from ..masks import attention_mask
 from ..params import LayerAttentionParams, check_params, resolve_sm_scale
-from ..validation import query_heads
 
 __all__ = ["AttentionCache", "DenseAttention", "dense_attention"]
 
@@ -51,12 +50,9 @@ class AttentionCache(Protocol):
         sinks: Float[Array, "N"] | None = None,
         k_scale: Float[Array, ""] | None = None,
         v_scale: Float[Array, ""] | None = None,
-        num_q_heads: int | None = None,
     ) -> tuple[Float[Array, "T N H"], "AttentionCache"]:
         """Layer `layer`'s attention of this call's queries over its keys (this call's and any cached ones).
-        `k_scale`, `v_scale`: the layer's scales for a cache that stores K/V in float8 (others ignore them).
-        `num_q_heads`: q's first `num_q_heads` heads are the queries (q [T, N + K, H] may hold k's heads after
-        them: the kernels read the queries in place); None: all of q's."""
+        `k_scale`, `v_scale`: the layer's scales for a cache that stores K/V in float8 (others ignore them)."""
         ...
 
 
@@ -115,9 +111,8 @@ class DenseAttention:
         del layer  # every layer sees the same sequence
         return self
 
-    def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None, num_q_heads=None):
+    def attend(self, layer, q, k, v, *, params, sinks=None, k_scale=None, v_scale=None):
         del layer  # nothing is cached
-        q = q[:, : query_heads(q, num_q_heads)]
         if self.kv_dtype is not None:
             k, v = (_stored_and_read(x, scale, self.kv_dtype) for x, scale in ((k, k_scale), (v, v_scale)))
         return dense_attention(q, k, v, params=params, sinks=sinks), self

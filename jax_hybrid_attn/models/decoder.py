@@ -141,15 +141,14 @@ class Attention(nnx.Module):
             qk = apply_rope(qk, positions, inv_freq, scaling, interleaved=config.rope_interleaved)
             if config.use_qk_norm:  # Llama 4: after RoPE, on RoPE layers only
                 qk = _l2_norm(qk, config.rms_norm_eps)
-        # The queries are qk's first N heads: the attention takes qk whole (the kernels read them in place)
-        queries, k = qk, qk[:, config.num_heads :]
+        q, k = qk[:, : config.num_heads], qk[:, config.num_heads :]
         if rope is None and config.attn_temperature_tuning:  # Llama 4's NoPE layers
             scales = jnp.log1p(jnp.floor((positions.astype(jnp.float32) + 1.0) / config.floor_scale))
             scales = scales * config.attn_scale + 1.0
-            queries = (qk[:, : config.num_heads] * scales[:, None, None]).astype(qk.dtype)
+            q = (q * scales[:, None, None]).astype(q.dtype)
         sinks = None if self.sinks is None else self.sinks[...]
-        out, cache = cache.attend(layer, queries, k, v, params=config.layer_params(layer), sinks=sinks,
-                                  k_scale=self.k_scale[...], v_scale=self.v_scale[...], num_q_heads=config.num_heads)
+        out, cache = cache.attend(layer, q, k, v, params=config.layer_params(layer), sinks=sinks,
+                                  k_scale=self.k_scale[...], v_scale=self.v_scale[...])
         return self.o_proj(out.reshape(num_tokens, config.num_heads * h).astype(x.dtype)), cache
 
 
