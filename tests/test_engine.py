@@ -536,3 +536,35 @@ def test_the_engine_warms_up_after_compiling_on_a_gpu_unless_told(monkeypatch):
         warmed.clear()
         report = engine.compile(warm_up=warm_up)
         assert (warmed == [engine.runner], report.warm_up_s) == ((True, 0.25) if warms else (False, 0.0))
+
+
+def test_a_step_plan_and_its_results_cross_in_one_array_each():
+    """The host sends a step's plan as one int32 array and reads its results back as one (on a GPU each array is a
+    transfer with a host callback of its own): every field comes back as it was, its dtype too, also for the
+    stacked results of several steps."""
+    from jax_hybrid_attn.engine.device_step import StepPlan, StepResult, pack_result
+
+    rng = np.random.default_rng(0)
+    rows = 5
+    plan = StepPlan(
+        slots=np.array([3, -1, 0, 2, -1], np.int32), max_new_tokens=rng.integers(0, 9, rows, dtype=np.int32),
+        prompt_lens=rng.integers(1, 2048, rows, dtype=np.int32), temperature=rng.random(rows, np.float32) * 2,
+        top_k=rng.integers(0, 50, rows, dtype=np.int32), top_p=rng.random(rows, np.float32),
+        seeds=np.array([0, 2**32 - 1, 2**31, 7, 1], np.uint32),
+    )  # fmt: skip
+    on_device = jax.jit(StepPlan.unpacked)(jnp.asarray(plan.packed()))
+    for name, sent, got in zip(StepPlan._fields, plan, on_device, strict=True):
+        assert got.dtype == sent.dtype, name
+        np.testing.assert_array_equal(np.asarray(got), sent, err_msg=name)
+
+    flags = lambda: jnp.asarray(rng.random(rows) < 0.5)  # noqa: E731
+    counts = lambda: jnp.asarray(rng.integers(0, 262_144, rows, dtype=np.int32))  # noqa: E731
+    result = StepResult(success=flags(), deferred=flags(), seq_lens=counts(), num_hits=counts(),
+                        num_scheduled=counts(), sampled=flags(), tokens=counts(), num_free_blocks=jnp.int32(41),
+                        common_prefix_blocks=jnp.asarray([2, 0, 5], jnp.int32))  # fmt: skip
+    packed = np.asarray(jax.jit(pack_result)(result))
+    for host, leading in ((StepResult.unpacked(packed, num_rows=rows), ()),
+                          (StepResult.unpacked(np.stack([packed, packed]), num_rows=rows), (2,))):  # fmt: skip
+        for name, sent, got in zip(StepResult._fields, result, host, strict=True):
+            assert got.dtype == sent.dtype and got.shape == leading + sent.shape, name
+            np.testing.assert_array_equal(got, np.broadcast_to(np.asarray(sent), got.shape), err_msg=name)
