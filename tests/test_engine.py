@@ -316,17 +316,21 @@ def test_preemption_happens_and_does_not_change_sampled_outputs():
 
 
 def test_hybrid_allocation_holds_less_kv_memory_with_the_same_tokens():
+    """The hybrid engine's greedy tokens are the dense forward's (as the engine's with every layer in one full
+    group are: test_engine_greedy_equals_the_dense_forward_through_chunks_hits_and_preemption), and at its peak it
+    holds less KV memory than one group of full attention must hold at the end: every computed token's block in
+    every layer."""
     config, model = tiny_model("gemma3_text")
     long_prompts = [[(7 * i + j) % 90 + 1 for j in range(48)] for i in range(3)]
-    runs = {}
-    for hybrid in (True, False):
-        engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=3, max_num_batched_tokens=16,
-                                                    max_model_len=64, hybrid=hybrid))  # fmt: skip
-        outputs = engine.generate(long_prompts, SamplingParams(max_tokens=4, temperature=0.0))
-        runs[hybrid] = (outputs, engine.stats, engine.layout)
-    assert [o.output_token_ids for o in runs[True][0]] == [o.output_token_ids for o in runs[False][0]]
-    hybrid_bytes, full_bytes = (runs[h][1].peak_blocks_in_use * runs[h][2].block_bytes for h in (True, False))
-    # 2 of 3 layers keep a window of 8 tokens (and the blocks of one 16-token chunk) of the 52
+    engines = {hybrid: Engine(model, config, EngineConfig(block_size=4, max_num_seqs=3, max_num_batched_tokens=16,
+                                                          max_model_len=64, hybrid=hybrid))
+               for hybrid in (True, False)}  # fmt: skip
+    outputs = engines[True].generate(long_prompts, SamplingParams(max_tokens=4, temperature=0.0))
+    assert [o.output_token_ids for o in outputs] == [dense_greedy(model, prompt, 4) for prompt in long_prompts]
+    hybrid_bytes = engines[True].stats.peak_blocks_in_use * engines[True].layout.block_bytes
+    computed = 48 + 4 - 1  # the last sampled token is never computed
+    full_bytes = len(long_prompts) * -(-computed // 4) * engines[False].layout.block_bytes
+    # 2 of 3 layers keep a window of 8 tokens (and the blocks of one 16-token chunk) of the 51
     assert hybrid_bytes < 0.7 * full_bytes, (hybrid_bytes, full_bytes)
 
 
