@@ -1,12 +1,13 @@
 """Test session setup: enough CPU client threads for Mosaic GPU interpret mode; no compilation cache of the CLI's,
-but one JAX cache for the session's subprocesses; the vLLM tests only with vLLM; a worker's memory mappings kept below the
-kernel's limit.
+but one JAX cache for the session; the vLLM tests only with vLLM; a worker's memory mappings kept below the kernel's
+limit.
 
-XLA's compiles are most of the suite's time, and the subprocesses compile the same executables again (the
-embedded model in every CLI and server subprocess and notebook). They share JAX's persistent compilation cache in
-one temporary directory (through the environment), made by the first process and removed when it ends. The test
-processes themselves keep none: a test may compile one module in two ways (`compile_single_task`), which the
-cache's key does not tell apart.
+XLA's compiles are most of the suite's time, and many tests compile the same executables again: engines of the same
+model and sizes (an engine compiles its steps ahead of time, which JAX's in-memory caches do not keep), the embedded
+model in every CLI and server subprocess and notebook. The workers, their subprocesses and the notebooks share JAX's
+persistent compilation cache in one temporary directory (through the environment), made by the first process and
+removed when it ends. Its key is the module and the compile options: a test that compiles one module in two ways
+(`compile_single_task`) compiles two modules.
 
 The variable is read when the CPU backend starts, so it is set here, before any test runs a computation
 (`jax_hybrid_attn._compat.check_interpret_threads` explains why).
@@ -45,7 +46,8 @@ if _owns_session_cache:
     os.environ[_SESSION_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jha-tests-jax-cache-")
 for _name, _value in {**_JAX_CACHE_SETTINGS, "jax_compilation_cache_dir": os.environ[_SESSION_CACHE_VARIABLE]}.items():
     os.environ[_name.upper()] = str(_value)  # subprocesses and notebook kernels read it when JAX starts
-jax.config.update("jax_compilation_cache_dir", None)  # this process (started with the variables, if a worker): none
+for _name, _value in {**_JAX_CACHE_SETTINGS, "jax_compilation_cache_dir": os.environ[_SESSION_CACHE_VARIABLE]}.items():
+    jax.config.update(_name, _value)  # this process too (JAX started before the variables were set)
 
 
 def pytest_unconfigure(config):

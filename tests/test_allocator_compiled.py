@@ -30,16 +30,16 @@ def test_single_task_compile_splits_no_gather_and_keeps_the_callers_affinity():
     rows = jnp.asarray(np.random.default_rng(1).integers(0, 200_000, 384), jnp.int32)
     affinity = os.sched_getaffinity(0)
 
-    def lower():  # a new function each time: JAX caches a lowering's executable
-        return jax.jit(lambda table, rows: table[rows] + 1).lower(table, rows)
+    def lower(offset):  # another module for each offset: the session's JAX cache keys executables by module
+        return jax.jit(lambda table, rows: table[rows] + offset).lower(table, rows)
 
-    one_task = compile_single_task(lower(), platform="cpu")
+    one_task = compile_single_task(lower(1), platform="cpu")
 
     assert os.sched_getaffinity(0) == affinity
     assert split_operations(one_task) == 0
     np.testing.assert_array_equal(one_task(table, rows), np.asarray(table)[np.asarray(rows)] + 1)
     if len(affinity) >= 2:  # the plain compile splits this gather: the pinned thread is what removes it
-        assert split_operations(lower().compile()) > 0
+        assert split_operations(lower(2).compile()) > 0
 
 
 def test_compiled_step_equals_the_jitted_step():
