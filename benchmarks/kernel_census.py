@@ -46,6 +46,7 @@ from jax_hybrid_attn.allocator import requests as request_ops
 from jax_hybrid_attn.allocator import step as step_ops
 from jax_hybrid_attn.allocator.request_batches import RequestBatches
 from jax_hybrid_attn.engine import EngineConfig
+from jax_hybrid_attn.engine.model_runner import allocate_variant, executable_name
 from jax_hybrid_attn.engine.step_cache import MOSAIC_GPU_CALL, RunnerSpec, export_step
 from jax_hybrid_attn.kernels.mixed_batch import lowering_for_sms, num_sms
 from jax_hybrid_attn.models.config import ModelConfig
@@ -211,11 +212,16 @@ def compile_target():
 
 def step_executables(runner) -> list[tuple[str, tuple]]:
     """(step, executable key) of each executable the engine calls for a decode step (allocate, the forward of
-    one token per row, the greedy sample) and the forward of a whole prefill step (`ModelRunner.executable_keys`)."""
+    one token per row, the greedy sample) and for a whole prefill step (allocate and forward), both as the engine
+    sends them when no step before deferred rows (`ModelRunner.executable_keys`, `model_runner.allocate_variant`),
+    and the allocation of a step that serves every row (after deferred rows, or admitting a possible prefix hit)."""
     forward = {key[1]: key for key in runner.executable_keys() if key[0] == "forward" and not key[1].cascade}
     decode = next(key for shape, key in forward.items() if shape.max_query_len == 1)
     prefill = max(forward.values(), key=lambda key: key[1].num_tokens)
-    return [("decode", ("allocate", False)), ("decode", decode), ("decode", ("sample", True)), ("prefill", prefill)]
+    allocate = {shape: ("allocate", allocate_variant(shape, defer_rest=True)) for shape in (decode[1], prefill[1])}
+    return [("decode", allocate[decode[1]]), ("decode", decode), ("decode", ("sample", True)),
+            ("prefill", allocate[prefill[1]]), ("prefill", prefill),
+            ("serving every row", ("allocate", allocate_variant(decode[1], defer_rest=False)))]  # fmt: skip
 
 
 _CENSUSES: dict[tuple[bytes, str], tuple[Census, float]] = {}
@@ -262,7 +268,7 @@ def run(variant: dict, device, rows: list) -> None:
         runner = spec.abstract_runner()
         for step, key in step_executables(runner):
             result, seconds = compile_census(runner, key, device)
-            name = f"{key[0]} {key[1]}"
+            name = executable_name(key)
             per_layer = result.total / model_config.num_layers if key[0] == "forward" else None
             print(f"{label} | {step} | {name}: {result.total} launches"
                   + ("" if per_layer is None else f", {per_layer:.1f} per layer")

@@ -5,6 +5,7 @@ import numpy as np
 
 from jax_hybrid_attn import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from jax_hybrid_attn.allocator import AllocatorConfig, KVCacheManager
+from jax_hybrid_attn.allocator.step import allocate_slots
 from jax_hybrid_attn.allocator.columns import HASHED, MAP_SLOT
 from jax_hybrid_attn.allocator.config import SLIDING_WINDOW
 
@@ -76,6 +77,7 @@ class Mirror:
         self.config = config
         self.manager = KVCacheManager(config)
         self.oracle = oracle_for(config)
+        self.deferred_rows = self.served_deferring_rows = 0  # rows the deferring steps deferred, and served
 
     def add(self, request_id, tokens):
         slot = self.manager.add_request(request_id, tokens)
@@ -101,6 +103,32 @@ class Mirror:
             )
             want = (ok, computed if ok else got[1], scheduled)
             assert got == want, f"row {row} {rid!r}: allocator {got}, oracle {(ok, computed, scheduled)}"
+        self.check()
+        return out
+
+    def schedule_deferring(self, batch, lookahead, must_fit):
+        """One deferring step as the engine sends a prefill step (`allocate_slots` with ``defer_rest`` and
+        ``first_chunk_multi_block``): a deferred row changes nothing, so the oracle runs only the other rows."""
+        manager, config = self.manager, self.config
+        before = {rid: manager.num_computed_tokens(rid) for rid, _ in batch}
+        pad = config.max_num_seqs - len(batch)
+        columns = ([manager._slot(rid) for rid, _ in batch] + [-1] * pad, [before[rid] for rid, _ in batch] + [0] * pad,
+                   [count for _, count in batch] + [0] * pad, list(lookahead) + [0] * pad)  # fmt: skip
+        manager.state, out = allocate_slots(config, manager.state, *(jnp.array(c, jnp.int32) for c in columns),
+                                            jnp.array(list(must_fit) + [False] * pad), defer_rest=True,
+                                            first_chunk_multi_block=True)  # fmt: skip
+        for row, (rid, count) in enumerate(batch):
+            if out.deferred[row]:
+                assert not out.success[row] and int(out.num_scheduled_tokens[row]) == 0
+                self.deferred_rows += 1
+                continue
+            ok, computed, scheduled = self.oracle.allocate(manager._slot(rid), before[rid], count, lookahead[row],
+                                                           must_fit[row])  # fmt: skip
+            got = (bool(out.success[row]), int(out.num_computed_tokens[row]), int(out.num_scheduled_tokens[row]))
+            assert got == (ok, computed if ok else got[1], scheduled), f"row {row} {rid!r}: oracle {ok, computed}"
+            if ok:
+                manager._num_computed[rid] = int(out.seq_lens[row])
+                self.served_deferring_rows += 1
         self.check()
         return out
 

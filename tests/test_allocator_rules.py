@@ -641,17 +641,27 @@ def test_colliding_inserts_of_the_first_chunk_are_placed_by_the_loop():
     assert all(int(pool.info[b, MAP_SLOT]) >= 0 for b in blocks)
 
 
-# ------------------------------------------------------------------------------- the deferring step (decode)
+# ------------------------------------------------------------------------------------------ the deferring step
 
 
-def _step(manager, rows, *, defer_rest):
+def _step(manager, rows, *, defer_rest, first_chunk_multi_block=False):
     """rows: [(request_id, computed, new)]; runs `allocate_slots` on the manager's state. Returns the StepOutput."""
     slots = jnp.array([manager.slot(rid) for rid, _, _ in rows], jnp.int32)
     computed = jnp.array([c for _, c, _ in rows], jnp.int32)
     new = jnp.array([n for _, _, n in rows], jnp.int32)
-    manager.state, out = allocate_slots(manager.config, manager.state, slots, computed, new, defer_rest=defer_rest)
+    manager.state, out = allocate_slots(manager.config, manager.state, slots, computed, new, defer_rest=defer_rest,
+                                        first_chunk_multi_block=first_chunk_multi_block)  # fmt: skip
     check_invariants(manager)
     return out
+
+
+def _assert_same_steps(outs, managers):
+    """The two managers' step outputs and states are equal (where the prefix map put each block aside: inserts
+    made together or one by one may land in other slots of a bucket)."""
+    for field in dataclasses.fields(outs[False]):
+        np.testing.assert_array_equal(getattr(outs[False], field.name), getattr(outs[True], field.name))
+    for a, b in zip(semantic_leaves(managers[False]), semantic_leaves(managers[True]), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_defer_rest_decode_steps_equal_full_steps():
@@ -677,6 +687,54 @@ def test_defer_rest_decode_steps_equal_full_steps():
         lengths = [n + 1 for n in lengths]
     for a, b in zip(state_leaves(managers[False]), state_leaves(managers[True]), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_defer_rest_prefill_steps_with_a_multi_block_first_chunk_equal_full_steps():
+    """Prompts admitted one per step and prefilled in chunks of several blocks per group, beside decodes, in a
+    sliding-window and chunked model: with `first_chunk_multi_block` the deferring step serves every row (no prompt
+    shares a prefix), with the outputs and state of the full step after every step."""
+    managers = {defer: KVCacheManager(HYBRID) for defer in (False, True)}
+    rng = np.random.default_rng(3)
+    tokens = [rng.integers(1000 * r, 1000 * r + 999, n).tolist() for r, n in enumerate((15, 9, 13))]
+    computed = [0] * len(tokens)
+    for step in range(8):
+        rows, left = [], HYBRID.max_num_batched_tokens
+        for r in range(min(step + 1, len(tokens))):
+            if step == r:
+                for manager in managers.values():
+                    manager.add_request(r, tokens[r])
+            elif computed[r] == len(tokens[r]):  # a decode: the token sampled last becomes known
+                tokens[r].append(7 * step + r)
+                for manager in managers.values():
+                    manager.append_token_ids(r, tokens[r][-1:])
+            new = min(len(tokens[r]) - computed[r], left, 7)  # chunks of up to 7 tokens: two or three blocks
+            rows.append((r, computed[r], new))
+            left -= new
+        outs = {defer: _step(manager, rows, defer_rest=defer, first_chunk_multi_block=defer)
+                for defer, manager in managers.items()}  # fmt: skip
+        assert not outs[True].deferred.any() and outs[True].success.all(), f"step {step}"
+        _assert_same_steps(outs, managers)
+        for r, c, n in rows:
+            computed[r] = c + n
+    assert all(c == len(t) for c, t in zip(computed, tokens, strict=True)), "every prompt prefilled and decoding"
+
+
+def test_a_deferring_prefill_step_defers_a_new_request_that_may_hit_and_the_rows_after_it():
+    manager = KVCacheManager(HYBRID)
+    shared = list(range(8))
+    manager.add_request("first", shared + [99])
+    _step(manager, [("first", 0, 9)], defer_rest=False)  # its full blocks are cached
+    manager.add_request("miss", list(range(200, 206)))
+    manager.add_request("hit", shared + [77, 78])
+    manager.add_request("after", list(range(300, 305)))
+    before = {name: manager.get_block_ids(name) for name in ("hit", "after")}
+    rows = [("miss", 0, 6), ("hit", 0, 10), ("after", 0, 5)]
+    out = _step(manager, rows, defer_rest=True, first_chunk_multi_block=True)
+    assert out.success.tolist() == [True, False, False] and out.deferred.tolist() == [False, True, True]
+    assert out.num_scheduled_tokens.tolist()[1:] == [0, 0]
+    assert {name: manager.get_block_ids(name) for name in ("hit", "after")} == before
+    out = _step(manager, rows[1:], defer_rest=False)  # a full step serves them, with the hit
+    assert out.success.tolist() == [True, True] and int(out.num_new_computed_tokens[0]) > 0
 
 
 def test_defer_rest_defers_a_decode_that_completes_a_chunk_and_the_rows_after_it():
@@ -711,7 +769,8 @@ def test_defer_rest_defers_a_new_request_and_changes_nothing_for_it():
     assert out.success.tolist() == [True] and not out.deferred.any()
 
 
-def test_defer_rest_defers_every_row_with_work_when_the_pool_is_due_for_maintenance():
+@pytest.mark.parametrize("first_chunk_multi_block", [False, True])
+def test_defer_rest_defers_every_row_with_work_when_the_pool_is_due_for_maintenance(first_chunk_multi_block):
     manager = KVCacheManager(HYBRID)
     for r in range(2):
         manager.add_request(r, list(range(10 * r, 10 * r + 6)))
@@ -719,7 +778,7 @@ def test_defer_rest_defers_every_row_with_work_when_the_pool_is_due_for_maintena
     pool = manager.state.pool
     counters = pool.counters.at[STAMP_COUNTER].set(STAMP_RENORMALIZE_AT)  # re-ranking is due
     manager.state = dataclasses.replace(manager.state, pool=dataclasses.replace(pool, counters=counters))
-    out = _step(manager, [(0, 6, 3), (1, 6, 3)], defer_rest=True)
+    out = _step(manager, [(0, 6, 3), (1, 6, 3)], defer_rest=True, first_chunk_multi_block=first_chunk_multi_block)
     assert out.deferred.tolist() == [True, True] and not out.success.any()
     out = _step(manager, [(0, 6, 3), (1, 6, 3)], defer_rest=False)
     assert out.success.tolist() == [True, True] and int(manager.state.pool.stamp_counter) < STAMP_RENORMALIZE_AT
@@ -739,14 +798,15 @@ def test_colliding_inserts_of_a_deferring_step_are_placed_within_its_rounds():
     assert np.asarray(manager.state.pool.prefix_map)[0, :2].tolist() == blocks
 
 
-@pytest.mark.parametrize("defer_rest", [False, True])
-def test_a_deferring_step_has_no_loop_or_branch_on_device_values(defer_rest):
+@pytest.mark.parametrize("defer_rest, first_chunk_multi_block", [(False, False), (True, False), (True, True)])
+def test_a_deferring_step_has_no_loop_or_branch_on_device_values(defer_rest, first_chunk_multi_block):
     """On a GPU, XLA reads such a loop's or branch's predicate back to the host before it goes on."""
     from jax_hybrid_attn.allocator import init_state
 
     config, rows = HYBRID, jnp.arange(HYBRID.max_num_seqs, dtype=jnp.int32)
     jaxpr = jax.make_jaxpr(
-        lambda state: allocate_slots.__wrapped__(config, state, rows, rows, rows, defer_rest=defer_rest)
+        lambda state: allocate_slots.__wrapped__(config, state, rows, rows, rows, defer_rest=defer_rest,
+                                                 first_chunk_multi_block=first_chunk_multi_block)  # fmt: skip
     )(init_state(config))
     found = device_dependent_control_flow(jaxpr.jaxpr)
     assert (found == []) == defer_rest, found

@@ -261,9 +261,49 @@ def test_new_requests_behind_a_cached_prefix_take_only_their_own_tokens_of_the_b
     assert [o.output_token_ids for o in outputs] == [dense_greedy(model, p, 1) for p in prompts]
 
 
+def test_prefill_steps_defer_rows_unless_a_new_request_may_hit_the_prefix_cache():
+    """Steps that prefill prompts which share no prefix are deferring steps (no host sync on a GPU) and serve every
+    row; a step that admits prompts behind a cached prefix serves every row at once instead."""
+    config, model = tiny_model("gemma3_text")
+    engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                                                max_model_len=64))  # fmt: skip
+    sent = []  # (decode-only, deferring) of each step
+    run_step = engine.runner.run_step
+
+    def recording(plan, shape, *, defer_rest, greedy_only):
+        sent.append((shape.decode_only, defer_rest))
+        return run_step(plan, shape, defer_rest=defer_rest, greedy_only=greedy_only)
+
+    deferred = []  # rows each step read back deferred, in the order sent
+    postprocess = engine.scheduler.postprocess
+
+    def reading(rows, result, **options):
+        deferred.append(int(np.sum(result.deferred)))
+        return postprocess(rows, result, **options)
+
+    engine.runner.run_step, engine.scheduler.postprocess = recording, reading
+    greedy = SamplingParams(max_tokens=3, temperature=0.0)
+    prompts = [SHARED[:20] + [1]] + [[(7 * i + j) % 90 + 1 for j in range(17 + 3 * i)] for i in range(3)]
+    outputs = engine.generate(prompts, greedy)  # 81 prompt tokens over three steps of 32
+    assert [o.output_token_ids for o in outputs] == [dense_greedy(model, p, 3) for p in prompts]
+    prefill = [(defer, n) for (decode_only, defer), n in zip(sent, deferred, strict=True) if not decode_only]
+    assert len(prefill) >= 3 and prefill == [(True, 0)] * len(prefill), (sent, deferred)
+    sent.clear()
+    behind = [SHARED[:20] + [2, 3]]
+    outputs = engine.generate(behind, greedy)
+    assert sent[0] == (False, False), "the prefix-hit admission serves every row"
+    assert outputs[0].num_cached_tokens > 0 and outputs[0].output_token_ids == dense_greedy(model, behind[0], 3)
+
+
 def test_the_cached_prefix_estimate():
-    cached = CachedPrefixes(block_size=4, alignment=8, capacity=3)
+    cached = CachedPrefixes(block_size=4, alignment=8, capacity=3, first_lookup_blocks=2)
+    assert not cached.may_hit(list(range(20)))
     cached.insert(list(range(13)))  # blocks [0-3], [4-7], [8-11]; the partial last one is not cached
+    assert cached.may_hit(list(range(9))) and cached.may_hit([0, 1, 2, 3, 4, 5, 6, 7, 50, 51])
+    assert not cached.may_hit(list(range(8))), "no aligned hit before the last token"
+    assert not cached.may_hit([0, 1, 2, 3, 9, 9, 9, 9, 8]), "its first full-attention block (8 tokens) is not cached"
+    assert CachedPrefixes(block_size=4, alignment=8, capacity=3, first_lookup_blocks=0).may_hit(list(range(9))), (
+        "without a full-attention group nothing rules a hit out")
     assert cached.hit_tokens(list(range(20))) == 8, "12 tokens of whole blocks, aligned down to 8"
     assert cached.hit_tokens(list(range(9))) == 8 and cached.hit_tokens(list(range(8))) == 0, "never the last token"
     assert cached.hit_tokens([0, 1, 2, 3, 9, 9, 9, 9, 8]) == 0, "a block after a different one is another chain"
@@ -287,10 +327,11 @@ def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_toke
 
 
 @pytest.mark.parametrize("greedy_only", [True, False])
-def test_a_decode_step_has_no_loop_or_branch_on_device_values(greedy_only):
-    """On a GPU, XLA reads such a predicate back before it launches what follows: with none in a decode step's
-    three calls, nor in a call of several decode steps (the scans have static trip counts), the host sends the next
-    call while this one runs."""
+def test_a_deferring_step_has_no_loop_or_branch_on_device_values(greedy_only):
+    """On a GPU, XLA reads such a predicate back before it launches what follows: with none in the three calls of
+    a deferring decode or prefill step, nor in a call of several decode steps (the scans have static trip counts),
+    the host sends the next call while this one runs."""
+    from jax_hybrid_attn.engine.model_runner import allocate_variant
     from jax_hybrid_attn.testing import device_dependent_control_flow
 
     config, model = tiny_model("gemma3_text")
@@ -298,7 +339,11 @@ def test_a_decode_step_has_no_loop_or_branch_on_device_values(greedy_only):
                                                 max_model_len=64, decode_steps=3))  # fmt: skip
     runner = engine.runner
     decode = next(shape for shape in runner.shapes if shape.decode_only)
-    for key in (("allocate", True), ("forward", decode), ("sample", greedy_only), ("decode_steps", (3, greedy_only))):
+    prefill = max(runner.shapes)
+    keys = [("allocate", allocate_variant(shape, defer_rest=True)) for shape in (decode, prefill)]
+    keys += [("forward", decode), ("forward", prefill), ("sample", greedy_only), ("decode_steps", (3, greedy_only))]
+    assert keys[0] != keys[1]
+    for key in keys:
         jaxpr = runner.trace(key).jaxpr.jaxpr
         assert device_dependent_control_flow(jaxpr) == [], key
 

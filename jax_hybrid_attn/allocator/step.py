@@ -35,7 +35,8 @@ How the rows go (the step is a few hundred array operations whatever R is; `xla_
     for both, in either path), then prefix-map inserts that collided together with the one-row path.
   * With ``defer_rest`` only the first chunk runs, without rare work, and the rows it does not serve are deferred
     (`StepOutput.deferred`): the step then has no host sync at all, which lets a serving loop queue decode steps
-    on a GPU back to back.
+    on a GPU back to back; with ``first_chunk_multi_block`` that chunk serves prefill chunks and new requests that
+    surely miss too, so that prefill steps queue the same way.
   * On a CPU, `kv_cache_manager.compile_allocate_slots` compiles the step with one task per memory-bound operation.
 
 Deliberate differences from vLLM:
@@ -193,9 +194,10 @@ class _RowLoop:
         return k, state, Inserts.none(inserts.pending.shape[0]), results
 
 
-def _allocate_rows(config: AllocatorConfig, state: AllocatorState, rows: StepRows, *, defer_rest: bool = False):
-    """Serve every row in order (`defer_rest`: only the first chunk, see `allocate_slots`). Returns (state,
-    `RowResults`, [R] rows deferred)."""
+def _allocate_rows(config: AllocatorConfig, state: AllocatorState, rows: StepRows, *, defer_rest: bool = False,
+                   first_chunk_multi_block: bool = False):  # fmt: skip
+    """Serve every row in order (`defer_rest`: only the first chunk; `first_chunk_multi_block`: that chunk as the
+    loop's; see `allocate_slots`). Returns (state, `RowResults`, [R] rows deferred)."""
     num_rows = rows.slot.shape[0]
     idle, bad = idle_rows(config, state, rows)
     results = RowResults(
@@ -208,8 +210,12 @@ def _allocate_rows(config: AllocatorConfig, state: AllocatorState, rows: StepRow
     # The first chunk of rows with work, outside any loop and without rare work: in the common step this serves
     # every row, and the loop below does not run (on a GPU its condition is then the step's only host sync).
     loop = _RowLoop(config, rows)
-    members = loop.queue(work)[: loop.chunk]
-    state, served, _, inserts = allocate_leading_rows(config, state, loop.rows_at(members), maintain=False)
+    # A deferring prefill step has no loop after its first chunk: that chunk takes every row
+    first_chunk = num_rows if defer_rest and first_chunk_multi_block else loop.chunk
+    members = loop.queue(work)[:first_chunk]
+    state, served, _, inserts = allocate_leading_rows(
+        config, state, loop.rows_at(members), maintain=False, multi_block=first_chunk_multi_block
+    )
     results = loop.record(members, served, results)
     work = work & ~results.success  # rows left for the loop, which rebuilds their queue when it runs (rarely)
     if defer_rest:
@@ -285,7 +291,7 @@ def _check_reusable(previous: StepOutput, out: StepOutput) -> None:
 
 @partial(
     jax.jit,
-    static_argnames=("config", "num_tokens", "return_block_tables", "defer_rest"),
+    static_argnames=("config", "num_tokens", "return_block_tables", "defer_rest", "first_chunk_multi_block"),
     donate_argnames=("state", "previous_output"),
     keep_unused=True,  # `previous_output` is not read, only donated
 )
@@ -302,6 +308,7 @@ def allocate_slots(
     return_block_tables: bool = True,
     previous_output: StepOutput | None = None,
     defer_rest: bool = False,
+    first_chunk_multi_block: bool = False,
 ) -> tuple[AllocatorState, StepOutput]:
     """Allocate blocks for one scheduler step of a batch of requests, in row order (see the module docstring).
 
@@ -327,10 +334,14 @@ def allocate_slots(
       defer_rest: serve only what the vectorised path serves in its first chunk (a decode step's rows, in the
         common case) and mark the other rows with work `StepOutput.deferred` instead of serving them (a new
         request, a row that needs several blocks or frees an uncached one, a row that does not fit, rows past
-        the first `CHUNK_ROWS` with work, every row when the pool is due for maintenance); prefix-map inserts
-        get `DEFERRED_STEP_INSERT_ROUNDS` rounds. The step then has no loop or branch that depends on device
-        values: on a GPU the call returns without waiting for the device. A scheduler sends the deferred rows
-        again in a step without it.
+        the first `CHUNK_ROWS` with work (all rows with `first_chunk_multi_block`), every row when the pool is due
+        for maintenance); prefix-map inserts get `DEFERRED_STEP_INSERT_ROUNDS` rounds. The step then has no loop
+        or branch that depends on device values: on a GPU the call returns without waiting for the device. A
+        scheduler sends the deferred rows again in a step without it.
+      first_chunk_multi_block: the first chunk serves what the loop's chunks serve: rows that take or cache
+        several blocks (prefill chunks) and new requests that surely miss the prefix cache. With `defer_rest`,
+        a prefill step's rows are then served without a host sync unless one may hit the prefix cache (it and
+        the rows after it are deferred).
 
     Returns:
       (new state, `StepOutput`).
@@ -338,7 +349,9 @@ def allocate_slots(
     rows = StepRows.from_arguments(
         slots, num_computed_tokens, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit
     )
-    state, results, deferred = _allocate_rows(config, state, rows, defer_rest=defer_rest)
+    state, results, deferred = _allocate_rows(
+        config, state, rows, defer_rest=defer_rest, first_chunk_multi_block=first_chunk_multi_block
+    )
     out = _outputs(
         config,
         state,

@@ -7,14 +7,16 @@ loop does; the free room each row sees is a prefix sum over the rows before it (
 return). The first row that does not qualify stops the run; the caller serves it with the one-row path
 (`single_row`), then resumes here after it.
 
-With ``multi_block`` (the step's loop, where prefill rows go) a row may also take and cache several blocks per
-group, and a new request that surely has no prefix hit is served here too: it would look up nothing, or nothing
-that can hit (a full-attention group misses its first block, and no earlier row of the run shares that block's
-hash, so none of them caches it first). Takes and caches are then enumerated into `multi_block_capacity` event
-slots, in vLLM's order (row, group, block); a row whose events would not fit stops the run.
+With ``multi_block`` (the step's loop, where prefill rows go) a row may also free (hashed blocks: they all go to
+the tail), take and cache several blocks per group, and a new request that surely has no prefix hit is served here
+too: it would look up nothing, or nothing that can hit (a full-attention group misses its first block, and no
+earlier row of the run shares that block's hash, so none of them caches it first). Frees, takes and caches are
+then enumerated into `multi_block_capacity` event slots each, in vLLM's order (row, group, block; frees from the
+highest index down); a row whose events would not fit stops the run.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -83,30 +85,29 @@ def _first_stop(
     without_hits: Bool[Array, "R"] | None,
 ) -> Int[Array, ""]:
     """Index of the first valid row that this path cannot serve exactly (R if none): it does not fit in the free
-    room left by the rows before it, frees an unhashed block or more than one block in a group, or (without
-    `without_hits`, the one-block path) is a new request or takes or caches more than one block in a group; with
-    it, is a new request that may hit, or its takes or caches overflow `multi_block_capacity` or
-    `AllocatorConfig.max_row_step_blocks`."""
+    room left by the rows before it or frees an unhashed block; without `without_hits` (the one-block path), frees,
+    takes or caches more than one block in a group or is a new request; with it, is a new request that may hit,
+    or its frees, takes or caches overflow `multi_block_capacity` or `AllocatorConfig.max_row_step_blocks`."""
     num_groups, num_rows = plan.free_count.shape
-    freed = jnp.sum(reaches_zero.reshape(num_rows, num_groups), axis=1, dtype=jnp.int32)
-    unhashed = jnp.any((frees.real & ~frees.info.hashed).reshape(num_rows, num_groups), axis=1)
+    row = frees.events.row
+    freed = jnp.zeros(num_rows, jnp.int32).at[row].add(reaches_zero.astype(jnp.int32))
+    unhashed = jnp.zeros(num_rows, bool).at[row].max(frees.real & ~frees.info.hashed)
     need = plan.new_blocks
     delta = jnp.where(plan.valid, freed - need, 0)
     free_before = num_free + cumsum(delta) - delta  # free blocks when the row's turn comes
     fits = plan.valid & (need <= free_before + freed) & (~rows.must_fit | (plan.gate_blocks <= free_before))
-    one_free = jnp.all(plan.free_count <= 1, axis=0)
     if without_hits is None:
-        one_each = jnp.all((plan.new_count <= 1) & (plan.cache_count <= 1), axis=0)
+        one_each = jnp.all((plan.free_count <= 1) & (plan.new_count <= 1) & (plan.cache_count <= 1), axis=0)
         servable = plan.stored.running & one_each
     else:
         capacity = multi_block_capacity(config, num_rows)
-        cached = jnp.sum(plan.cache_count, axis=0)
-        row_fits = (need <= config.max_row_step_blocks) & (cached <= config.max_row_step_blocks)
-        in_slots = (cumsum(jnp.where(plan.valid, need, 0)) <= capacity) & (
-            cumsum(jnp.where(plan.valid, cached, 0)) <= capacity
+        counts = [jnp.sum(count, axis=0) for count in (plan.free_count, plan.new_count, plan.cache_count)]
+        row_fits = functools.reduce(jnp.logical_and, [count <= config.max_row_step_blocks for count in counts])
+        in_slots = functools.reduce(
+            jnp.logical_and, [cumsum(jnp.where(plan.valid, count, 0)) <= capacity for count in counts]
         )
         servable = without_hits & row_fits & in_slots
-    stop = plan.valid & ~(fits & servable & ~unhashed & one_free)
+    stop = plan.valid & ~(fits & servable & ~unhashed)
     if without_hits is not None:  # a lookup that may hit is the one-row path's, even for a row that then fails
         stop = stop | (rows.active & ~without_hits)
     return jnp.where(jnp.any(stop), jnp.argmax(stop), num_rows).astype(jnp.int32)
@@ -150,18 +151,17 @@ def allocate_leading_rows(
     plan = plan_rows(
         config, rows, slot_ok, slot, stored, no_hit, jnp.zeros((config.num_groups, num_rows), jnp.int32)
     )
-    frees = commit_ops.skipped_frees(
-        config, pool, requests, plan, commit_ops.one_event_per_group(plan.free_count)
-    )
-    reaches_zero = _reaching_zero(pool, frees)
-    without_hits = _without_hits(config, pool, requests, rows, plan) if multi_block else None
-    first_stop = _first_stop(config, plan, rows, frees, reaches_zero, pool.num_free, without_hits)
-    commit = plan.valid & (jnp.arange(num_rows) < first_stop)
 
     def enumerate_events(counts: Int[Array, "G R"]) -> commit_ops.Events:
         if multi_block:
             return commit_ops.expand_events(counts, capacity)
         return commit_ops.one_event_per_group(counts)
+
+    frees = commit_ops.skipped_frees(config, pool, requests, plan, enumerate_events(plan.free_count))
+    reaches_zero = _reaching_zero(pool, frees)
+    without_hits = _without_hits(config, pool, requests, rows, plan) if multi_block else None
+    first_stop = _first_stop(config, plan, rows, frees, reaches_zero, pool.num_free, without_hits)
+    commit = plan.valid & (jnp.arange(num_rows) < first_stop)
 
     take_count = jnp.where(commit[None, :], plan.new_count, 0)
     appended = jnp.sum(reaches_zero & commit[frees.events.row], dtype=jnp.int32)

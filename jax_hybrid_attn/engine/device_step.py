@@ -65,7 +65,8 @@ class StepPlan(NamedTuple):
         """(Host.) The plan as one int32 array [7, R], each field a row (the float and unsigned ones by their
         bits), so that it goes to the device in one transfer: each array sent is a copy and a host callback of
         its own. The device functions take it as it is (`unpacked`)."""
-        return np.stack([np.asarray(field, dtype).view(np.int32) for field, dtype in zip(self, PLAN_DTYPES, strict=True)])
+        fields = zip(self, PLAN_DTYPES, strict=True)
+        return np.stack([np.asarray(field, dtype).view(np.int32) for field, dtype in fields])
 
     @classmethod
     def unpacked(cls, plan: "StepPlan | Int[Array, '7 R']") -> "StepPlan":
@@ -139,7 +140,8 @@ def pack_result(result: StepResult) -> Int[Array, "7R+1+G"]:
     return jnp.concatenate([rows.reshape(-1), *tail])
 
 
-@partial(jax.jit, static_argnames=("allocator_config", "defer_rest"), donate_argnames=("allocator",))
+@partial(jax.jit, static_argnames=("allocator_config", "defer_rest", "first_chunk_multi_block"),
+         donate_argnames=("allocator",))  # fmt: skip
 def allocate(
     allocator_config: AllocatorConfig,
     allocator: AllocatorState,
@@ -147,6 +149,7 @@ def allocate(
     plan: StepPlan | Int[Array, "7 R"],
     *,
     defer_rest: bool = False,
+    first_chunk_multi_block: bool = False,
 ) -> tuple[AllocatorState, StepOutput, Int[Array, "R"]]:
     """A step's allocation on the device (jitted, `allocator` donated; engines with equal allocator
     configurations share its executables): each row's new tokens are the tokens known and not yet in the cache,
@@ -157,7 +160,8 @@ def allocate(
 
     `defer_rest` (`step.allocate_slots`): rows the allocator's vectorised path does not serve at once are
     deferred, and the call makes the host wait for nothing; for decode steps, where that path serves every row
-    in the common case."""
+    in the common case, and with `first_chunk_multi_block` for prefill steps, where it then also serves prefill
+    chunks and new requests that surely miss the prefix cache."""
     plan = StepPlan.unpacked(plan)
     slots = plan.slots
     valid = slots != NO_SLOT
@@ -166,7 +170,8 @@ def allocate(
     computed = jnp.where(valid & rows.running, num_computed[jnp.maximum(slots, 0)], 0)
     new_tokens = jnp.where(valid, jnp.clip(known - computed, 0, plan.max_new_tokens), 0)
     allocator, out = step_ops.allocate_slots(
-        allocator_config, allocator, slots, computed, new_tokens, defer_rest=defer_rest
+        allocator_config, allocator, slots, computed, new_tokens, defer_rest=defer_rest,
+        first_chunk_multi_block=first_chunk_multi_block,
     )
     return allocator, out, known
 

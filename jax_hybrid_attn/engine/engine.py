@@ -19,10 +19,11 @@ the device computes each step from what the steps before it really did (`device_
 blocks simply retries. What the lag costs: a request that ends on a stop token computes up to two tokens more,
 which are dropped.
 
-A decode step (one token per row) lets the allocator defer the rows it cannot serve at once (a new chunk to
-reach, a request that does not fit, the pool due for maintenance): they compute nothing and the next step, sent
-without deferral, serves them. Such a step has no loop or branch on device values, so on a GPU the host queues
-it without waiting for the step before it.
+A step lets the allocator defer the rows it cannot serve at once (a decode reaching a new chunk, a request that
+does not fit, the pool due for maintenance): they compute nothing and the next step, sent without deferral, serves
+them. Such a step has no loop or branch on device values, so on a GPU the host queues it without waiting for the
+step before it. A step that admits a request that may hit the prefix cache (`Scheduler.lookups_may_hit`), which
+the deferring step would defer with every row after it, serves every row at once instead.
 
 With ``EngineConfig.decode_steps`` K > 1, when every planned row decodes (and none for the first time after its
 prompt) and the last step read back deferred none, one device call runs K decode steps
@@ -40,7 +41,6 @@ Shape letters: T tokens of the step · R rows (request slots) · V vocabulary.
 """
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,12 +54,13 @@ from ..cascade import cascade_pays
 from ..integers import cdiv, check_int
 from ..models.config import ModelConfig
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineStats
-from .device_step import NO_SLOT, StepPlan, StepResult
+from .device_step import NO_SLOT, StepPlan
 from .model_runner import CompileReport, ModelRunner
 from .prompts import check_prompt
 from .requests import InFlightWork, Request, RequestOutput
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .sent_steps import SentStep, StackedResults
 from .step_cache import RunnerSpec, StepCache, StepLowering
 from .step_shapes import StepShape, select_step_shape
 
@@ -143,7 +144,7 @@ class Engine:
         self.stats = EngineStats()
         self._device_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="jha-device")
         self._device_calls: list[Future] = []  # calls on the worker whose errors are not yet looked at
-        self._in_flight: collections.deque[_SentStep] = collections.deque()  # sent, not yet read back, oldest first
+        self._in_flight: collections.deque[SentStep] = collections.deque()  # sent, not yet read back, oldest first
         self._deferred_rows = False  # the last step read back deferred rows: the next one serves every row
         self._common_prefix_tokens = 0  # the full-attention layers' shared prefix in the last step read back
         self._last_read = time.perf_counter()
@@ -217,8 +218,9 @@ class Engine:
 
     def step(self, on_token: Callable[[Hashable, int], None] | None = None) -> list[RequestOutput]:
         """One scheduling step: send the next step to the device, then read back the oldest step in flight once
-        more than `STEPS_IN_FLIGHT` are. Returns the requests that finished in the step read back; `on_token(request_id, token)` is called for each of its
-        tokens. The device calls it makes may still be queued when it returns (`synchronize`)."""
+        more than `STEPS_IN_FLIGHT` are. Returns the requests that finished in the step read back;
+        `on_token(request_id, token)` is called for each of its tokens. The device calls it makes may still be
+        queued when it returns (`synchronize`)."""
         if not self.runner.compiled:
             self.compile()
         rows = self.scheduler.schedule()
@@ -299,10 +301,11 @@ class Engine:
         return row_steps if max(row_steps) == steps else None
 
     def _send(self, rows: list[tuple[Request, InFlightWork]], *, row_steps: list[int] | None = None
-              ) -> list["_SentStep"]:  # fmt: skip
+              ) -> list[SentStep]:  # fmt: skip
         """Send one device call of the rows' plan (through the worker; nothing is read back here): one step, or,
-        with `row_steps`, ``decode_steps`` decode steps, row i in the first ``row_steps[i]``; one `_SentStep` per
+        with `row_steps`, ``decode_steps`` decode steps, row i in the first ``row_steps[i]``; one `SentStep` per
         step (its rows: None for a row not in it)."""
+        lookups_may_hit = self.scheduler.lookups_may_hit(rows)  # before the rows' work is in flight
         columns = []  # per row: tokens, prompt length, seed, temperature, top-k, top-p
         for i, (request, work) in enumerate(rows):
             s = request.sampling
@@ -329,22 +332,23 @@ class Engine:
         if row_steps is not None:  # each step defers the rows it cannot serve at once (it never makes the host wait)
             self.stats.multi_step_calls += 1
             steps = column(row_steps, np.int32, 0)
-            stacked = _StackedResults(self._on_device(self._dispatch_steps, ids, plan, steps, greedy_only),
+            stacked = StackedResults(self._on_device(self._dispatch_steps, ids, plan, steps, greedy_only),
                                       num_rows=self.config.max_num_seqs)  # fmt: skip
-            return [_SentStep([row if n > j else None for row, n in zip(sent_rows, row_steps, strict=True)],
+            return [SentStep([row if n > j else None for row, n in zip(sent_rows, row_steps, strict=True)],
                               stacked, sent_at, self.config.max_num_seqs, index=j)
                     for j in range(self.config.decode_steps)]  # fmt: skip
         # The shape bounds what the device computes: prefix hits and earlier failures only lower it
         decode_only = max(needs) == 1
         shape = select_step_shape(self.runner.shapes, sum(needs), decode_only=decode_only,
                                   cascade=decode_only and self._cascade(rows))  # fmt: skip
-        # A decode step lets the allocator defer the rows it cannot serve at once (then nothing in the step makes
-        # the host wait for the device); the step after one that deferred rows serves every row.
-        defer_rest = shape.decode_only and not self._deferred_rows
+        # A step lets the allocator defer the rows it cannot serve at once (then nothing in the step makes the host
+        # wait for the device); the step after one that deferred rows serves every row, as does one that admits a
+        # request that may hit the prefix cache (it would be deferred, and the rows after it).
+        defer_rest = not (self._deferred_rows or lookups_may_hit)
         self.stats.cascade_steps += shape.cascade
         self._deferred_rows = False
         call = self._on_device(self._dispatch, ids, plan, shape, defer_rest, greedy_only)
-        return [_SentStep(sent_rows, call, sent_at, self.config.max_num_seqs)]
+        return [SentStep(sent_rows, call, sent_at, self.config.max_num_seqs)]
 
     def _cascade(self, rows: list[tuple[Request, InFlightWork]]) -> bool:
         """Whether a decode step of `rows` takes the cascade shape (`EngineConfig.cascade_attention`): its
@@ -382,7 +386,7 @@ class Engine:
         return self.runner.run_decode_steps(plan, row_steps, num_steps=self.config.decode_steps,
                                             greedy_only=greedy_only)  # fmt: skip
 
-    def _read(self, sent: "_SentStep", on_token) -> list[RequestOutput]:
+    def _read(self, sent: SentStep, on_token) -> list[RequestOutput]:
         """Read a step back: its tokens, finished requests, preemptions and counters."""
         result = sent.result()
         self._raise_device_errors()
@@ -422,36 +426,3 @@ class Engine:
             elif call.exception() is not None:
                 raise call.exception()
         self._device_calls = pending
-
-
-class _StackedResults:
-    """The `StepResult`s of a call of several decode steps, packed and stacked on the device: read back once, for
-    all."""
-
-    def __init__(self, call: Future, *, num_rows: int):
-        self.call, self.num_rows = call, num_rows
-        self._host: StepResult | None = None
-
-    def step(self, index: int) -> StepResult:
-        if self._host is None:
-            self._host = StepResult.unpacked(jax.device_get(self.call.result()), num_rows=self.num_rows)
-        return StepResult(*(values[index] for values in self._host))
-
-
-@dataclasses.dataclass
-class _SentStep:
-    """A step handed to the device worker: its rows (each request with its preemption count when sent), the
-    worker's call (its packed `StepResult` of `num_rows` rows on the device; for a step of a call of several, the
-    call's `_StackedResults` and the step's `index` in it), and when it was handed over."""
-
-    rows: list[tuple[Request, int] | None]
-    call: Future | _StackedResults
-    sent_at: float
-    num_rows: int
-    index: int | None = None
-
-    def result(self) -> StepResult:
-        """The step's results on the host (waits for the device; one transfer)."""
-        if self.index is None:
-            return StepResult.unpacked(jax.device_get(self.call.result()), num_rows=self.num_rows)
-        return self.call.step(self.index)

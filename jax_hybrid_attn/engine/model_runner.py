@@ -47,13 +47,29 @@ CUBLAS_MATMUL_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dy
 operand at an offset into a larger buffer (a layer's weights in their stack) without a copy."""
 
 
+ALLOCATE_VARIANTS = {  # (defer_rest, first_chunk_multi_block): the label of its executable
+    (False, False): "allocate",
+    (True, False): "allocate (defer rest)",
+    (True, True): "allocate (defer rest, prefill chunks first)",
+}
+"""`device_step.allocate`'s executables: every row served (after a step that deferred rows), and the deferring
+steps that never make the host wait, of decode steps and of prefill steps (`allocate_variant`)."""
+
+
+def allocate_variant(shape: StepShape, *, defer_rest: bool) -> tuple[bool, bool]:
+    """The `ALLOCATE_VARIANTS` key of a step of `shape`: a deferring prefill step serves prefill chunks and new
+    requests that surely miss in its first chunk too (a decode step's first chunk needs less work)."""
+    return defer_rest, defer_rest and not shape.decode_only
+
+
 def executable_keys(shapes: tuple[StepShape, ...], *, num_decode_steps: int = 1) -> list[tuple]:
-    """Every executable of a step with these forward shapes, in compile order: ("allocate", defer_rest),
+    """Every executable of a step with these forward shapes, in compile order: ("allocate", `ALLOCATE_VARIANTS`),
     ("forward", shape) per shape, ("sample", greedy_only), and with `num_decode_steps` > 1 ("decode_steps",
     (num_decode_steps, greedy_only))."""
     several = [("decode_steps", (num_decode_steps, greedy)) for greedy in (True, False)] if num_decode_steps > 1 else []
-    return [("allocate", False), ("allocate", True), *(("forward", s) for s in shapes),
-            ("sample", True), ("sample", False), *several]  # fmt: skip
+    used = {allocate_variant(shape, defer_rest=defer_rest) for shape in shapes for defer_rest in (False, True)}
+    allocates = [("allocate", variant) for variant in ALLOCATE_VARIANTS if variant in used]
+    return [*allocates, *(("forward", s) for s in shapes), ("sample", True), ("sample", False), *several]
 
 
 def _stack_abstract(states):
@@ -172,7 +188,8 @@ class ModelRunner:
         inputs = self._abstract_inputs()
         config = self.allocator_config
         if kind == "allocate":
-            return (partial(allocate, config, defer_rest=variant),
+            defer_rest, first_chunk_multi_block = variant
+            return (partial(allocate, config, defer_rest=defer_rest, first_chunk_multi_block=first_chunk_multi_block),
                     (inputs["allocator"], inputs["num_computed"], inputs["plan"]), (0,))  # fmt: skip
         if kind == "forward":
             return (partial(self._forward, num_tokens=variant.num_tokens, max_query_len=variant.max_query_len,
@@ -204,7 +221,7 @@ class ModelRunner:
                 model=_abstract(self.model), kv_cache=_abstract(self.kv_cache),
             )  # fmt: skip
             self._inputs = inputs  # what the two traces below read; they add the rest
-            _, inputs["out"], inputs["known"] = self.trace(("allocate", False)).out_info
+            _, inputs["out"], inputs["known"] = self.trace(("allocate", (False, False))).out_info
             inputs["logits"] = self.trace(("forward", self.shapes[0])).out_info[1]
         return self._inputs
 
@@ -249,11 +266,11 @@ class ModelRunner:
                 lowering_s, ready, out_tree, future = futures[key]
                 compiled, compile_s, done = future.result()
                 self._executables[key] = compiled if out_tree is None else _FlatCall(compiled, out_tree)
-                report.per_executable[_name(key)] = (lowering_s, compile_s)
-                report.timeline[_name(key)] = (ready, done - started)
+                report.per_executable[executable_name(key)] = (lowering_s, compile_s)
+                report.timeline[executable_name(key)] = (ready, done - started)
                 report.executables += 1
                 if progress is not None:
-                    progress(_name(key))
+                    progress(executable_name(key))
         report.wall_s = time.perf_counter() - started
         return report
 
@@ -268,7 +285,8 @@ class ModelRunner:
         plan = StepPlan.idle(rows)
         for shape in self.shapes:  # every forward, after one variant of allocate and before one of sample
             self.run_step(plan, shape, defer_rest=False, greedy_only=True)
-        self.run_step(plan, self.shapes[0], defer_rest=True, greedy_only=False)  # their other variants
+        for shape in {allocate_variant(s, defer_rest=True): s for s in self.shapes}.values():  # the other variants
+            self.run_step(plan, shape, defer_rest=True, greedy_only=False)
         for kind, variant in self._executables:
             if kind == "decode_steps":
                 num_steps, greedy_only = variant
@@ -304,7 +322,7 @@ class ModelRunner:
         if not self._executables:
             raise RuntimeError("ModelRunner.compile() must run before the first step")
         plan = jax.device_put(plan.packed(), self._default_sharding())  # one transfer
-        allocator, out, known = self._executables["allocate", defer_rest](
+        allocator, out, known = self._executables["allocate", allocate_variant(shape, defer_rest=defer_rest)](
             self.manager.state, self.num_computed, plan
         )
         self.manager.state = allocator
@@ -339,10 +357,10 @@ class _FlatCall:
         return jax.tree.unflatten(self.out_tree, self.compiled(*jax.tree.leaves(args)))
 
 
-def _name(key: tuple) -> str:
+def executable_name(key: tuple) -> str:
+    """The name of executable `key` (`executable_keys`) in compile reports and progress lines."""
     kind, variant = key
-    labels = {"allocate": {False: "allocate", True: "allocate (defer rest)"},
-              "sample": {True: "sample (greedy)", False: "sample"}}  # fmt: skip
+    labels = {"allocate": ALLOCATE_VARIANTS, "sample": {True: "sample (greedy)", False: "sample"}}
     if kind == "decode_steps":
         num_steps, greedy_only = variant
         return f"{num_steps} decode steps{' (greedy)' if greedy_only else ''}"

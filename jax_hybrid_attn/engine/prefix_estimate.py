@@ -11,6 +11,7 @@ high (blocks evicted since) leaves the rest of the prompt to the next steps, and
 """
 
 import collections
+import itertools
 from collections.abc import Sequence
 
 __all__ = ["CachedPrefixes"]
@@ -23,10 +24,13 @@ class CachedPrefixes:
       block_size: tokens per hash block (the allocator's ``hash_block_size``).
       alignment: hits come in multiples of this many tokens (the allocator's ``alignment``).
       capacity: most hash blocks remembered (the pool's).
+      first_lookup_blocks: hash blocks in the first block of the allocator's first full-attention group (whose
+        miss rules a hit out), or 0 when it has none.
     """
 
-    def __init__(self, *, block_size: int, alignment: int, capacity: int):
+    def __init__(self, *, block_size: int, alignment: int, capacity: int, first_lookup_blocks: int):
         self.block_size, self.alignment, self.capacity = block_size, alignment, capacity
+        self.first_lookup_blocks = first_lookup_blocks
         self._hashes: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     def _chain(self, tokens: Sequence[int]):
@@ -54,6 +58,17 @@ class CachedPrefixes:
             blocks += 1
         hit = min(blocks * self.block_size, len(tokens) - 1)
         return max(hit, 0) // self.alignment * self.alignment
+
+    def may_hit(self, tokens: Sequence[int]) -> bool:
+        """Whether a new request of `tokens` may find a prefix hit, as the allocator's first test sees it (before
+        it searches): at least ``alignment`` tokens before the last, and the first full-attention block cached (or
+        no full-attention group to rule a hit out)."""
+        if len(tokens) - 1 < self.alignment:
+            return False
+        if not self.first_lookup_blocks:
+            return True
+        digests = list(itertools.islice(self._chain(tokens), self.first_lookup_blocks))
+        return len(digests) == self.first_lookup_blocks and digests[-1] in self._hashes
 
     def clear(self) -> None:
         self._hashes.clear()

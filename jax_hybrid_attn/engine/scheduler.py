@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 
 from ..allocator import KVCacheManager
+from ..allocator.config import FULL
 from .config import EngineConfig
 from .device_step import StepResult
 from .prefix_estimate import CachedPrefixes
@@ -78,9 +79,11 @@ class Scheduler:
         self._ids: set[Hashable] = set()
         self._next_index = 0
         allocator = manager.config
+        full = [size for size, kind in zip(allocator.block_sizes, allocator.kinds, strict=True) if kind == FULL]
         self.cached_prefixes = CachedPrefixes(
             block_size=allocator.hash_block_size, alignment=allocator.alignment,
             capacity=allocator.num_blocks * allocator.block_sizes[0] // allocator.hash_block_size,
+            first_lookup_blocks=full[0] // allocator.hash_block_size if full else 0,
         ) if allocator.enable_caching else None  # fmt: skip
 
     # ------------------------------------------------------------------------------------------- requests
@@ -155,6 +158,27 @@ class Scheduler:
                 rows.append((request, InFlightWork(need, samples=computed + hits + need == known, expected_hits=hits)))
                 budget -= need
         return rows
+
+    def lookups_may_hit(self, rows: list[tuple[Request, InFlightWork]]) -> bool:
+        """Whether a new (or preempted) request of `rows`, a step's rows before they are sent, may hit the prefix
+        cache as the allocator's vectorised path judges it: the cache may hold its first blocks
+        (`CachedPrefixes.may_hit`), or an earlier row of the step starts with the same hash block (and may cache it
+        first). Such a row would stop a deferring step's first chunk (`allocate_slots`' ``defer_rest``)."""
+        cached = self.cached_prefixes
+        new = [request.expected_num_computed_tokens == 0 for request, _ in rows]
+        if cached is None or not any(new):  # a decode step: nothing more to look at
+            return False
+        first_blocks = set()
+        for (request, _), is_new in zip(rows, new, strict=True):
+            first = tuple(request.prompt_token_ids[: cached.block_size])  # a prompt holds at least one token
+            if is_new:
+                tokens = request.all_token_ids
+                first = tuple(tokens[: cached.block_size])
+                if cached.may_hit(tokens) or (first in first_blocks and len(tokens) - 1 >= cached.alignment):
+                    return True
+            if len(first) == cached.block_size:
+                first_blocks.add(first)
+        return False
 
     def postprocess(
         self,
