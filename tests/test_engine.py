@@ -262,17 +262,18 @@ def test_new_requests_behind_a_cached_prefix_take_only_their_own_tokens_of_the_b
 
 
 def test_prefill_steps_defer_rows_unless_a_new_request_may_hit_the_prefix_cache():
-    """Steps that prefill prompts which share no prefix are deferring steps (no host sync on a GPU) and serve every
-    row; a step that admits prompts behind a cached prefix serves every row at once instead."""
+    """Steps that prefill prompts which share no prefix, and the decode steps after them, are deferring steps (no
+    host sync on a GPU) and serve every row; a step that admits prompts behind a cached prefix serves every row at
+    once instead."""
     config, model = tiny_model("gemma3_text")
     engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                                                 max_model_len=64))  # fmt: skip
     sent = []  # (decode-only, deferring) of each step
     run_step = engine.runner.run_step
 
-    def recording(plan, shape, *, defer_rest, greedy_only):
+    def recording(plan, shape, *, defer_rest, **options):
         sent.append((shape.decode_only, defer_rest))
-        return run_step(plan, shape, defer_rest=defer_rest, greedy_only=greedy_only)
+        return run_step(plan, shape, defer_rest=defer_rest, **options)
 
     deferred = []  # rows each step read back deferred, in the order sent
     postprocess = engine.scheduler.postprocess
@@ -286,8 +287,10 @@ def test_prefill_steps_defer_rows_unless_a_new_request_may_hit_the_prefix_cache(
     prompts = [SHARED[:20] + [1]] + [[(7 * i + j) % 90 + 1 for j in range(17 + 3 * i)] for i in range(3)]
     outputs = engine.generate(prompts, greedy)  # 81 prompt tokens over three steps of 32
     assert [o.output_token_ids for o in outputs] == [dense_greedy(model, p, 3) for p in prompts]
-    prefill = [(defer, n) for (decode_only, defer), n in zip(sent, deferred, strict=True) if not decode_only]
-    assert len(prefill) >= 3 and prefill == [(True, 0)] * len(prefill), (sent, deferred)
+    prefill = [defer for decode_only, defer in sent if not decode_only]
+    assert len(prefill) >= 3 and all(prefill), sent
+    # nor do the first decodes, which free the blocks their prompt left behind the window (several at once)
+    assert all(defer for _, defer in sent) and deferred == [0] * len(sent), (sent, deferred)
     sent.clear()
     behind = [SHARED[:20] + [2, 3]]
     outputs = engine.generate(behind, greedy)
@@ -315,9 +318,10 @@ def test_the_cached_prefix_estimate():
 
 def test_decode_rows_the_allocator_defers_run_in_a_later_step_with_the_same_tokens():
     """Decode steps let the allocator defer the rows its vectorised path cannot serve at once: here decodes that
-    reach a new 16-token chunk and free the last chunk's four blocks (and the rows after them)."""
+    reach a new 16-token chunk and free the last chunk's four blocks (and the rows after them), a few decodes after
+    their first ones (whose steps serve such rows: `model_runner.allocate_variant`)."""
     config, model = tiny_model("llama4_text")
-    prompts = [[(5 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((13, 14, 15, 30))]
+    prompts = [[(5 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate((11, 12, 12, 27))]
     want = [dense_greedy(model, p, MAX_TOKENS) for p in prompts]
     engine = Engine(model, config, EngineConfig(block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
                                                 max_model_len=64))  # fmt: skip

@@ -56,10 +56,12 @@ ALLOCATE_VARIANTS = {  # (defer_rest, first_chunk_multi_block): the label of its
 steps that never make the host wait, of decode steps and of prefill steps (`allocate_variant`)."""
 
 
-def allocate_variant(shape: StepShape, *, defer_rest: bool) -> tuple[bool, bool]:
+def allocate_variant(shape: StepShape, *, defer_rest: bool, first_decodes: bool = False) -> tuple[bool, bool]:
     """The `ALLOCATE_VARIANTS` key of a step of `shape`: a deferring prefill step serves prefill chunks and new
-    requests that surely miss in its first chunk too (a decode step's first chunk needs less work)."""
-    return defer_rest, defer_rest and not shape.decode_only
+    requests that surely miss in its first chunk too, as does a deferring decode step with `first_decodes`
+    (requests whose first decode frees the blocks their prompt left behind a window: several at once); other
+    decode steps' first chunk needs less work."""
+    return defer_rest, defer_rest and (first_decodes or not shape.decode_only)
 
 
 def executable_keys(shapes: tuple[StepShape, ...], *, num_decode_steps: int = 1) -> list[tuple]:
@@ -316,13 +318,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ serving
 
-    def run_step(self, plan: StepPlan, shape: StepShape, *, defer_rest: bool, greedy_only: bool) -> jax.Array:
-        """Send one step's three calls (nothing is read back): allocate, forward at `shape`, sample. The state
-        becomes their outputs; returns the `StepResult` packed in one device array (`StepResult.unpacked`)."""
+    def run_step(self, plan: StepPlan, shape: StepShape, *, defer_rest: bool, greedy_only: bool,
+                 first_decodes: bool = False) -> jax.Array:  # fmt: skip
+        """Send one step's three calls (nothing is read back): allocate (`allocate_variant`), forward at `shape`,
+        sample. The state becomes their outputs; returns the `StepResult` packed in one device array
+        (`StepResult.unpacked`)."""
         if not self._executables:
             raise RuntimeError("ModelRunner.compile() must run before the first step")
         plan = jax.device_put(plan.packed(), self._default_sharding())  # one transfer
-        allocator, out, known = self._executables["allocate", allocate_variant(shape, defer_rest=defer_rest)](
+        variant = allocate_variant(shape, defer_rest=defer_rest, first_decodes=first_decodes)
+        allocator, out, known = self._executables["allocate", variant](
             self.manager.state, self.num_computed, plan
         )
         self.manager.state = allocator
