@@ -10,13 +10,10 @@ from .cascade import cascade_attention
 from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
 from .kv_cache import write_kv
 from .layout import KV_LAYOUTS, KVCache, get_kv_cache_shape
-from .metadata import (
-    AttentionMetadata,
+from .metadata import AttentionMetadata, make_attention_metadata, metadata_from_lengths, metadata_from_step
+from .metadata_reshaping import (
     expand_block_tables,
-    make_attention_metadata,
     make_local_attention_virtual_batches,
-    metadata_from_lengths,
-    metadata_from_step,
     reorder_decodes_first,
     split_decodes_and_prefills,
 )

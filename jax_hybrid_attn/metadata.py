@@ -1,4 +1,4 @@
-"""Attention metadata for one step of a mixed batch, and vLLM's helpers that reshape it.
+"""Attention metadata for one step of a mixed batch, and how it is built.
 
 One `AttentionMetadata` serves every layer of one metadata group (see `params.metadata_group_key`).
 Request r owns query tokens ``query_start_loc[r] : query_start_loc[r + 1]``; they are the last
@@ -6,10 +6,9 @@ Request r owns query tokens ``query_start_loc[r] : query_start_loc[r + 1]``; the
 ``seq_lens[r] - query_len + i``. Its key position p lives in block ``block_tables[r, p // S]``.
 
 `metadata_from_step` turns the allocator's `StepOutput` into one KV-cache group's metadata and
-`metadata_from_lengths` builds it from lengths and block tables; both are traceable. The helpers working on host
-values (`make_attention_metadata`, `split_decodes_and_prefills`,
-`reorder_decodes_first`, `make_local_attention_virtual_batches`) take concrete arrays, as vLLM builds
-them from its CPU copies; `expand_block_tables` is traceable.
+`metadata_from_lengths` builds it from lengths and block tables; both are traceable. `make_attention_metadata`
+builds it from concrete host arrays, as vLLM builds it from its CPU copies. vLLM's helpers that reshape it are in
+`metadata_reshaping`.
 """
 
 import dataclasses
@@ -22,17 +21,13 @@ from jaxtyping import Array, Int
 from ._compat import register_pytree_dataclass
 from .allocator import AllocatorConfig, StepOutput
 from .constants import PAD_SLOT_ID
-from .integers import INT32_MAX, cdiv, check_bool, check_int
+from .integers import INT32_MAX, check_bool, check_int
 
 __all__ = [
     "AttentionMetadata",
     "make_attention_metadata",
     "metadata_from_lengths",
     "metadata_from_step",
-    "split_decodes_and_prefills",
-    "reorder_decodes_first",
-    "make_local_attention_virtual_batches",
-    "expand_block_tables",
     "token_requests",
 ]
 
@@ -119,12 +114,13 @@ register_pytree_dataclass(
 )
 
 
-def _check_metadata_arg(metadata) -> None:
+def check_metadata_arg(metadata) -> None:
+    """A helper's `metadata` argument must be an `AttentionMetadata`."""
     if not isinstance(metadata, AttentionMetadata):
         raise ValueError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
 
 
-def _host_int32(name: str, values) -> np.ndarray:
+def host_int32(name: str, values) -> np.ndarray:
     """Concrete int32 copy of `values`; int64 and friends are converted only when every value fits."""
     if isinstance(values, jax.core.Tracer):
         raise ValueError(f"{name} must be concrete (this helper runs on host values, outside jax.jit)")
@@ -168,9 +164,9 @@ def make_attention_metadata(
     checks it; unchecked, a request with an id outside the pool gets NaN output).
     """
     check_int("block_size", block_size)
-    query_lens = _host_int32("query_lens", query_lens)
-    seq_lens = _host_int32("seq_lens", seq_lens)
-    block_tables = _host_int32("block_tables", block_tables)
+    query_lens = host_int32("query_lens", query_lens)
+    seq_lens = host_int32("seq_lens", seq_lens)
+    block_tables = host_int32("block_tables", block_tables)
     if query_lens.ndim != 1 or seq_lens.shape != query_lens.shape:
         raise ValueError(f"query_lens {query_lens.shape} and seq_lens {seq_lens.shape} must both be [R]")
     if block_tables.ndim != 2 or block_tables.shape[0] != seq_lens.shape[0]:
@@ -303,150 +299,3 @@ def metadata_from_step(
         max_seq_len=config.max_model_len,
         causal=causal,
     )
-
-
-def split_decodes_and_prefills(
-    metadata: AttentionMetadata, *, decode_threshold: int = 1, require_uniform: bool = False
-) -> tuple[int, int, int, int]:
-    """vLLM's split of a decode-first batch: ``(num_decodes, num_prefills, num_decode_tokens,
-    num_prefill_tokens)``.
-
-    Decodes are the leading requests whose query length is at most `decode_threshold`; everything from
-    the first longer request on is a prefill. With `require_uniform`, decodes must also all have the
-    query length of request 0. The batch must already be decode-first (`reorder_decodes_first`).
-    """
-    _check_metadata_arg(metadata)
-    check_int("decode_threshold", decode_threshold)
-    query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
-    query_lens = np.diff(query_start_loc)
-    num_reqs, num_tokens = len(query_lens), int(query_start_loc[-1])
-    if num_reqs and query_lens.max() <= decode_threshold and (not require_uniform or decode_threshold == 1):
-        return num_reqs, 0, num_tokens, 0
-    if num_reqs == 0 or query_lens[0] > decode_threshold:
-        return 0, num_reqs, 0, num_tokens
-    if require_uniform:  # padding requests (query length 0) do not break uniformity
-        is_prefill = (query_lens != query_lens[0]) & (query_lens != 0)
-    else:
-        is_prefill = query_lens > decode_threshold
-    if not is_prefill.any():
-        return num_reqs, 0, num_tokens, 0
-    num_decodes = int(np.argmax(is_prefill))
-    num_decode_tokens = int(query_start_loc[num_decodes])
-    return num_decodes, num_reqs - num_decodes, num_decode_tokens, num_tokens - num_decode_tokens
-
-
-def reorder_decodes_first(
-    metadata: AttentionMetadata, *, decode_threshold: int = 1, is_prefilling=None
-) -> tuple[AttentionMetadata, np.ndarray]:
-    """Reorder requests as vLLM does before splitting: decodes, short extends, long extends, prefills.
-
-    Decode: query length <= `decode_threshold` and not prefilling. Short extend: that short but still
-    prefilling. Long extend: longer, with cached context. Prefill: no cached context. `is_prefilling` [R]
-    defaults to "has no cached context". The order is stable within each class.
-
-    Returns the reordered metadata and ``token_order`` [T]: the reordered batch's token i is the
-    original token ``token_order[i]`` (``q_reordered = q[token_order]``). Padding tokens stay last.
-    """
-    _check_metadata_arg(metadata)
-    check_int("decode_threshold", decode_threshold)
-    query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
-    seq_lens = _host_int32("seq_lens", metadata.seq_lens)
-    query_lens = np.diff(query_start_loc)
-    has_context = seq_lens > query_lens
-    is_prefilling = ~has_context if is_prefilling is None else np.asarray(is_prefilling, bool)
-    if is_prefilling.shape != seq_lens.shape:
-        raise ValueError(f"is_prefilling.shape={is_prefilling.shape} must be [R={len(seq_lens)}]")
-    short = query_lens <= decode_threshold
-    request_class = np.select(
-        [short & ~is_prefilling, short & is_prefilling, ~short & has_context], [0, 1, 2], default=3
-    )
-    request_order = np.argsort(request_class, kind="stable")
-    token_order = np.concatenate(
-        [np.arange(query_start_loc[r], query_start_loc[r + 1]) for r in request_order]
-        + [np.arange(query_start_loc[-1], metadata.num_tokens)]
-    ).astype(np.int32)
-    new_query_lens = query_lens[request_order]
-    reordered = metadata.replace(
-        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(new_query_lens)]), jnp.int32),
-        seq_lens=jnp.asarray(seq_lens[request_order]),
-        block_tables=jnp.asarray(np.asarray(metadata.block_tables)[request_order]),
-        slot_mapping=jnp.asarray(np.asarray(metadata.slot_mapping)[token_order]),
-    )
-    return reordered, token_order
-
-
-def make_local_attention_virtual_batches(
-    attention_chunk_size: int, metadata: AttentionMetadata, block_size: int
-) -> AttentionMetadata:
-    """vLLM's rewrite of chunked-local attention as causal attention over "virtual" requests.
-
-    Each virtual request is the part of one real request's queries that falls in one chunk, attending to
-    that chunk's keys. Query tokens and `slot_mapping` keep their order; block-table rows take
-    ``attention_chunk_size // block_size`` columns from the chunk's first block, clipped to the last
-    column (so short rows repeat their last block id, as vLLM's do).
-    """
-    chunk = attention_chunk_size
-    check_int("attention_chunk_size", chunk)
-    check_int("block_size", block_size)
-    _check_metadata_arg(metadata)
-    if chunk % block_size:
-        raise ValueError(f"attention_chunk_size={chunk} must be a multiple of {block_size=}")
-    query_start_loc = _host_int32("query_start_loc", metadata.query_start_loc)
-    seq_lens = _host_int32("seq_lens", metadata.seq_lens)
-    block_tables = _host_int32("block_tables", metadata.block_tables)
-    query_lens = np.diff(query_start_loc)
-    if np.any(query_lens < 0) or np.any(query_lens > seq_lens):
-        raise ValueError(
-            f"metadata.seq_lens={seq_lens.tolist()} must be >= the query lengths {query_lens.tolist()} (>= 0)"
-        )
-
-    # Queries in the chunk holding each request's first new token, and keys in its last chunk.
-    first_chunk_queries = np.minimum(chunk - (seq_lens - query_lens) % chunk, query_lens)
-    last_chunk_keys = seq_lens - chunk * ((seq_lens - 1) // chunk)
-    num_virtual = 1 + cdiv(query_lens - first_chunk_queries, chunk)
-
-    # Within each request: index of the virtual request from the front (arange) and from the back.
-    starts = np.repeat(np.cumsum(num_virtual) - num_virtual, num_virtual)
-    arange = np.arange(num_virtual.sum()) - starts
-    rarange = np.repeat(num_virtual, num_virtual) - arange - 1
-    owner = np.repeat(np.arange(len(seq_lens)), num_virtual)
-
-    virtual_query_lens = np.where(arange == 0, first_chunk_queries[owner], chunk)
-    remaining = query_lens[owner] - first_chunk_queries[owner] - chunk * (arange - 1)
-    virtual_query_lens = np.where(arange > 0, np.minimum(remaining, chunk), virtual_query_lens)
-    virtual_seq_lens = np.where(rarange == 0, last_chunk_keys[owner], chunk)
-    key_starts = seq_lens[owner] - (rarange * chunk + last_chunk_keys[owner])
-
-    blocks_per_chunk = chunk // block_size
-    columns = key_starts[:, None] // block_size + np.arange(blocks_per_chunk)
-    columns = np.minimum(columns, block_tables.shape[1] - 1)
-    virtual_block_tables = block_tables[owner[:, None], columns]
-
-    return metadata.replace(
-        query_start_loc=jnp.asarray(np.concatenate([[0], np.cumsum(virtual_query_lens)]), jnp.int32),
-        seq_lens=jnp.asarray(virtual_seq_lens, jnp.int32),
-        block_tables=jnp.asarray(virtual_block_tables, jnp.int32),
-        max_query_len=int(virtual_query_lens.max(initial=0)),
-        max_seq_len=int(virtual_seq_lens.max(initial=0)),
-        causal=True,
-    )
-
-
-def expand_block_tables(block_tables: Int[Array, "R P"], *, allocator_block_size: int, kernel_block_size: int):
-    """Block table of the allocator's blocks -> table of the kernel's smaller blocks: [R, P * ratio].
-
-    Allocator block b becomes kernel blocks ``b * ratio ... b * ratio + ratio - 1`` (vLLM's "hybrid
-    blocks"), where ``ratio = allocator_block_size // kernel_block_size``.
-    """
-    check_int("allocator_block_size", allocator_block_size)
-    check_int("kernel_block_size", kernel_block_size)
-    if kernel_block_size > allocator_block_size or allocator_block_size % kernel_block_size:
-        raise ValueError(f"{allocator_block_size=} must be a multiple of {kernel_block_size=} > 0")
-    if not isinstance(block_tables, (jax.Array, np.ndarray)) or block_tables.ndim != 2:
-        got = f"shape {block_tables.shape}" if hasattr(block_tables, "shape") else type(block_tables).__name__
-        raise ValueError(f"block_tables must be an [R, P] integer array, got {got}")
-    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        raise ValueError(f"block_tables.dtype={block_tables.dtype} must be an integer dtype")
-    ratio = allocator_block_size // kernel_block_size
-    expanded = block_tables[:, :, None] * ratio + jnp.arange(ratio, dtype=block_tables.dtype)
-    return expanded.reshape(block_tables.shape[0], -1)
