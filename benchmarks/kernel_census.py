@@ -46,7 +46,7 @@ from jax_hybrid_attn.allocator import requests as request_ops
 from jax_hybrid_attn.allocator import step as step_ops
 from jax_hybrid_attn.allocator.request_batches import RequestBatches
 from jax_hybrid_attn.engine import EngineConfig
-from jax_hybrid_attn.engine.model_runner import allocate_variant, executable_name
+from jax_hybrid_attn.engine.model_runner import executable_name
 from jax_hybrid_attn.engine.step_cache import MOSAIC_GPU_CALL, RunnerSpec, export_step
 from jax_hybrid_attn.kernels.mixed_batch import lowering_for_sms, num_sms
 from jax_hybrid_attn.models.config import ModelConfig
@@ -212,16 +212,14 @@ def compile_target():
 
 def step_executables(runner) -> list[tuple[str, tuple]]:
     """(step, executable key) of each executable the engine calls for a decode step (allocate, the forward of
-    one token per row, the greedy sample) and for a whole prefill step (allocate and forward), both as the engine
-    sends them when no step before deferred rows (`ModelRunner.executable_keys`, `model_runner.allocate_variant`),
+    one token per row, the greedy sample) and the forward of a whole prefill step, as the engine sends them when
+    no step before deferred rows (`ModelRunner.executable_keys`; a prefill step's allocation is the decode step's),
     and the allocation of a step that serves every row (after deferred rows, or admitting a possible prefix hit)."""
     forward = {key[1]: key for key in runner.executable_keys() if key[0] == "forward" and not key[1].cascade}
     decode = next(key for shape, key in forward.items() if shape.max_query_len == 1)
     prefill = max(forward.values(), key=lambda key: key[1].num_tokens)
-    allocate = {shape: ("allocate", allocate_variant(shape, defer_rest=True)) for shape in (decode[1], prefill[1])}
-    return [("decode", allocate[decode[1]]), ("decode", decode), ("decode", ("sample", True)),
-            ("prefill", allocate[prefill[1]]), ("prefill", prefill),
-            ("serving every row", ("allocate", allocate_variant(decode[1], defer_rest=False)))]  # fmt: skip
+    return [("decode and prefill", ("allocate", True)), ("decode", decode), ("decode", ("sample", True)),
+            ("prefill", prefill), ("serving every row", ("allocate", False))]
 
 
 _CENSUSES: dict[tuple[bytes, str], tuple[Census, float]] = {}

@@ -140,8 +140,7 @@ def pack_result(result: StepResult) -> Int[Array, "7R+1+G"]:
     return jnp.concatenate([rows.reshape(-1), *tail])
 
 
-@partial(jax.jit, static_argnames=("allocator_config", "defer_rest", "first_chunk_multi_block"),
-         donate_argnames=("allocator",))  # fmt: skip
+@partial(jax.jit, static_argnames=("allocator_config", "defer_rest"), donate_argnames=("allocator",))
 def allocate(
     allocator_config: AllocatorConfig,
     allocator: AllocatorState,
@@ -149,7 +148,6 @@ def allocate(
     plan: StepPlan | Int[Array, "7 R"],
     *,
     defer_rest: bool = False,
-    first_chunk_multi_block: bool = False,
 ) -> tuple[AllocatorState, StepOutput, Int[Array, "R"]]:
     """A step's allocation on the device (jitted, `allocator` donated; engines with equal allocator
     configurations share its executables): each row's new tokens are the tokens known and not yet in the cache,
@@ -158,10 +156,10 @@ def allocate(
     its `StepOutput` of T = ``max_num_batched_tokens`` tokens, [R] tokens known before the step). `plan` may be
     packed (`StepPlan.packed`), as the host sends it.
 
-    `defer_rest` (`step.allocate_slots`): rows the allocator's vectorised path does not serve at once are
-    deferred, and the call makes the host wait for nothing; for decode steps, where that path serves every row
-    in the common case, and with `first_chunk_multi_block` for prefill steps, where it then also serves prefill
-    chunks and new requests that surely miss the prefix cache."""
+    `defer_rest` (`step.allocate_slots` with ``first_chunk_multi_block``): rows the allocator's vectorised path
+    does not serve at once are deferred, and the call makes the host wait for nothing. That path serves decodes,
+    prefill chunks, new requests that surely miss the prefix cache and rows that free several cached blocks (a
+    request's first decode after a prompt longer than a window): in the common step, every row."""
     plan = StepPlan.unpacked(plan)
     slots = plan.slots
     valid = slots != NO_SLOT
@@ -171,7 +169,7 @@ def allocate(
     new_tokens = jnp.where(valid, jnp.clip(known - computed, 0, plan.max_new_tokens), 0)
     allocator, out = step_ops.allocate_slots(
         allocator_config, allocator, slots, computed, new_tokens, defer_rest=defer_rest,
-        first_chunk_multi_block=first_chunk_multi_block,
+        first_chunk_multi_block=defer_rest,
     )
     return allocator, out, known
 

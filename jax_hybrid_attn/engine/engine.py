@@ -21,8 +21,7 @@ which are dropped.
 
 A step lets the allocator defer the rows it cannot serve at once (a decode reaching a new chunk, a request that
 does not fit, the pool due for maintenance): they compute nothing and the next step, sent without deferral, serves
-them. The allocation of a step with prompt chunks or first decodes (which free the blocks a prompt left behind a
-window) serves rows that take or free several blocks in that deferring pass too (`model_runner.allocate_variant`). Such a step has no loop or branch on device values, so on a GPU the host queues it without waiting for the
+them. Such a step has no loop or branch on device values, so on a GPU the host queues it without waiting for the
 step before it. A step that admits a request that may hit the prefix cache (`Scheduler.lookups_may_hit`), which
 the deferring step would defer with every row after it, serves every row at once instead.
 
@@ -285,7 +284,8 @@ class Engine:
         """Each row's steps in a call of ``decode_steps`` decode steps (at most the tokens its request has left
         before ``max_tokens`` or ``max_model_len``), or None for a call of one step: when some row does not decode
         (one token, then a draw), or has no decode read back yet (its first one frees every block its prompt left
-        behind the window: the allocator's sync-free path defers it, and the rows after it, to the call's end),
+        behind the window, which the allocator's sync-free path defers, with the rows after it, to the call's end
+        when they are not cached),
         when the last step read back deferred rows, or when no row would take every step."""
         steps = self.config.decode_steps
         if steps == 1 or self._deferred_rows or self._cascade(rows):
@@ -346,11 +346,9 @@ class Engine:
         # wait for the device); the step after one that deferred rows serves every row, as does one that admits a
         # request that may hit the prefix cache (it would be deferred, and the rows after it).
         defer_rest = not (self._deferred_rows or lookups_may_hit)
-        # A request's first decode frees the blocks its prompt left behind a window, several at once
-        first_decodes = any(request.num_computed_tokens <= len(request.prompt_token_ids) for request, _ in rows)
         self.stats.cascade_steps += shape.cascade
         self._deferred_rows = False
-        call = self._on_device(self._dispatch, ids, plan, shape, defer_rest, greedy_only, first_decodes)
+        call = self._on_device(self._dispatch, ids, plan, shape, defer_rest, greedy_only)
         return [SentStep(sent_rows, call, sent_at, self.config.max_num_seqs)]
 
     def _cascade(self, rows: list[tuple[Request, InFlightWork]]) -> bool:
@@ -375,13 +373,11 @@ class Engine:
         return plan._replace(slots=np.pad(np.asarray(slots, np.int32), (0, pad), constant_values=NO_SLOT))
 
     def _dispatch(
-        self, request_ids: list[Hashable], plan: StepPlan, shape: StepShape, defer_rest: bool, greedy_only: bool,
-        first_decodes: bool,
+        self, request_ids: list[Hashable], plan: StepPlan, shape: StepShape, defer_rest: bool, greedy_only: bool
     ) -> jax.Array:
         """(On the device worker.) Send the step's calls through the model runner (its packed `StepResult`)."""
         plan = self._with_slots(plan, request_ids)
-        return self.runner.run_step(plan, shape, defer_rest=defer_rest, greedy_only=greedy_only,
-                                    first_decodes=first_decodes)  # fmt: skip
+        return self.runner.run_step(plan, shape, defer_rest=defer_rest, greedy_only=greedy_only)
 
     def _dispatch_steps(
         self, request_ids: list[Hashable], plan: StepPlan, row_steps: np.ndarray, greedy_only: bool

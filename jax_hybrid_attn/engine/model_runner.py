@@ -47,31 +47,13 @@ CUBLAS_MATMUL_OPTIONS = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_enable_dy
 operand at an offset into a larger buffer (a layer's weights in their stack) without a copy."""
 
 
-ALLOCATE_VARIANTS = {  # (defer_rest, first_chunk_multi_block): the label of its executable
-    (False, False): "allocate",
-    (True, False): "allocate (defer rest)",
-    (True, True): "allocate (defer rest, prefill chunks first)",
-}
-"""`device_step.allocate`'s executables: every row served (after a step that deferred rows), and the deferring
-steps that never make the host wait, of decode steps and of prefill steps (`allocate_variant`)."""
-
-
-def allocate_variant(shape: StepShape, *, defer_rest: bool, first_decodes: bool = False) -> tuple[bool, bool]:
-    """The `ALLOCATE_VARIANTS` key of a step of `shape`: a deferring prefill step serves prefill chunks and new
-    requests that surely miss in its first chunk too, as does a deferring decode step with `first_decodes`
-    (requests whose first decode frees the blocks their prompt left behind a window: several at once); other
-    decode steps' first chunk needs less work."""
-    return defer_rest, defer_rest and (first_decodes or not shape.decode_only)
-
-
 def executable_keys(shapes: tuple[StepShape, ...], *, num_decode_steps: int = 1) -> list[tuple]:
-    """Every executable of a step with these forward shapes, in compile order: ("allocate", `ALLOCATE_VARIANTS`),
+    """Every executable of a step with these forward shapes, in compile order: ("allocate", defer_rest),
     ("forward", shape) per shape, ("sample", greedy_only), and with `num_decode_steps` > 1 ("decode_steps",
     (num_decode_steps, greedy_only))."""
     several = [("decode_steps", (num_decode_steps, greedy)) for greedy in (True, False)] if num_decode_steps > 1 else []
-    used = {allocate_variant(shape, defer_rest=defer_rest) for shape in shapes for defer_rest in (False, True)}
-    allocates = [("allocate", variant) for variant in ALLOCATE_VARIANTS if variant in used]
-    return [*allocates, *(("forward", s) for s in shapes), ("sample", True), ("sample", False), *several]
+    return [("allocate", False), ("allocate", True), *(("forward", s) for s in shapes),
+            ("sample", True), ("sample", False), *several]  # fmt: skip
 
 
 def _stack_abstract(states):
@@ -190,8 +172,7 @@ class ModelRunner:
         inputs = self._abstract_inputs()
         config = self.allocator_config
         if kind == "allocate":
-            defer_rest, first_chunk_multi_block = variant
-            return (partial(allocate, config, defer_rest=defer_rest, first_chunk_multi_block=first_chunk_multi_block),
+            return (partial(allocate, config, defer_rest=variant),
                     (inputs["allocator"], inputs["num_computed"], inputs["plan"]), (0,))  # fmt: skip
         if kind == "forward":
             return (partial(self._forward, num_tokens=variant.num_tokens, max_query_len=variant.max_query_len,
@@ -223,7 +204,7 @@ class ModelRunner:
                 model=_abstract(self.model), kv_cache=_abstract(self.kv_cache),
             )  # fmt: skip
             self._inputs = inputs  # what the two traces below read; they add the rest
-            _, inputs["out"], inputs["known"] = self.trace(("allocate", (False, False))).out_info
+            _, inputs["out"], inputs["known"] = self.trace(("allocate", False)).out_info
             inputs["logits"] = self.trace(("forward", self.shapes[0])).out_info[1]
         return self._inputs
 
@@ -287,8 +268,7 @@ class ModelRunner:
         plan = StepPlan.idle(rows)
         for shape in self.shapes:  # every forward, after one variant of allocate and before one of sample
             self.run_step(plan, shape, defer_rest=False, greedy_only=True)
-        for shape in {allocate_variant(s, defer_rest=True): s for s in self.shapes}.values():  # the other variants
-            self.run_step(plan, shape, defer_rest=True, greedy_only=False)
+        self.run_step(plan, self.shapes[0], defer_rest=True, greedy_only=False)  # their other variants
         for kind, variant in self._executables:
             if kind == "decode_steps":
                 num_steps, greedy_only = variant
@@ -318,16 +298,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ serving
 
-    def run_step(self, plan: StepPlan, shape: StepShape, *, defer_rest: bool, greedy_only: bool,
-                 first_decodes: bool = False) -> jax.Array:  # fmt: skip
-        """Send one step's three calls (nothing is read back): allocate (`allocate_variant`), forward at `shape`,
-        sample. The state becomes their outputs; returns the `StepResult` packed in one device array
-        (`StepResult.unpacked`)."""
+    def run_step(self, plan: StepPlan, shape: StepShape, *, defer_rest: bool, greedy_only: bool) -> jax.Array:
+        """Send one step's three calls (nothing is read back): allocate, forward at `shape`, sample. The state
+        becomes their outputs; returns the `StepResult` packed in one device array (`StepResult.unpacked`)."""
         if not self._executables:
             raise RuntimeError("ModelRunner.compile() must run before the first step")
         plan = jax.device_put(plan.packed(), self._default_sharding())  # one transfer
-        variant = allocate_variant(shape, defer_rest=defer_rest, first_decodes=first_decodes)
-        allocator, out, known = self._executables["allocate", variant](
+        allocator, out, known = self._executables["allocate", defer_rest](
             self.manager.state, self.num_computed, plan
         )
         self.manager.state = allocator
@@ -365,7 +342,8 @@ class _FlatCall:
 def executable_name(key: tuple) -> str:
     """The name of executable `key` (`executable_keys`) in compile reports and progress lines."""
     kind, variant = key
-    labels = {"allocate": ALLOCATE_VARIANTS, "sample": {True: "sample (greedy)", False: "sample"}}
+    labels = {"allocate": {False: "allocate", True: "allocate (defer rest)"},
+              "sample": {True: "sample (greedy)", False: "sample"}}  # fmt: skip
     if kind == "decode_steps":
         num_steps, greedy_only = variant
         return f"{num_steps} decode steps{' (greedy)' if greedy_only else ''}"
