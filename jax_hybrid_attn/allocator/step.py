@@ -210,7 +210,7 @@ def _allocate_rows(config: AllocatorConfig, state: AllocatorState, rows: StepRow
     # The first chunk of rows with work, outside any loop and without rare work: in the common step this serves
     # every row, and the loop below does not run (on a GPU its condition is then the step's only host sync).
     loop = _RowLoop(config, rows)
-    # A deferring prefill step has no loop after its first chunk: that chunk takes every row
+    # With a multi-block first chunk a deferring step runs no loop after it: that chunk takes every row
     first_chunk = num_rows if defer_rest and first_chunk_multi_block else loop.chunk
     members = loop.queue(work)[:first_chunk]
     state, served, _, inserts = allocate_leading_rows(

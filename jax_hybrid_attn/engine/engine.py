@@ -285,8 +285,8 @@ class Engine:
         before ``max_tokens`` or ``max_model_len``), or None for a call of one step: when some row does not decode
         (one token, then a draw), or has no decode read back yet (its first one frees every block its prompt left
         behind the window, which the allocator's sync-free path defers, with the rows after it, to the call's end
-        when they are not cached),
-        when the last step read back deferred rows, or when no row would take every step."""
+        when they are not cached), when the last step read back deferred rows, or when no row would take every
+        step."""
         steps = self.config.decode_steps
         if steps == 1 or self._deferred_rows or self._cascade(rows):
             return None
@@ -334,9 +334,9 @@ class Engine:
             self.stats.multi_step_calls += 1
             steps = column(row_steps, np.int32, 0)
             stacked = StackedResults(self._on_device(self._dispatch_steps, ids, plan, steps, greedy_only),
-                                      num_rows=self.config.max_num_seqs)  # fmt: skip
+                                     num_rows=self.config.max_num_seqs)  # fmt: skip
             return [SentStep([row if n > j else None for row, n in zip(sent_rows, row_steps, strict=True)],
-                              stacked, sent_at, self.config.max_num_seqs, index=j)
+                             stacked, sent_at, self.config.max_num_seqs, index=j)
                     for j in range(self.config.decode_steps)]  # fmt: skip
         # The shape bounds what the device computes: prefix hits and earlier failures only lower it
         decode_only = max(needs) == 1

@@ -170,12 +170,10 @@ class Scheduler:
             return False
         first_blocks = set()
         for (request, _), is_new in zip(rows, new, strict=True):
-            first = tuple(request.prompt_token_ids[: cached.block_size])  # a prompt holds at least one token
-            if is_new:
-                tokens = request.all_token_ids
-                first = tuple(tokens[: cached.block_size])
-                if cached.may_hit(tokens) or (first in first_blocks and len(tokens) - 1 >= cached.alignment):
-                    return True
+            tokens = request.all_token_ids if is_new else request.prompt_token_ids  # no copy for running rows
+            first = tuple(tokens[: cached.block_size])
+            if is_new and (cached.may_hit(tokens) or (first in first_blocks and len(tokens) - 1 >= cached.alignment)):
+                return True
             if len(first) == cached.block_size:
                 first_blocks.add(first)
         return False
