@@ -30,6 +30,8 @@ class KernelConfig:
         about bfloat16's precision) or 1 (float8's, as FlashAttention-3 does: half the product and its operand).
       direct_io: read q and write the output in [T, N, H] in the kernel where the launch allows it (one split, G
         in 1, 2, 4, 8; `mixed_batch`), rather than packing q into tiles and gathering the output per token.
+      narrow_decode: decode launches over a float8 "HND_VT" cache run on the narrow decode kernel (keys on the
+        wgmma's 64-row side, the query heads on its narrow side: `narrow_decode`) rather than on query tiles.
       profile_dir: the debug switch: when set, Mosaic GPU's on-device profiler records up to `PROFILE_RANGES`
         named phases per warpgroup and writes a Perfetto trace there (`benchmarks/kernel_timeline.py`; it slows
         the kernel).
@@ -44,6 +46,7 @@ class KernelConfig:
     producer_registers: int = 40
     p_parts: int = 2
     direct_io: bool = True
+    narrow_decode: bool = True
     profile_dir: str = ""
 
     def __post_init__(self):

@@ -30,6 +30,7 @@ from . import tiles as query_tiles
 from .config import SMEM_BUDGET_BYTES, default_config
 from .launch import direct_io_supported, launch_attention
 from .launch_plan import KernelPlan, direct_launch_plan
+from .narrow_decode import float8_query_parts, launch_narrow_decode, narrow_columns
 
 __all__ = [
     "KERNEL_DTYPES", "KernelPlan", "check_kernel_support", "decode_splits", "kernel_configs", "lowering_for_sms",
@@ -270,6 +271,22 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
         return run(plan.tiles, config, plan.requests(metadata.block_tables, clip=not metadata.block_ids_in_range),
                    direct=True)
 
+    narrow = v_transposed and decode_config.narrow_decode and not parts
+    columns = narrow_columns(group_size, metadata.max_query_len) if narrow else None
+    if columns is not None:  # short queries only, over a float8 "HND_VT" cache: the narrow decode kernel
+        tiles = query_tiles.decode_tiles(query_lens, group_size)
+        tokens, heads = query_tiles.tile_rows(tiles, requests.query_start_loc, group_size=group_size,
+                                              num_kv_heads=num_kv_heads, num_tokens=num_tokens, rows=columns,
+                                              block_rows=columns)  # fmt: skip
+        q_parts = float8_query_parts(query_tiles.pack_query_rows(q, tokens, heads), q_scale)
+        out_t, lse = launch_narrow_decode(
+            q_parts, k_source, v_source, tiles.query_len, seq_lens, block_tables, scales, block_size=block_size,
+            group_size=group_size, params=params, stacked=stacked, config=decode_config, interpret=interpret,
+        )  # fmt: skip
+        return query_tiles.token_outputs(
+            (jnp.swapaxes(out_t, -1, -2), lse), None, requests, metadata.num_actual_tokens, sinks, v_scale,
+            group_size=group_size, num_tokens=num_tokens, dtype=q.dtype,
+        )  # fmt: skip
     is_decode = query_lens <= query_tiles.tokens_per_tile(group_size)
     prefill_launch = metadata.max_query_len > query_tiles.tokens_per_tile(group_size)  # static
     if parts:  # each launch's partial outputs and log-sum-exps, gathered per token
@@ -330,6 +347,8 @@ def plan_kernels(
         max_seq_len=metadata.max_seq_len, kv_layout=kv_cache.layout, block_size=block_size,
     )  # fmt: skip
     v_transposed = kv_cache.layout == "HND_VT"
+    if v_transposed and decode_config.narrow_decode and narrow_columns(group_size, metadata.max_query_len):
+        return None  # the narrow decode kernel reads its requests as they are
     per_tile = query_tiles.tokens_per_tile(group_size)
     is_decode = metadata.query_lens <= per_tile
     if metadata.max_query_len > per_tile:  # a prefill launch: it writes every token's but the decodes'

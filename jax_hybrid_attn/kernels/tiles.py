@@ -106,14 +106,15 @@ def prefill_tiles(
 
 
 def tile_rows(
-    tiles: QueryTiles, query_start_loc, *, group_size: int, num_kv_heads: int, num_tokens: int, rows: int
-):
-    """Token [NT, rows] and query head [K, rows] of each row; rows past a tile's tokens, and padding rows, get
-    token T."""
-    per_block = ROWS // group_size
+    tiles: QueryTiles, query_start_loc, *, group_size: int, num_kv_heads: int, num_tokens: int, rows: int,
+    block_rows: int = ROWS,
+):  # fmt: skip
+    """Token [NT, rows] and query head [K, rows] of each row, in blocks of `block_rows` rows (a warpgroup's 64; the
+    narrow decode kernel's C columns); rows past a tile's tokens, and padding rows, get token T."""
+    per_block = block_rows // group_size
     row = jnp.arange(rows)
-    g, j = row % ROWS // per_block, row % ROWS % per_block
-    offset = row // ROWS * per_block + j
+    g, j = row % block_rows // per_block, row % block_rows % per_block
+    offset = row // block_rows * per_block + j
     tokens = jnp.where(
         (g < group_size) & (offset < tiles.query_len[:, None]),
         query_start_loc[tiles.request][:, None] + tiles.query_start[:, None] + offset,
@@ -194,14 +195,15 @@ def token_outputs(
     and those no tile holds (a prefill token without a prefill launch); padding tokens (from `num_actual_tokens`
     on) get zeros.
 
-    Decode tiles are merged over their splits where they are ([R, K, 64, H], small), not per token."""
+    Decode tiles are merged over their splits where they are ([R, K, rows, H], small), not per token. Their rows
+    are 64 (the tile kernel's) or the narrow decode kernel's C columns, ``rows // G`` tokens per head."""
     decode_out, decode_lse = decode
-    num_reqs, num_kv_heads = decode_out.shape[:2]
+    num_reqs, num_kv_heads, _, rows = decode_out.shape[:4]
     num_q_heads = num_kv_heads * group_size
-    per_block = ROWS // group_size  # tokens per 64-row warpgroup block, and per decode tile
-    row_g = jnp.minimum(jnp.arange(ROWS) // per_block, group_size - 1)  # padding rows: any head
+    per_block = rows // group_size  # tokens per decode tile
+    row_g = jnp.minimum(jnp.arange(rows) // per_block, group_size - 1)  # padding rows: any head
     row_heads = jnp.arange(num_kv_heads)[:, None] * group_size + row_g[None, :]  # [K, 64]
-    decode_rows = merge_splits(  # [R, K, 64, H]
+    decode_rows = merge_splits(  # [R, K, rows, H]
         jnp.moveaxis(decode_out, 2, -2), jnp.moveaxis(decode_lse, 2, -1), None if sinks is None else sinks[row_heads]
     )
     head = jnp.arange(num_q_heads)
@@ -219,8 +221,8 @@ def token_outputs(
         return jnp.where(held[:, None, None], out, fill[:, None, None]).astype(dtype)
 
     j = jnp.arange(per_block)  # a decode tile's j-th token
-    token = query_start_loc[:-1, None] + j  # [R, 64/G]
-    values = decode_values(jnp.arange(num_reqs)[:, None], j[None, :])  # [R, 64/G, N, H]
+    token = query_start_loc[:-1, None] + j  # [R, rows/G]
+    values = decode_values(jnp.arange(num_reqs)[:, None], j[None, :])  # [R, rows/G, N, H]
     values = jnp.where(flagged[:, None, None, None], jnp.nan, values)
     values = jnp.where((token < num_actual_tokens)[..., None, None], values, 0.0).astype(dtype)
     target = jnp.where(is_decode[:, None] & (j[None, :] < query_lens[:, None]), token, num_tokens)  # T: dropped

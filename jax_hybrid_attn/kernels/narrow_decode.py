@@ -1,0 +1,275 @@
+"""Decode attention over a float8 "HND_VT" cache with the keys on the wgmma's 64-row side.
+
+The tile kernel (`paged_attention`) puts query rows on the wgmma's 64-row side, so a decode of G query heads per
+KV head fills G of its 64 rows and pays the softmax of all 64. Here the operands swap places, as TensorRT-LLM's
+decode kernels do for small head groups ("swap AB"): one CTA per (request, KV head, split), the keys of a step on
+the 64-row side and the request's C query columns on the narrow side (C = `columns`: G heads × ``C // G`` tokens,
+a multiple of 8; column ``g * (C // G) + j`` is head g, token j):
+
+    scores^T [block_kv, C] = K_step [block_kv, H] · q^T [H, C]
+    out^T    [H, C]       += V_step^T [H, block_kv] · P^T [block_kv, C]
+
+Both products run on float8 tensor cores with the K-major operands float8 needs: K's rows as stored, V's block as
+"HND_VT" stores it (transposed, [H, S]), and q's and P's float8 parts kept [C, ...] in shared memory. q comes in
+its two float8 parts (hi + lo, `float8_query_parts`), and P, scaled by `P_SCALE`, in `KernelConfig.p_parts` parts.
+The softmax runs down the keys (the accumulator's rows, reduced across the warpgroup's warps): each step rescales
+out^T and an elementwise running sum of P, which is reduced over the keys once, at the end.
+
+The producer warpgroup streams one block's ``block_kv`` keys per step by TMA into a ring of
+``KernelConfig.num_stages`` slots, as the tile kernel's does. Every step is masked (C columns make the mask cheap);
+on a step holding keys outside the CTA's range V's columns there are zeroed, since stale or NaN memory must not
+reach ``0 * V``. Each split writes its normalized output [H, C] and log-sum-exp [C] (`tiles.token_outputs` merges
+them with the sinks and the v scale).
+"""
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float
+
+from .._compat import plgpu, resolve_interpret
+from ..layout import FP8_DTYPE
+from ..masks import allowed_key_range, attention_mask
+from .config import SMEM_BUDGET_BYTES, KernelConfig
+from .launch import NO_WINDOW
+from .paged_attention import LOG2E, MASKED_LOGIT, P_SCALE, smem_transforms
+
+COLUMN_MULTIPLE = 8  # wgmma N: the narrow side holds a multiple of 8 columns
+MAX_COLUMNS = 64
+
+
+def narrow_columns(group_size: int, max_query_len: int) -> int | None:
+    """The query columns C of a launch whose requests hold at most `max_query_len` tokens of G heads each: G times
+    the tokens, rounded up to a multiple of 8; None above `MAX_COLUMNS` (the tile kernel serves those)."""
+    columns = -(-group_size * max_query_len // COLUMN_MULTIPLE) * COLUMN_MULTIPLE
+    return columns if columns <= MAX_COLUMNS else None
+
+
+def smem_bytes(config: KernelConfig, head_dim: int, columns: int) -> int:
+    """Shared memory of one CTA (float8 K and V rings, q's two parts, P's parts, the output tile; barriers aside)."""
+    ring = 2 * config.num_stages * config.block_kv * head_dim
+    return ring + 2 * columns * head_dim + config.p_parts * columns * config.block_kv + 4 * columns * (head_dim + 1)
+
+
+def float8_query_parts(q_rows: Float[Array, "... C H"], scale: Float[Array, ""]) -> Float[Array, "... 2 C H"]:
+    """q's columns times `scale` (`mixed_batch.float16_query_scale`) as two float8 parts, hi = float8(q) and lo =
+    float8(q - hi), whose sum keeps about bfloat16's precision."""
+    scaled = q_rows.astype(jnp.float32) * scale
+    high = scaled.astype(FP8_DTYPE)
+    low = (scaled - high.astype(jnp.float32)).astype(FP8_DTYPE)
+    return jnp.stack([high, low], axis=-3)
+
+
+def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref, window_ref, q_ref, k_ref, v_ref,
+                      o_ref, lse_ref, *, block_size, group_size, params, stacked, config, acc_in_registers):  # fmt: skip
+    """One CTA: the producer and consumer warpgroups of one (request, KV head, split)."""
+    head_dim, columns = q_ref.shape[-1], q_ref.shape[-2]
+    tokens = columns // group_size  # column g * tokens + j: head g, token j
+    block_kv, num_stages = config.block_kv, config.num_stages
+    request, kv_head, split = lax.axis_index("request"), lax.axis_index("kv_head"), lax.axis_index("split")
+    mask = dict(params=params, sliding_window=window_ref[0])
+    logits_soft_cap = params.logits_soft_cap
+    seq_len, query_len = seq_lens_ref[request], query_lens_ref[request]
+    first_q_pos = seq_len - query_len
+    # Keys some query of the request sees: [key_lo, key_hi]; this split streams its share of the steps holding them
+    key_lo, _ = allowed_key_range(first_q_pos, seq_len, **mask)
+    _, key_hi = allowed_key_range(first_q_pos + query_len - 1, seq_len, **mask)
+    step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
+    steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
+    my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
+    my_hi = jnp.where((query_len > 0) & (seq_len > 0), jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
+
+    def ring_slot(step):
+        return lax.rem(step - my_lo, num_stages)
+
+    def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed):
+        @pl.loop(my_lo, my_hi)
+        def _(step):
+            slot = ring_slot(step)
+            reused = step - my_lo >= num_stages  # the slot held an earlier step: wait until consumed
+            page = block_tables_ref[request, step * block_kv // block_size]
+            rows = pl.ds(lax.rem(step * block_kv, block_size), block_kv)
+            block = (page, 0) if stacked else (page,)  # stacked: one array [B, 2, ...] holds K and V
+            pl.when(reused)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+            plgpu.copy_gmem_to_smem(k_ref.at[block + (kv_head, rows)], k_ring.at[slot], k_loaded.at[slot])
+            block = (page, 1) if stacked else (page,)
+            pl.when(reused)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+            plgpu.copy_gmem_to_smem(v_ref.at[block + (kv_head, slice(None), rows)], v_ring.at[slot], v_loaded.at[slot])
+
+        # The last steps' consumption, which no later load waited for: every phase of a barrier the producer waits on
+        # is observed before the barriers are released (interpret mode checks it)
+        @pl.loop(jnp.maximum(my_hi - my_lo - num_stages, 0), my_hi - my_lo)
+        def _(position):
+            slot = lax.rem(position, num_stages)
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
+
+    def zero_foreign_columns(v_t, first_key):
+        """A V^T step [H, block_kv] in shared memory holds keys from `first_key` on: its columns outside [key_lo,
+        key_hi] become 0 (through float16: no arithmetic on float8 registers), 64 rows at a time."""
+        for first_row in range(0, head_dim, 64):
+            rows = pl.ds(first_row, 64)
+            x = v_t[rows].astype(jnp.float16)
+            keys = lax.broadcasted_iota(jnp.int32, x.shape, 1) + first_key
+            v_t[rows] = jnp.where((keys >= key_lo) & (keys <= key_hi), x, jnp.zeros_like(x)).astype(v_t.dtype)
+        plgpu.commit_smem()
+
+    def iota(shape, dimension):
+        return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
+
+    def consumer(q_parts, p_parts, out_smem, lse_smem, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed,
+                 q_loaded):  # fmt: skip
+        plgpu.barrier_wait(q_loaded)
+        # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
+        logit_scale = scales_ref[0] if logits_soft_cap is not None else scales_ref[0] * LOG2E
+        score_shape = (block_kv, columns)
+        q_pos = first_q_pos + lax.rem(iota(score_shape, 1), tokens)
+
+        def step_body(step, carry):
+            acc, m_i, p_sums = carry
+            slot = ring_slot(step)
+            plgpu.barrier_wait(k_loaded.at[slot])
+
+            def scores_t(acc_ref):
+                for part in range(2):
+                    plgpu.wgmma(acc_ref, k_ring.at[slot], q_parts.at[part].transpose((1, 0)))
+                return acc_ref[...]
+
+            scores = pl.run_scoped(scores_t, plgpu.ACC(score_shape, jnp.float32))
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            logits = scores * logit_scale
+            if logits_soft_cap is not None:
+                logits = (logits_soft_cap * LOG2E) * jnp.tanh(logits / logits_soft_cap)
+            k_pos = step * block_kv + iota(score_shape, 0)
+            logits = jnp.where(attention_mask(q_pos, k_pos, seq_len, **mask), logits, MASKED_LOGIT)
+            m_new = jnp.maximum(m_i, logits.max(axis=0))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(logits - lax.broadcast_in_dim(m_new, score_shape, [1]))
+            p_sums = p_sums * lax.broadcast_in_dim(alpha, score_shape, [1]) + p
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
+            plgpu.barrier_wait(v_loaded.at[slot])
+            holds_foreign_keys = (step * block_kv < key_lo) | ((step + 1) * block_kv - 1 > key_hi)
+            pl.when(holds_foreign_keys)(lambda: zero_foreign_columns(v_ring.at[slot], step * block_kv))
+            acc = accumulate_pv(acc, p, v_ring.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, m_new, p_sums
+
+        def accumulate_pv(acc, p, v_t):
+            """acc + V^T @ P^T, P's float8 parts stored [C, block_kv] (K-major) in shared memory: through the
+            transposed register layout, which a transposed store takes (float8 values cannot shuffle into it).
+            Interpret mode cannot start an accumulator from registers: it adds a fresh one."""
+            # times P_SCALE: within float8's range, small probabilities normal (the output divides it out)
+            p_t = plgpu.layout_cast(p * P_SCALE, plgpu.Layout.WGMMA_TRANSPOSED)
+            high = p_t.astype(FP8_DTYPE)
+            p_parts.at[0].transpose((1, 0))[...] = high
+            if config.p_parts == 2:
+                p_parts.at[1].transpose((1, 0))[...] = (p_t - high.astype(jnp.float32)).astype(FP8_DTYPE)
+            plgpu.commit_smem()
+
+            def issue(acc_ref):
+                for part in range(config.p_parts):
+                    plgpu.wgmma(acc_ref, v_t, p_parts.at[part].transpose((1, 0)))
+
+            if acc_in_registers:
+                return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+            def fresh_pv(pv_ref):
+                issue(pv_ref)
+                return pv_ref[...]
+
+            return acc + pl.run_scoped(fresh_pv, plgpu.ACC((head_dim, columns), jnp.float32))
+
+        carry = (
+            plgpu.layout_cast(jnp.zeros((head_dim, columns), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((columns,), MASKED_LOGIT, jnp.float32), plgpu.Layout.WGMMA.reduce(0)),
+            plgpu.layout_cast(jnp.zeros(score_shape, jnp.float32), plgpu.Layout.WGMMA),
+        )
+        acc, m_i, p_sums = lax.fori_loop(my_lo, my_hi, step_body, carry)
+        l_i = p_sums.sum(axis=0)
+        has_keys = l_i > 0
+        out_smem[...] = acc * lax.broadcast_in_dim(1 / (P_SCALE * jnp.where(has_keys, l_i, 1.0)), acc.shape, [1])
+        lse_smem[...] = jnp.where(has_keys, (m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0))) / LOG2E, -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[request, kv_head, split])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[request, kv_head, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    def body(q_parts, p_parts, out_smem, lse_smem, k_ring, v_ring, q_loaded, k_loaded, v_loaded, k_consumed,
+             v_consumed):  # fmt: skip
+        ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 1)
+        def _():
+            producer(*ring)
+
+        @pl.when(wg == 0)
+        def _():
+            plgpu.copy_gmem_to_smem(q_ref.at[request, kv_head], q_parts, q_loaded)
+            consumer(q_parts, p_parts, out_smem, lse_smem, *ring, q_loaded)
+
+    key_transforms = smem_transforms(block_kv, FP8_DTYPE)  # V^T steps and P's parts: [.., block_kv], K-major
+    head_transforms = smem_transforms(head_dim, FP8_DTYPE)  # K steps and q's parts: [.., H], K-major
+    pl.run_scoped(
+        body,
+        plgpu.SMEM((2, columns, head_dim), FP8_DTYPE, transforms=head_transforms),
+        plgpu.SMEM((config.p_parts, columns, block_kv), FP8_DTYPE, transforms=key_transforms),
+        plgpu.SMEM((head_dim, columns), jnp.float32),
+        plgpu.SMEM((columns,), jnp.float32),
+        plgpu.SMEM((num_stages, block_kv, head_dim), FP8_DTYPE, transforms=head_transforms),
+        plgpu.SMEM((num_stages, head_dim, block_kv), FP8_DTYPE, transforms=key_transforms),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+        collective_axes="wg",
+    )
+
+
+def launch_narrow_decode(
+    q_parts, k_source, v_source, query_lens, seq_lens, block_tables, scales, *, block_size, group_size, params,
+    stacked, config, interpret,
+):  # fmt: skip
+    """Run the kernel over (request, KV head, split) for a layer of `params` (its scale is already in `scales`).
+
+    Args:
+      q_parts: [R, K, 2, C, H] float8: each request's query columns in two float8 parts (`float8_query_parts`).
+      k_source, v_source: with `stacked`, the one cache [B, 2, K, S, H] twice; else the pair's K and V caches
+        [B, K, S, H]. v_source viewed as [..., K, H, S] (V transposed per block: "HND_VT").
+      query_lens, seq_lens: [R]; block_tables: [R, P], every entry a block of the pool.
+      scales: [3] float32: the logit scale (``sm_scale * k_scale`` over q's scale), the v scale and q's scale (the
+        kernel reads the first).
+    Returns:
+      the partial outputs [R, K, splits, H, C] (float32, normalized per split; transposed) and their log-sum-exps
+      [R, K, splits, C] (natural log; -inf where a split saw no key).
+    """
+    num_reqs, num_kv_heads, _, columns, head_dim = q_parts.shape
+    needed = smem_bytes(config, head_dim, columns)
+    if needed > SMEM_BUDGET_BYTES:
+        raise NotImplementedError(f"{config} needs {needed} bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
+    if block_size % config.block_kv:
+        raise ValueError(f"{block_size=} must be a multiple of block_kv={config.block_kv}")
+    interpret = resolve_interpret(interpret)
+    window = jnp.full((1,), NO_WINDOW if params.sliding_window is None else params.sliding_window, jnp.int32)
+    params = dataclasses.replace(params, sliding_window=None, sm_scale=None)
+    kernel = partial(narrow_decode_cta, block_size=block_size, group_size=group_size, params=params, stacked=stacked,
+                     config=config, acc_in_registers=interpret is None)  # fmt: skip
+    splits = config.num_splits
+    return plgpu.kernel(
+        kernel,
+        out_type=(
+            jax.ShapeDtypeStruct((num_reqs, num_kv_heads, splits, head_dim, columns), jnp.float32),
+            jax.ShapeDtypeStruct((num_reqs, num_kv_heads, splits, columns), jnp.float32),
+        ),
+        grid=(num_reqs, num_kv_heads, splits),
+        grid_names=("request", "kv_head", "split"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(seq_lens, query_lens, block_tables, scales, window, q_parts, k_source, v_source)

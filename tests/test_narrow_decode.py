@@ -1,0 +1,142 @@
+"""The narrow decode kernel (float8 "HND_VT" caches: keys on the wgmma's 64-row side, query heads on its narrow
+side) against the reference, on the CPU in interpret mode, and through Mosaic GPU's lowering for a GPU."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_hybrid_attn import LayerAttentionParams, paged_attention, reference
+from jax_hybrid_attn._compat import interpret_params, races_found
+from jax_hybrid_attn.kernels import mixed_batch, narrow_decode
+from jax_hybrid_attn.kernels.narrow_decode import narrow_columns
+from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
+
+FP8 = jnp.float8_e4m3fn
+# Key counts straddle the 64-key steps and the 64/128-token blocks, windows and chunks; a request with no context
+# beside them would be flagged, so every request holds at least its own token.
+CASES = {
+    "gqa4-window-sinks": dict(heads=(8, 2), block_size=64, seq_lens=[40, 150, 64], params=dict(sliding_window=24),
+                              sinks=True),
+    "gqa4-two-tokens-chunk": dict(heads=(8, 2), block_size=64, query_lens=[2, 1, 2], seq_lens=[65, 129, 200],
+                                  params=dict(attention_chunk_size=64)),
+    "mqa8-softcap-block128": dict(heads=(8, 1), block_size=128, seq_lens=[127, 129, 300],
+                                  params=dict(logits_soft_cap=30.0, sm_scale=0.3)),
+    "mha-fp16-pair": dict(heads=(2, 2), block_size=64, seq_lens=[1, 64, 190], dtype=jnp.float16, kv_pair=True),
+    "gqa5-padded-columns": dict(heads=(10, 2), block_size=64, seq_lens=[33, 100, 257], params=dict(sliding_window=80)),
+    "gqa16-non-causal-three-tokens": dict(heads=(16, 1), block_size=64, query_lens=[3, 1, 2], seq_lens=[70, 5, 140],
+                                          params=dict(causal=False), sinks=True),
+}  # fmt: skip
+
+
+def run(case, *, seed=0, interpret=True):
+    num_q_heads, num_kv_heads = case["heads"]
+    seq_lens = case["seq_lens"]
+    query_lens = case.get("query_lens", [1] * len(seq_lens))
+    params = LayerAttentionParams(**case.get("params", {}))
+    inputs = random_paged_inputs(
+        seed, query_lens=query_lens, seq_lens=seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+        head_dim=64, block_size=case["block_size"], dtype=case.get("dtype", jnp.bfloat16), kv_dtype=FP8,
+        kv_layout="HND_VT", with_sinks=case.get("sinks", False), causal=params.causal,
+        kv_pair=case.get("kv_pair", False), spare_blocks=2,
+    )  # fmt: skip
+    options = dict(params=params, sinks=inputs.sinks)
+    out = paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, interpret=interpret, **options)
+    expected = reference.paged_attention(inputs.q, inputs.kv_cache, inputs.metadata, **options)
+    return np.asarray(out, np.float32), np.asarray(expected, np.float32), inputs
+
+
+@pytest.fixture
+def narrow_launches(monkeypatch):
+    """The number of narrow-kernel launches traced in the test (the kernels' jit cache is dropped around it)."""
+    launches = []
+    launch = narrow_decode.launch_narrow_decode
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs["config"])
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(mixed_batch, "launch_narrow_decode", counted)
+    mixed_batch._paged_attention_kernels.clear_cache()
+    yield launches
+    mixed_batch._paged_attention_kernels.clear_cache()
+
+
+@pytest.mark.parametrize(
+    "name, num_sms",
+    [*((name, 1) for name in CASES), ("gqa4-window-sinks", None), ("mqa8-softcap-block128", None)],
+)  # fmt: skip
+def test_narrow_decode_matches_reference_without_races(name, num_sms, narrow_launches):
+    """Decodes (and two- or three-token queries) of 1 to 16 query heads per KV head: C = 8, 16 or 48 columns (G = 5
+    leaves padding columns), NaN in the spare blocks, V columns of keys outside a CTA's range zeroed; the sinks, soft
+    cap, scale, window, chunk and non-causal masks; float8 q parts from bfloat16 and float16 queries; the cache as one
+    array and as the K/V pair. Traced for a GPU of one SM, each CTA runs all of its request's key steps (the
+    running maxima rescale what came before); with the default count, 3 requests leave SMs idle and their keys are
+    split across CTAs."""
+    case = CASES[name]
+    if num_sms is None:
+        out, expected, _ = run(case, interpret=interpret_params(detect_races=True))
+    else:
+        with mixed_batch.lowering_for_sms(num_sms):
+            out, expected, _ = run(case, interpret=interpret_params(detect_races=True))
+    assert len(narrow_launches) == 1
+    assert (narrow_launches[0].num_splits == 1) == (num_sms == 1)
+    assert not races_found()
+    assert np.isfinite(out).all(), "a NaN-filled block was read"
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(case.get("dtype", jnp.bfloat16))])
+
+
+def test_narrow_and_tile_kernels_agree(monkeypatch):
+    """``KernelConfig.narrow_decode=False`` sends the same decodes to the tile kernel; both match the reference and
+    each other within the float8 cache's tolerance."""
+    case = CASES["gqa4-window-sinks"]
+    narrow, expected, _ = run(case)
+    original = mixed_batch.kernel_configs
+    monkeypatch.setattr(mixed_batch, "kernel_configs", lambda *a, **k: tuple(
+        dataclasses.replace(c, narrow_decode=False) for c in original(*a, **k)))  # fmt: skip
+    mixed_batch._paged_attention_kernels.clear_cache()
+    try:
+        tiled, _, _ = run(case)
+    finally:
+        mixed_batch._paged_attention_kernels.clear_cache()
+    tolerance = TOLERANCES[jnp.dtype(jnp.bfloat16)]
+    np.testing.assert_allclose(tiled, expected, **tolerance)
+    np.testing.assert_allclose(narrow, tiled, **tolerance)
+
+
+def test_only_short_queries_over_a_transposed_float8_cache_take_the_narrow_kernel(narrow_launches):
+    """A prefill in the batch, or a bfloat16 cache, keeps the tile kernel; a decode-only batch over an "HND_VT"
+    float8 cache builds no kernel plan (the narrow kernel reads its requests as they are)."""
+    case = dict(CASES["gqa4-window-sinks"], query_lens=[1, 70, 1])
+    out, expected, _ = run(case)
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+    assert narrow_launches == []
+    _, _, inputs = run(CASES["gqa4-window-sinks"])
+    assert len(narrow_launches) == 1
+    metadata = inputs.metadata.replace(block_ids_in_range=True)
+    assert mixed_batch.plan_kernels(metadata, num_q_heads=8, head_dim=64, q_dtype=jnp.bfloat16,
+                                    kv_cache=inputs.kv_cache) is None  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "group_size, max_query_len, columns",
+    [(1, 1, 8), (4, 1, 8), (5, 1, 8), (8, 1, 8), (16, 1, 16), (4, 3, 16), (16, 3, 48), (8, 8, 64), (8, 9, None),
+     (64, 1, 64), (65, 1, None)],
+)  # fmt: skip
+def test_narrow_columns(group_size, max_query_len, columns):
+    assert narrow_columns(group_size, max_query_len) == columns
+
+
+@pytest.mark.parametrize("head_dim, block_size", [(128, 64), (256, 128)])
+def test_narrow_decode_lowers_for_a_gpu(head_dim, block_size):
+    """Through Mosaic GPU's lowering (on this CPU, for a GPU): q's and P's float8 parts as the narrow side of both
+    products, P stored transposed from the transposed register layout, the column reductions across warps."""
+    inputs = random_paged_inputs(2, query_lens=[1, 1, 1], seq_lens=[200, 330, 300], num_q_heads=8, num_kv_heads=2,
+                                 head_dim=head_dim, block_size=block_size, kv_dtype=FP8, kv_layout="HND_VT")  # fmt: skip
+    window = LayerAttentionParams(sliding_window=100)
+    fn = jax.jit(lambda q, c, m: paged_attention(q, c, m, params=window, implementation="kernel"))
+    text = fn.trace(inputs.q, inputs.kv_cache, inputs.metadata).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))) == 1
