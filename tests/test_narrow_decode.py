@@ -140,3 +140,21 @@ def test_narrow_decode_lowers_for_a_gpu(head_dim, block_size):
     fn = jax.jit(lambda q, c, m: paged_attention(q, c, m, params=window, implementation="kernel"))
     text = fn.trace(inputs.q, inputs.kv_cache, inputs.metadata).lower(lowering_platforms=("cuda",)).as_text()
     assert len(set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))) == 1
+
+
+def test_a_step_over_two_blocks_matches_reference_without_races(monkeypatch):
+    """``block_kv`` 128 over blocks of 64: each step's K rows come from two blocks, its V^T and P^T in one tile per
+    block; the request whose keys end inside a step's first block repeats it (masked, V zeroed) as the second."""
+    original = mixed_batch.kernel_configs
+    monkeypatch.setattr(mixed_batch, "kernel_configs", lambda *a, **k: tuple(
+        dataclasses.replace(c, block_kv=128) for c in original(*a, **k)))  # fmt: skip
+    mixed_batch._paged_attention_kernels.clear_cache()
+    case = dict(CASES["gqa4-window-sinks"], params=dict(sliding_window=100), seq_lens=[40, 250, 129])
+    try:
+        with mixed_batch.lowering_for_sms(1):
+            out, expected, _ = run(case, interpret=interpret_params(detect_races=True))
+    finally:
+        mixed_batch._paged_attention_kernels.clear_cache()
+    assert not races_found()
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])

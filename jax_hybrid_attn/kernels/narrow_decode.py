@@ -15,8 +15,8 @@ its two float8 parts (hi + lo, `float8_query_parts`), and P, scaled by `P_SCALE`
 The softmax runs down the keys (the accumulator's rows, reduced across the warpgroup's warps): each step rescales
 out^T and an elementwise running sum of P, which is reduced over the keys once, at the end.
 
-The producer warpgroup streams one block's ``block_kv`` keys per step by TMA into a ring of
-``KernelConfig.num_stages`` slots, as the tile kernel's does. Every step is masked (C columns make the mask cheap);
+The producer warpgroup streams ``block_kv`` keys per step (a part of one block, or several whole blocks, each its
+own V^T tile and P^T part) by TMA into a ring of ``KernelConfig.num_stages`` slots, as the tile kernel's does. Every step is masked (C columns make the mask cheap);
 on a step holding keys outside the CTA's range V's columns there are zeroed, since stale or NaN memory must not
 reach ``0 * V``. Each split writes its normalized output [H, C] and log-sum-exp [C] (`tiles.token_outputs` merges
 them with the sinks and the v scale).
@@ -70,6 +70,9 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
     head_dim, columns = q_ref.shape[-1], q_ref.shape[-2]
     tokens = columns // group_size  # column g * tokens + j: head g, token j
     block_kv, num_stages = config.block_kv, config.num_stages
+    # A step's keys: one block's part (S >= block_kv) or several whole blocks, each its own V^T tile ("pages")
+    page_keys = min(block_size, block_kv)
+    pages = block_kv // page_keys
     request, kv_head, split = lax.axis_index("request"), lax.axis_index("kv_head"), lax.axis_index("split")
     mask = dict(params=params, sliding_window=window_ref[0])
     logits_soft_cap = params.logits_soft_cap
@@ -78,6 +81,7 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
     # Keys some query of the request sees: [key_lo, key_hi]; this split streams its share of the steps holding them
     key_lo, _ = allowed_key_range(first_q_pos, seq_len, **mask)
     _, key_hi = allowed_key_range(first_q_pos + query_len - 1, seq_len, **mask)
+    block_lo, block_hi = key_lo // block_size, key_hi // block_size
     step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
     steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
     my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
@@ -91,14 +95,20 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
         def _(step):
             slot = ring_slot(step)
             reused = step - my_lo >= num_stages  # the slot held an earlier step: wait until consumed
-            page = block_tables_ref[request, step * block_kv // block_size]
-            rows = pl.ds(lax.rem(step * block_kv, block_size), block_kv)
-            block = (page, 0) if stacked else (page,)  # stacked: one array [B, 2, ...] holds K and V
+            # the step's blocks, read from the block table together; a block past the keys repeats the last one
+            ids = [block_tables_ref[request, jnp.clip((step * block_kv + p * page_keys) // block_size, block_lo,
+                                                      block_hi)] for p in range(pages)]  # fmt: skip
+            rows = pl.ds(lax.rem(step * block_kv, block_size), page_keys)
             pl.when(reused)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
-            plgpu.copy_gmem_to_smem(k_ref.at[block + (kv_head, rows)], k_ring.at[slot], k_loaded.at[slot])
-            block = (page, 1) if stacked else (page,)
+            for p, page in enumerate(ids):  # stacked: one array [B, 2, ...] holds K and V
+                block = (page, 0) if stacked else (page,)
+                plgpu.copy_gmem_to_smem(k_ref.at[block + (kv_head, rows)],
+                                        k_ring.at[slot, pl.ds(p * page_keys, page_keys)], k_loaded.at[slot])
             pl.when(reused)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
-            plgpu.copy_gmem_to_smem(v_ref.at[block + (kv_head, slice(None), rows)], v_ring.at[slot], v_loaded.at[slot])
+            for p, page in enumerate(ids):
+                block = (page, 1) if stacked else (page,)
+                plgpu.copy_gmem_to_smem(v_ref.at[block + (kv_head, slice(None), rows)], v_ring.at[slot, p],
+                                        v_loaded.at[slot])
 
         # The last steps' consumption, which no later load waited for: every phase of a barrier the producer waits on
         # is observed before the barriers are released (interpret mode checks it)
@@ -109,7 +119,7 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
             plgpu.barrier_wait(v_consumed.at[slot])
 
     def zero_foreign_columns(v_t, first_key):
-        """A V^T step [H, block_kv] in shared memory holds keys from `first_key` on: its columns outside [key_lo,
+        """A V^T page [H, page_keys] in shared memory holds keys from `first_key` on: its columns outside [key_lo,
         key_hi] become 0 (through float16: no arithmetic on float8 registers), 64 rows at a time."""
         for first_row in range(0, head_dim, 64):
             rows = pl.ds(first_row, 64)
@@ -153,7 +163,12 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1])
             plgpu.barrier_wait(v_loaded.at[slot])
             holds_foreign_keys = (step * block_kv < key_lo) | ((step + 1) * block_kv - 1 > key_hi)
-            pl.when(holds_foreign_keys)(lambda: zero_foreign_columns(v_ring.at[slot], step * block_kv))
+
+            @pl.when(holds_foreign_keys)
+            def _():
+                for page in range(pages):
+                    zero_foreign_columns(v_ring.at[slot, page], step * block_kv + page * page_keys)
+
             acc = accumulate_pv(acc, p, v_ring.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
             return acc, m_new, p_sums
@@ -164,15 +179,18 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
             Interpret mode cannot start an accumulator from registers: it adds a fresh one."""
             # times P_SCALE: within float8's range, small probabilities normal (the output divides it out)
             p_t = plgpu.layout_cast(p * P_SCALE, plgpu.Layout.WGMMA_TRANSPOSED)
-            high = p_t.astype(FP8_DTYPE)
-            p_parts.at[0].transpose((1, 0))[...] = high
-            if config.p_parts == 2:
-                p_parts.at[1].transpose((1, 0))[...] = (p_t - high.astype(jnp.float32)).astype(FP8_DTYPE)
+            for page in range(pages):
+                page_p = p_t[page * page_keys : (page + 1) * page_keys] if pages > 1 else p_t
+                high = page_p.astype(FP8_DTYPE)
+                p_parts.at[0, page].transpose((1, 0))[...] = high
+                if config.p_parts == 2:
+                    p_parts.at[1, page].transpose((1, 0))[...] = (page_p - high.astype(jnp.float32)).astype(FP8_DTYPE)
             plgpu.commit_smem()
 
             def issue(acc_ref):
-                for part in range(config.p_parts):
-                    plgpu.wgmma(acc_ref, v_t, p_parts.at[part].transpose((1, 0)))
+                for page in range(pages):
+                    for part in range(config.p_parts):
+                        plgpu.wgmma(acc_ref, v_t.at[page], p_parts.at[part, page].transpose((1, 0)))
 
             if acc_in_registers:
                 return pl.run_state(issue)(plgpu.ACC.init(acc))
@@ -212,19 +230,19 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
             plgpu.copy_gmem_to_smem(q_ref.at[request, kv_head], q_parts, q_loaded)
             consumer(q_parts, p_parts, out_smem, lse_smem, *ring, q_loaded)
 
-    key_transforms = smem_transforms(block_kv, FP8_DTYPE)  # V^T steps and P's parts: [.., block_kv], K-major
+    key_transforms = smem_transforms(page_keys, FP8_DTYPE)  # V^T pages and P's parts: [.., page_keys], K-major
     head_transforms = smem_transforms(head_dim, FP8_DTYPE)  # K steps and q's parts: [.., H], K-major
     pl.run_scoped(
         body,
         plgpu.SMEM((2, columns, head_dim), FP8_DTYPE, transforms=head_transforms),
-        plgpu.SMEM((config.p_parts, columns, block_kv), FP8_DTYPE, transforms=key_transforms),
+        plgpu.SMEM((config.p_parts, pages, columns, page_keys), FP8_DTYPE, transforms=key_transforms),
         plgpu.SMEM((head_dim, columns), jnp.float32),
         plgpu.SMEM((columns,), jnp.float32),
         plgpu.SMEM((num_stages, block_kv, head_dim), FP8_DTYPE, transforms=head_transforms),
-        plgpu.SMEM((num_stages, head_dim, block_kv), FP8_DTYPE, transforms=key_transforms),
+        plgpu.SMEM((num_stages, pages, head_dim, page_keys), FP8_DTYPE, transforms=key_transforms),
         plgpu.Barrier(),
-        plgpu.Barrier(num_barriers=num_stages),
-        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
         collective_axes="wg",
@@ -252,8 +270,8 @@ def launch_narrow_decode(
     needed = smem_bytes(config, head_dim, columns)
     if needed > SMEM_BUDGET_BYTES:
         raise NotImplementedError(f"{config} needs {needed} bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
-    if block_size % config.block_kv:
-        raise ValueError(f"{block_size=} must be a multiple of block_kv={config.block_kv}")
+    if block_size % config.block_kv and config.block_kv % block_size:
+        raise ValueError(f"{block_size=} must divide block_kv={config.block_kv} or be a multiple of it")
     interpret = resolve_interpret(interpret)
     window = jnp.full((1,), NO_WINDOW if params.sliding_window is None else params.sliding_window, jnp.int32)
     params = dataclasses.replace(params, sliding_window=None, sm_scale=None)
