@@ -142,12 +142,15 @@ def test_narrow_decode_lowers_for_a_gpu(head_dim, block_size):
     assert len(set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))) == 1
 
 
-def test_a_step_over_two_blocks_matches_reference_without_races(monkeypatch):
+@pytest.mark.parametrize("options", [dict(block_kv=128), dict(block_kv=128, q_parts=1, p_parts=1)],
+                         ids=["two-parts", "one-part"])  # fmt: skip
+def test_a_step_over_two_blocks_matches_reference_without_races(options, monkeypatch):
     """``block_kv`` 128 over blocks of 64: each step's K rows come from two blocks, its V^T and P^T in one tile per
-    block; the request whose keys end inside a step's first block repeats it (masked, V zeroed) as the second."""
+    block; the request whose keys end inside a step's first block repeats it (masked, V zeroed) as the second. Also
+    with q and P in one float8 part each (``q_parts=1, p_parts=1``)."""
     original = mixed_batch.kernel_configs
     monkeypatch.setattr(mixed_batch, "kernel_configs", lambda *a, **k: tuple(
-        dataclasses.replace(c, block_kv=128) for c in original(*a, **k)))  # fmt: skip
+        dataclasses.replace(c, **options) for c in original(*a, **k)))  # fmt: skip
     mixed_batch._paged_attention_kernels.clear_cache()
     case = dict(CASES["gqa4-window-sinks"], params=dict(sliding_window=100), seq_lens=[40, 250, 129])
     try:

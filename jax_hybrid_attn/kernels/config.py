@@ -26,6 +26,8 @@ class KernelConfig:
       consumer_registers, producer_registers: the registers per thread of each role with two consumers
         (``setmaxnreg``: multiples of 8 in [24, 256], together at most what the CTA launched with, since
         `setmaxnreg` only moves registers between warpgroups: an increase beyond that waits forever).
+      q_parts: with a float8 cache, the float8 parts q is split into for the QK product: 2 (hi + lo, about
+        bfloat16's precision) or 1 (float8's: half the product).
       p_parts: with V transposed ("HND_VT"), the float8 parts P is split into for the PV product: 2 (hi + lo,
         about bfloat16's precision) or 1 (float8's, as FlashAttention-3 does: half the product and its operand).
       direct_io: read q and write the output in [T, N, H] in the kernel where the launch allows it (one split, G
@@ -44,6 +46,7 @@ class KernelConfig:
     ping_pong: bool = True
     consumer_registers: int = 232
     producer_registers: int = 40
+    q_parts: int = 2
     p_parts: int = 2
     direct_io: bool = True
     narrow_decode: bool = True
@@ -56,8 +59,9 @@ class KernelConfig:
             raise ValueError(f"num_stages={self.num_stages}, num_splits={self.num_splits} must be >= 1")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"num_consumers={self.num_consumers} must be 1 or 2")
-        if self.p_parts not in (1, 2):
-            raise ValueError(f"p_parts={self.p_parts} must be 1 or 2")
+        for name in ("q_parts", "p_parts"):
+            if getattr(self, name) not in (1, 2):
+                raise ValueError(f"{name}={getattr(self, name)} must be 1 or 2")
         for name in ("consumer_registers", "producer_registers"):
             count = getattr(self, name)
             if count % 8 or not 24 <= count <= 256:

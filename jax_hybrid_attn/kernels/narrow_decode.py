@@ -40,6 +40,9 @@ from .paged_attention import LOG2E, MASKED_LOGIT, P_SCALE, smem_transforms
 
 COLUMN_MULTIPLE = 8  # wgmma N: the narrow side holds a multiple of 8 columns
 MAX_COLUMNS = 64
+ZEROED_ROWS = 64
+"""V^T rows whose foreign columns a consumer zeroes at a time: few, so that this rare path does not set the kernel's
+register count (64 rows at a time took 109 registers per thread, against 54 without it: two CTAs per SM, not four)."""
 
 
 def narrow_columns(group_size: int, max_query_len: int) -> int | None:
@@ -120,9 +123,9 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
 
     def zero_foreign_columns(v_t, first_key):
         """A V^T page [H, page_keys] in shared memory holds keys from `first_key` on: its columns outside [key_lo,
-        key_hi] become 0 (through float16: no arithmetic on float8 registers), 64 rows at a time."""
-        for first_row in range(0, head_dim, 64):
-            rows = pl.ds(first_row, 64)
+        key_hi] become 0 (through float16: no arithmetic on float8 registers), `ZEROED_ROWS` rows at a time."""
+        for first_row in range(0, head_dim, ZEROED_ROWS):
+            rows = pl.ds(first_row, ZEROED_ROWS)
             x = v_t[rows].astype(jnp.float16)
             keys = lax.broadcasted_iota(jnp.int32, x.shape, 1) + first_key
             v_t[rows] = jnp.where((keys >= key_lo) & (keys <= key_hi), x, jnp.zeros_like(x)).astype(v_t.dtype)
@@ -145,7 +148,7 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
             plgpu.barrier_wait(k_loaded.at[slot])
 
             def scores_t(acc_ref):
-                for part in range(2):
+                for part in range(config.q_parts):
                     plgpu.wgmma(acc_ref, k_ring.at[slot], q_parts.at[part].transpose((1, 0)))
                 return acc_ref[...]
 

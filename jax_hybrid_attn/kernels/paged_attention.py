@@ -447,7 +447,7 @@ def paged_attention_cta(
                     q8_smem[wg, 0] = high
                     q8_smem[wg, 1] = (q_rows - high.astype(jnp.float32)).astype(k_ref.dtype)
                     plgpu.commit_smem()
-                q_parts = (q8_smem.at[wg, 0], q8_smem.at[wg, 1]) if converts else (q_smem.at[wg],)
+                q_parts = tuple(q8_smem.at[wg, part] for part in range(config.q_parts)) if converts else (q_smem.at[wg],)
                 if schedule is not None:
                     pl.when(wg == 1)(partial(take_turn, schedule))
                 acc, m_i, l_i = consumer(wg, q_parts, *ring, extras)
