@@ -16,9 +16,9 @@ The softmax runs down the keys (the accumulator's rows, reduced across the warpg
 out^T and an elementwise running sum of P, which is reduced over the keys once, at the end.
 
 The producer warpgroup streams ``block_kv`` keys per step (a part of one block, or several whole blocks, each its
-own V^T tile and P^T part) by TMA into a ring of ``KernelConfig.num_stages`` slots, as the tile kernel's does. Every step is masked (C columns make the mask cheap);
-on a step holding keys outside the CTA's range V's columns there are zeroed, since stale or NaN memory must not
-reach ``0 * V``. Each split writes its normalized output [H, C] and log-sum-exp [C] (`tiles.token_outputs` merges
+own V^T tile and P^T part) by TMA into a ring of ``KernelConfig.num_stages`` slots, as the tile kernel's does.
+Every step is masked (C columns make the mask cheap); on a step holding keys outside the CTA's range V's columns
+there are zeroed, since stale or NaN memory must not reach ``0 * V``. Each split writes its normalized output [H, C] and log-sum-exp [C] (`tiles.token_outputs` merges
 them with the sinks and the v scale).
 """
 
@@ -36,13 +36,10 @@ from ..layout import FP8_DTYPE
 from ..masks import allowed_key_range, attention_mask
 from .config import SMEM_BUDGET_BYTES, KernelConfig
 from .launch import NO_WINDOW
-from .paged_attention import LOG2E, MASKED_LOGIT, P_SCALE, smem_transforms
+from .paged_attention import LOG2E, MASKED_LOGIT, P_SCALE, accumulate, smem_transforms, zero_foreign_columns
 
 COLUMN_MULTIPLE = 8  # wgmma N: the narrow side holds a multiple of 8 columns
 MAX_COLUMNS = 64
-ZEROED_ROWS = 64
-"""V^T rows whose foreign columns a consumer zeroes at a time: few, so that this rare path does not set the kernel's
-register count (64 rows at a time took 109 registers per thread, against 54 without it: two CTAs per SM, not four)."""
 
 
 def narrow_columns(group_size: int, max_query_len: int) -> int | None:
@@ -121,16 +118,6 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
             plgpu.barrier_wait(k_consumed.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
 
-    def zero_foreign_columns(v_t, first_key):
-        """A V^T page [H, page_keys] in shared memory holds keys from `first_key` on: its columns outside [key_lo,
-        key_hi] become 0 (through float16: no arithmetic on float8 registers), `ZEROED_ROWS` rows at a time."""
-        for first_row in range(0, head_dim, ZEROED_ROWS):
-            rows = pl.ds(first_row, ZEROED_ROWS)
-            x = v_t[rows].astype(jnp.float16)
-            keys = lax.broadcasted_iota(jnp.int32, x.shape, 1) + first_key
-            v_t[rows] = jnp.where((keys >= key_lo) & (keys <= key_hi), x, jnp.zeros_like(x)).astype(v_t.dtype)
-        plgpu.commit_smem()
-
     def iota(shape, dimension):
         return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
 
@@ -170,7 +157,7 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
             @pl.when(holds_foreign_keys)
             def _():
                 for page in range(pages):
-                    zero_foreign_columns(v_ring.at[slot, page], step * block_kv + page * page_keys)
+                    zero_foreign_columns(v_ring.at[slot, page], step * block_kv + page * page_keys, key_lo, key_hi)
 
             acc = accumulate_pv(acc, p, v_ring.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
@@ -178,8 +165,7 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
 
         def accumulate_pv(acc, p, v_t):
             """acc + V^T @ P^T, P's float8 parts stored [C, block_kv] (K-major) in shared memory: through the
-            transposed register layout, which a transposed store takes (float8 values cannot shuffle into it).
-            Interpret mode cannot start an accumulator from registers: it adds a fresh one."""
+            transposed register layout, which a transposed store takes (float8 values cannot shuffle into it)."""
             # times P_SCALE: within float8's range, small probabilities normal (the output divides it out)
             p_t = plgpu.layout_cast(p * P_SCALE, plgpu.Layout.WGMMA_TRANSPOSED)
             for page in range(pages):
@@ -195,14 +181,7 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
                     for part in range(config.p_parts):
                         plgpu.wgmma(acc_ref, v_t.at[page], p_parts.at[part, page].transpose((1, 0)))
 
-            if acc_in_registers:
-                return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-            def fresh_pv(pv_ref):
-                issue(pv_ref)
-                return pv_ref[...]
-
-            return acc + pl.run_scoped(fresh_pv, plgpu.ACC((head_dim, columns), jnp.float32))
+            return accumulate(acc, issue, in_registers=acc_in_registers)
 
         carry = (
             plgpu.layout_cast(jnp.zeros((head_dim, columns), jnp.float32), plgpu.Layout.WGMMA),

@@ -61,6 +61,31 @@ def smem_transforms(head_dim: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def zero_foreign_columns(v_t, first_key, key_lo, key_hi) -> None:
+    """A transposed float8 V step [H, keys] in shared memory holds keys from `first_key` on: its columns outside
+    [key_lo, key_hi] become 0 (through float16: no arithmetic on float8 registers), 64 rows at a time to bound
+    registers."""
+    for first_row in range(0, v_t.shape[0], ROWS):
+        rows = pl.ds(first_row, ROWS)
+        x = v_t[rows].astype(jnp.float16)
+        keys = lax.broadcasted_iota(jnp.int32, x.shape, 1) + first_key
+        v_t[rows] = jnp.where((keys >= key_lo) & (keys <= key_hi), x, jnp.zeros_like(x)).astype(v_t.dtype)
+    plgpu.commit_smem()
+
+
+def accumulate(acc, issue, *, in_registers: bool):
+    """`acc` plus the wgmma products that ``issue(acc_ref)`` issues: into `acc` itself on the GPU; interpret mode,
+    which cannot start an accumulator from registers, issues them into a fresh one and adds it."""
+    if in_registers:
+        return pl.run_state(issue)(plgpu.ACC.init(acc))
+
+    def fresh(acc_ref):
+        issue(acc_ref)
+        return acc_ref[...]
+
+    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+
 def take_turn(schedule) -> None:
     """Two consumer warpgroups alternate on the tensor cores: each arrival lets the other one go."""
     plgpu.barrier_arrive(schedule)
@@ -156,17 +181,6 @@ def paged_attention_cta(
             keys = lax.broadcasted_iota(jnp.int32, v.shape, 0) + first_key
             return jnp.where((keys >= key_lo) & (keys <= key_hi), v, jnp.zeros_like(v))
 
-        def zero_foreign_columns(v_t, first_key):
-            """A transposed float8 V step [H, block_kv] in shared memory holds keys from `first_key` on: its columns
-            outside [key_lo, key_hi] become 0 (through float16: no arithmetic on float8 registers), 64 rows at a
-            time to bound registers."""
-            for first_row in range(0, head_dim, ROWS):
-                rows = pl.ds(first_row, ROWS)
-                x = v_t[rows].astype(jnp.float16)
-                keys = lax.broadcasted_iota(jnp.int32, x.shape, 1) + first_key
-                v_t[rows] = jnp.where((keys >= key_lo) & (keys <= key_hi), x, jnp.zeros_like(x)).astype(v_t.dtype)
-            plgpu.commit_smem()
-
         def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed):
             def load_pages(step):
                 """The step's pages, read from the block table together (their latencies overlap) and used for K and V."""
@@ -237,7 +251,7 @@ def paged_attention_cta(
 
                 def zero_foreign_keys():
                     if v_transposed:
-                        zero_foreign_columns(v_ring.at[slot], step * block_kv)
+                        zero_foreign_columns(v_ring.at[slot], step * block_kv, key_lo, key_hi)
                     else:
                         v_ring[slot] = zero_foreign_rows(v_ring[slot], step * block_kv)
                         plgpu.commit_smem()
@@ -337,14 +351,7 @@ def paged_attention_cta(
                         plgpu.commit_smem()
                         plgpu.wgmma(acc_ref, p_smem, v)
 
-                if p_in_registers:
-                    return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-                def fresh_pv(pv_ref):
-                    issue(pv_ref)
-                    return pv_ref[...]
-
-                return acc + pl.run_scoped(fresh_pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
+                return accumulate(acc, issue, in_registers=p_in_registers)
 
             carry = (
                 plgpu.layout_cast(jnp.zeros((ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA),
