@@ -438,15 +438,14 @@ def test_a_token_budget_below_the_step_is_refused():
         paged_attention(inputs.q, inputs.kv_cache, inputs.metadata.replace(token_budget=8), interpret=True)
 
 
-@pytest.mark.parametrize("parts", [dict(p_parts=1), dict(q_parts=1, p_parts=1)], ids=["p", "q-and-p"])
-def test_q_and_p_in_one_float8_part_match_reference_without_races(parts, monkeypatch):
-    """``KernelConfig.p_parts=1`` (V transposed: P in one float8 part for the PV product, FlashAttention-3's
-    precision, instead of two), with ``q_parts=1`` q too (QK in one float8 product), in decode and prefill tiles,
-    within the float8 cache's tolerance."""
+def test_q_and_p_in_one_float8_part_match_reference_without_races(monkeypatch):
+    """``KernelConfig.q_parts=1, p_parts=1``: q and (V transposed) P in one float8 part each for the QK and PV
+    products, FlashAttention-3's precision, instead of two, in decode and prefill tiles, within the float8 cache's
+    tolerance."""
     default_configs = mixed_batch.kernel_configs
 
     def one_part(*args, **kwargs):
-        return tuple(dataclasses.replace(config, **parts) for config in default_configs(*args, **kwargs))
+        return tuple(dataclasses.replace(config, q_parts=1, p_parts=1) for config in default_configs(*args, **kwargs))
 
     monkeypatch.setattr(mixed_batch, "kernel_configs", one_part)
     mixed_batch._paged_attention_kernels.clear_cache()  # its executables hold the configurations they traced

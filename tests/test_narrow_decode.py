@@ -108,14 +108,21 @@ def test_narrow_and_tile_kernels_agree(monkeypatch):
 
 
 def test_only_short_queries_over_a_transposed_float8_cache_take_the_narrow_kernel(narrow_launches):
-    """A prefill in the batch, or a bfloat16 cache, keeps the tile kernel; a decode-only batch over an "HND_VT"
-    float8 cache builds no kernel plan (the narrow kernel reads its requests as they are)."""
-    case = dict(CASES["gqa4-window-sinks"], query_lens=[1, 70, 1])
-    out, expected, _ = run(case)
-    np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
-    assert narrow_launches == []
-    _, _, inputs = run(CASES["gqa4-window-sinks"])
-    assert len(narrow_launches) == 1
+    """Lowered for a GPU: a prefill in the batch keeps the tile kernel (a decode and a prefill launch), as does a
+    bfloat16 cache; a decode-only batch over an "HND_VT" float8 cache is one narrow launch, for which no kernel plan
+    is built (the narrow kernel reads its requests as they are)."""
+    def kernels(query_lens, **cache):
+        inputs = random_paged_inputs(1, query_lens=query_lens, seq_lens=[40, 150, 64], num_q_heads=8, num_kv_heads=2,
+                                     head_dim=64, block_size=64, **cache)  # fmt: skip
+        fn = jax.jit(lambda q, c, m: paged_attention(q, c, m, implementation="kernel"))
+        text = fn.trace(inputs.q, inputs.kv_cache, inputs.metadata).lower(lowering_platforms=("cuda",)).as_text()
+        return len(set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))), inputs
+
+    transposed_fp8 = dict(kv_dtype=FP8, kv_layout="HND_VT")
+    assert kernels([1, 17, 1], **transposed_fp8)[0] == 2 and narrow_launches == []  # 17 > 64 // G tokens
+    assert kernels([1, 1, 1])[0] == 1 and narrow_launches == []
+    count, inputs = kernels([1, 1, 1], **transposed_fp8)
+    assert count == 1 and len(narrow_launches) == 1
     metadata = inputs.metadata.replace(block_ids_in_range=True)
     assert mixed_batch.plan_kernels(metadata, num_q_heads=8, head_dim=64, q_dtype=jnp.bfloat16,
                                     kv_cache=inputs.kv_cache) is None  # fmt: skip
