@@ -33,10 +33,10 @@ from jaxtyping import Array, Float
 
 from .._compat import plgpu, resolve_interpret
 from ..layout import FP8_DTYPE
-from ..masks import allowed_key_range, attention_mask
+from ..masks import attention_mask
 from .config import SMEM_BUDGET_BYTES, KernelConfig
 from .launch import NO_WINDOW
-from .paged_attention import LOG2E, MASKED_LOGIT, P_SCALE, accumulate, smem_transforms, zero_foreign_columns
+from .cta_parts import LOG2E, MASKED_LOGIT, P_SCALE, accumulate, smem_transforms, split_key_steps, zero_foreign_columns
 
 COLUMN_MULTIPLE = 8  # wgmma N: the narrow side holds a multiple of 8 columns
 MAX_COLUMNS = 64
@@ -79,13 +79,9 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
     seq_len, query_len = seq_lens_ref[request], query_lens_ref[request]
     first_q_pos = seq_len - query_len
     # Keys some query of the request sees: [key_lo, key_hi]; this split streams its share of the steps holding them
-    key_lo, _ = allowed_key_range(first_q_pos, seq_len, **mask)
-    _, key_hi = allowed_key_range(first_q_pos + query_len - 1, seq_len, **mask)
+    key_lo, key_hi, my_lo, my_hi = split_key_steps(first_q_pos, query_len, seq_len, split, mask=mask,
+                                                   block_kv=block_kv, num_splits=config.num_splits)  # fmt: skip
     block_lo, block_hi = key_lo // block_size, key_hi // block_size
-    step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
-    steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
-    my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
-    my_hi = jnp.where((query_len > 0) & (seq_len > 0), jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
 
     def ring_slot(step):
         return lax.rem(step - my_lo, num_stages)

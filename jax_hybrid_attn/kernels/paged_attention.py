@@ -35,7 +35,6 @@ the tiles around it in `tiles.py`); it stays one module because the body is one 
 consumers and barrier protocol share its refs and are easiest to check together.
 """
 
-import math
 from functools import partial
 
 import jax
@@ -46,45 +45,7 @@ from jax.experimental import pallas as pl
 from .._compat import plgpu
 from ..masks import allowed_key_range, attention_mask
 from .config import ROWS
-
-LOG2E = math.log2(math.e)
-MASKED_LOGIT = -1e30  # finite, so fully masked steps never produce inf - inf
-P_SCALE = 256.0
-"""P's multiplier before its float8 parts (the output's divisor after): P <= 1 becomes <= 256, within float8_e4m3fn
-(448), and its parts stay normal numbers down to 2^-14 of P's largest value."""
-
-
-def smem_transforms(head_dim: int, dtype) -> tuple:
-    """Tiling and swizzle of a [rows, head_dim] shared-memory tile that wgmma or TMA reads."""
-    row_bytes = head_dim * jnp.dtype(dtype).itemsize
-    swizzle = 128 if row_bytes % 128 == 0 else 64
-    return plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle)
-
-
-def zero_foreign_columns(v_t, first_key, key_lo, key_hi) -> None:
-    """A transposed float8 V step [H, keys] in shared memory holds keys from `first_key` on: its columns outside
-    [key_lo, key_hi] become 0 (through float16: no arithmetic on float8 registers), 64 rows at a time to bound
-    registers."""
-    for first_row in range(0, v_t.shape[0], ROWS):
-        rows = pl.ds(first_row, ROWS)
-        x = v_t[rows].astype(jnp.float16)
-        keys = lax.broadcasted_iota(jnp.int32, x.shape, 1) + first_key
-        v_t[rows] = jnp.where((keys >= key_lo) & (keys <= key_hi), x, jnp.zeros_like(x)).astype(v_t.dtype)
-    plgpu.commit_smem()
-
-
-def accumulate(acc, issue, *, in_registers: bool):
-    """`acc` plus the wgmma products that ``issue(acc_ref)`` issues: into `acc` itself on the GPU; interpret mode,
-    which cannot start an accumulator from registers, issues them into a fresh one and adds it."""
-    if in_registers:
-        return pl.run_state(issue)(plgpu.ACC.init(acc))
-
-    def fresh(acc_ref):
-        issue(acc_ref)
-        return acc_ref[...]
-
-    return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-
+from .cta_parts import LOG2E, MASKED_LOGIT, P_SCALE, accumulate, smem_transforms, split_key_steps, zero_foreign_columns
 
 def take_turn(schedule) -> None:
     """Two consumer warpgroups alternate on the tensor cores: each arrival lets the other one go."""
@@ -150,15 +111,11 @@ def paged_attention_cta(
         query_len = query_lens_ref[request]
         tile_start, tile_len = tile_query_start_ref[tile], tile_query_len_ref[tile]
         first_q_pos = seq_len - query_len + tile_start
-        # Keys some query of the tile sees: [key_lo, key_hi]. The CTA streams the steps holding them.
-        key_lo, _ = allowed_key_range(first_q_pos, seq_len, **mask)
-        _, key_hi = allowed_key_range(first_q_pos + tile_len - 1, seq_len, **mask)
+        # Keys some query of the tile sees: [key_lo, key_hi]. The CTA streams its split's steps holding them (none
+        # for an idle tile, or a request with no context: the tokens after the last request).
+        key_lo, key_hi, my_lo, my_hi = split_key_steps(first_q_pos, tile_len, seq_len, split, mask=mask,
+                                                       block_kv=block_kv, num_splits=config.num_splits)  # fmt: skip
         block_lo, block_hi = key_lo // block_size, key_hi // block_size
-        step_lo, step_hi = key_lo // block_kv, key_hi // block_kv + 1
-        steps_per_split = pl.cdiv(jnp.maximum(step_hi - step_lo, 0), config.num_splits)
-        my_lo = jnp.minimum(step_lo + split * steps_per_split, step_hi)
-        # no keys, no steps: an idle tile, or a request with no context (the tokens after the last request)
-        my_hi = jnp.where((tile_len > 0) & (seq_len > 0), jnp.minimum(my_lo + steps_per_split, step_hi), my_lo)
 
         def ring_slot(step):
             return lax.rem(step - my_lo, num_stages)
