@@ -273,8 +273,7 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
         return run(plan.tiles, config, plan.requests(metadata.block_tables, clip=not metadata.block_ids_in_range),
                    direct=True)
 
-    narrow = v_transposed and decode_config.narrow_decode and not parts
-    columns = narrow_columns(group_size, metadata.max_query_len) if narrow else None
+    columns = None if parts else _narrow_launch_columns(decode_config, kv_cache.layout, group_size, metadata)
     if columns is not None:  # short queries only, over a float8 "HND_VT" cache: the narrow decode kernel
         tiles = query_tiles.decode_tiles(query_lens, group_size)
         tokens, heads = query_tiles.tile_rows(tiles, requests.query_start_loc, group_size=group_size,
@@ -324,6 +323,15 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
     )  # fmt: skip
 
 
+def _narrow_launch_columns(decode_config, kv_layout: str, group_size: int,
+                           metadata: AttentionMetadata) -> int | None:  # fmt: skip
+    """The query columns C of the narrow decode kernel where it serves the batch (short queries only over an
+    "HND_VT" cache, `KernelConfig.narrow_decode` on), else None."""
+    if kv_layout != "HND_VT" or not decode_config.narrow_decode:
+        return None
+    return narrow_columns(group_size, metadata.max_query_len)
+
+
 def _writes_tokens(config, head_dim: int, q_dtype, kv_dtype, group_size: int, *, v_transposed: bool) -> bool:
     """Whether a launch of `config` can read q and write the output in [T, N, H] itself (`launch.direct_io`)."""
     smem = config.smem_bytes(head_dim, jnp.dtype(q_dtype).itemsize, jnp.dtype(kv_dtype).itemsize, direct=True,
@@ -349,7 +357,7 @@ def plan_kernels(
         max_seq_len=metadata.max_seq_len, kv_layout=kv_cache.layout, block_size=block_size,
     )  # fmt: skip
     v_transposed = kv_cache.layout == "HND_VT"
-    if v_transposed and decode_config.narrow_decode and narrow_columns(group_size, metadata.max_query_len):
+    if _narrow_launch_columns(decode_config, kv_cache.layout, group_size, metadata) is not None:
         return None  # the narrow decode kernel reads its requests as they are
     per_tile = query_tiles.tokens_per_tile(group_size)
     is_decode = metadata.query_lens <= per_tile

@@ -202,7 +202,7 @@ def token_outputs(
     num_q_heads = num_kv_heads * group_size
     per_block = rows // group_size  # tokens per decode tile
     row_g = jnp.minimum(jnp.arange(rows) // per_block, group_size - 1)  # padding rows: any head
-    row_heads = jnp.arange(num_kv_heads)[:, None] * group_size + row_g[None, :]  # [K, 64]
+    row_heads = jnp.arange(num_kv_heads)[:, None] * group_size + row_g[None, :]  # [K, rows]
     decode_rows = merge_splits(  # [R, K, rows, H]
         jnp.moveaxis(decode_out, 2, -2), jnp.moveaxis(decode_lse, 2, -1), None if sinks is None else sinks[row_heads]
     )
