@@ -1,6 +1,7 @@
 """The kernels against the H200's ceilings and their peers: every kernel workload and goal in one process.
 
 Run from the repository root:  PYTHONPATH=. python benchmarks/roofline.py [--workloads P1,P0,...] [--json PATH]
+[--match 'bf16|HND_VT'] (only the workloads whose name contains one of these texts)
 [--variant num_stages=3] (ours again with those KernelConfig fields, beside the default)
 (``--tiny`` runs ours only, at tiny shapes, in Mosaic GPU interpret mode: a CPU dry run of the script.)
 
@@ -172,6 +173,14 @@ def cupti_ms(fn, args, *, repeats: int) -> float | None:
     return statistics.median(profiler.measure(fn)(*args)[1] for _ in range(repeats))
 
 
+def kernel_breakdown(fn, args, *, repeats: int) -> list[tuple[str, float]]:
+    """Each kernel of one call in launch order, its name shortened and its median CUPTI time in ms (GPU only)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    runs = [profiler.measure(fn, aggregate=False)(*args)[1] for _ in range(repeats)]
+    return [(name[:60], statistics.median(run[i][1] for run in runs)) for i, (name, _) in enumerate(runs[0])]
+
+
 def parity_error(w: Workload, fn, q, kv_cache, metadata, sinks) -> float:
     """Max |ours - reference| over the first request's tokens (the reference on the whole batch is too slow)."""
     first = metadata.replace(
@@ -185,7 +194,7 @@ def parity_error(w: Workload, fn, q, kv_cache, metadata, sinks) -> float:
 
 
 def run_ours(w: Workload, *, ceiling_gbps: float | None, interpret: bool, calls: int, trace: str | None,
-             variant: str = "") -> dict:  # fmt: skip
+             variant: str = "", kernels: bool = False) -> dict:  # fmt: skip
     argument_sets = []
     for seed in range(1 if interpret else INPUT_COPIES):
         q, kv_cache, metadata, sinks = inputs(w, seed)
@@ -197,6 +206,8 @@ def run_ours(w: Workload, *, ceiling_gbps: float | None, interpret: bool, calls:
     row = dict(id=w.id, name=w.name, impl=impl, parity_error=error, parity="PASS" if error <= tolerance else "FAIL")
     row["ms"] = per_call_ms(fn, argument_sets, calls=calls)
     row["kernel_ms"] = cupti_ms(fn, argument_sets[0], repeats=10)
+    if kernels and row["kernel_ms"] is not None:
+        row["kernels"] = kernel_breakdown(fn, argument_sets[0], repeats=10)
     if trace:  # what the host does per call, and how many GPU ops a call runs
         directory = f"{trace}/{re.sub(r'[^0-9A-Za-z]+', '_', w.name)}"
         summary = profiled(directory, lambda: per_call_ms(fn, argument_sets, calls=calls))
@@ -403,12 +414,15 @@ def _line(row: dict) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="P1,P0,P2,P3,F1,F2,F3,D2,D0,V", help="comma-separated workload ids")
+    parser.add_argument("--match", default="", help="only the workloads whose name contains one of these "
+                        "'|'-separated texts, e.g. 'bf16|HND_VT'")  # fmt: skip
     parser.add_argument("--json", default=str(Path(__file__).with_name("roofline.json")))
     parser.add_argument("--calls", type=int, default=50, help="back-to-back calls per timing")
     parser.add_argument("--no-peers", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="ours only, tiny shapes, interpret mode (CPU dry run)")
     parser.add_argument("--trace", metavar="DIR", help="also profile ours per workload into DIR: GPU ops and host "
                         "time per call")  # fmt: skip
+    parser.add_argument("--kernels", action="store_true", help="also each kernel of ours' call, its CUPTI time")
     parser.add_argument("--variant", action="append", default=[], help="also ours with these KernelConfig fields "
                         "on both kernels, beside the default, e.g. num_stages=3 (comma-separated FIELD=INT; repeatable)")
     args = parser.parse_args()
@@ -419,13 +433,15 @@ def main():
     limits = ceilings(tiny=args.tiny)
     print(f"ceilings: {_ceilings_line(limits)}", flush=True)
     rows = []
-    for w in (w for w in workloads(args.tiny) if w.id in wanted):
+    texts = [text for text in args.match.split("|") if text]
+    chosen = [w for w in workloads(args.tiny) if w.id in wanted and (not texts or any(t in w.name for t in texts))]
+    for w in chosen:
         for variant in ["", *args.variant]:
             options = parse_variant(variant) if variant else {}
             try:
                 with configs_changed(decode=options, prefill=options):
                     rows.append(run_ours(w, ceiling_gbps=limits["stream_gbps"], interpret=args.tiny, calls=args.calls,
-                                         trace=args.trace, variant=variant))  # fmt: skip
+                                         trace=args.trace, variant=variant, kernels=args.kernels))  # fmt: skip
             except Exception as error:
                 traceback.print_exc(limit=2)
                 impl = f"ours ({variant})" if variant else "ours"
@@ -433,6 +449,8 @@ def main():
             print(_line(rows[-1]), flush=True)
             for line in rows[-1].get("host_per_call", ()):
                 print(f"    host per call: {line}", flush=True)
+            for name, ms in rows[-1].get("kernels", ()):
+                print(f"    kernel {ms * 1e3:8.1f} us  {name}", flush=True)
         if not (args.no_peers or args.tiny):
             for row in peer_rows(w, limits["stream_gbps"], calls=args.calls):
                 rows.append(row)

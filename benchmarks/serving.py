@@ -286,7 +286,7 @@ def fp8_agreement(rows: list, *, shape: dict, num_prompts: int = 12, max_tokens:
     def logits(state, token_ids, *, kv_dtype):
         return nnx.merge(graphdef, state)(token_ids, DenseAttention(token_ids.shape[0], kv_dtype=kv_dtype))[0]
 
-    errors, scales = [], []
+    errors, scales, argmax_equal = [], [], []
     length = max(map(len, prompts)) + max_tokens  # one padded length, one compile: the layers are causal
     for prompt, generated in zip(prompts, bf16):
         ids = prompt + generated[:-1]
@@ -295,8 +295,19 @@ def fp8_agreement(rows: list, *, shape: dict, num_prompts: int = 12, max_tokens:
         plain = logits(state, padded, kv_dtype=None)[positions]
         quantized = logits(state, padded, kv_dtype=jnp.float8_e4m3fn)[positions]
         errors.append(np.abs(np.asarray(quantized - plain, np.float32)))
+        argmax_equal.append(np.asarray(jnp.argmax(quantized, -1) == jnp.argmax(plain, -1)))
         scales.append(float(jnp.abs(plain).max()))
     max_error, mean_error = max(e.max() for e in errors), np.mean([e.mean() for e in errors])
+    # the flips that the float8 rounding alone causes, without the kernels: the dense model's argmax with the float8
+    # K/V against without, at each request's first position and at every position (teacher-forced)
+    dense_first = float(np.mean([equal[0] for equal in argmax_equal]))
+    dense_all = float(np.mean(np.concatenate(argmax_equal)))
+    line = (f"dense model, float8 K/V against bf16 (no kernels): argmax equal at the first position {dense_first:.0%}, "
+            f"at every position {dense_all:.1%} of {sum(map(len, argmax_equal))}")  # fmt: skip
+    print("fp8", line, flush=True)
+    rows.append(("fp8", line))
+    RECORDS["fp8"].append(dict(engine="dense model (no kernels)", first_argmax_equal=dense_first,
+                               argmax_equal=dense_all, positions=int(sum(map(len, argmax_equal)))))  # fmt: skip
     for label, fp8 in tokens.items():
         first = np.mean([a[0] == b[0] for a, b in zip(bf16, fp8)])
         agreed = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(bf16, fp8)]

@@ -33,7 +33,7 @@ AXES = {
     "kv_pair": [False, True],
     "prefix_end": ["block edge", "inside a block"],
 }  # fmt: skip
-NUM_CASES = 24
+NUM_CASES = 16
 PREFIX_BLOCKS = (1, 2, 3)
 
 
