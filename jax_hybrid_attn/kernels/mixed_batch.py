@@ -32,7 +32,7 @@ from . import tiles as query_tiles
 from .config import SMEM_BUDGET_BYTES, default_config
 from .launch import direct_io_supported, launch_attention
 from .launch_plan import KernelPlan, direct_launch_plan
-from .narrow_decode import float8_query_parts, launch_narrow_decode, narrow_columns
+from .narrow_decode import float8_query_parts, launch_narrow_decode, narrow_columns, query_columns
 
 __all__ = [
     "KERNEL_DTYPES", "KernelPlan", "check_kernel_support", "decode_splits", "kernel_configs", "lowering_for_sms",
@@ -276,10 +276,9 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
     columns = None if parts else _narrow_launch_columns(decode_config, kv_cache.layout, group_size, metadata)
     if columns is not None:  # short queries only, over a float8 "HND_VT" cache: the narrow decode kernel
         tiles = query_tiles.decode_tiles(query_lens, group_size)
-        tokens, heads = query_tiles.tile_rows(tiles, requests.query_start_loc, group_size=group_size,
-                                              num_kv_heads=num_kv_heads, num_tokens=num_tokens, rows=columns,
-                                              block_rows=columns)  # fmt: skip
-        q_parts = float8_query_parts(query_tiles.pack_query_rows(q, tokens, heads), q_scale)
+        q_columns = query_columns(q, requests.query_start_loc[:-1], tiles.query_len, num_kv_heads=num_kv_heads,
+                                  columns=columns)  # fmt: skip
+        q_parts = float8_query_parts(q_columns, q_scale)
         out_t, lse = launch_narrow_decode(
             q_parts, k_source, v_source, tiles.query_len, seq_lens, block_tables, scales, block_size=block_size,
             group_size=group_size, params=params, stacked=stacked, config=decode_config, interpret=interpret,

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from .._compat import plgpu, resolve_interpret
 from ..layout import FP8_DTYPE
@@ -53,6 +53,22 @@ def smem_bytes(config: KernelConfig, head_dim: int, columns: int) -> int:
     """Shared memory of one CTA (float8 K and V rings, q's two parts, P's parts, the output tile; barriers aside)."""
     ring = 2 * config.num_stages * config.block_kv * head_dim
     return ring + 2 * columns * head_dim + config.p_parts * columns * config.block_kv + 4 * columns * (head_dim + 1)
+
+
+def query_columns(q: Float[Array, "T N H"], query_start: Int[Array, "R"], query_lens: Int[Array, "R"], *,
+                  num_kv_heads: int, columns: int) -> Float[Array, "R K C H"]:
+    """Each request's query as the kernel's C columns per KV head: column ``g * (C // G) + j`` is head g of the
+    request's token j; columns past its `query_lens` tokens, and past G heads, are 0. One gather of whole token
+    rows, ``C // G`` per request."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    group_size = num_q_heads // num_kv_heads
+    tokens = columns // group_size
+    offsets = jnp.arange(tokens)
+    rows = q.at[query_start[:, None] + offsets].get(mode="fill", fill_value=0)  # [R, J, N, H]
+    rows = jnp.where((offsets < query_lens[:, None])[..., None, None], rows, 0)
+    rows = rows.reshape(-1, tokens, num_kv_heads, group_size, head_dim).transpose(0, 2, 3, 1, 4)
+    rows = rows.reshape(-1, num_kv_heads, group_size * tokens, head_dim)
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, columns - group_size * tokens), (0, 0)))
 
 
 def float8_query_parts(q_rows: Float[Array, "... C H"], scale: Float[Array, ""]) -> Float[Array, "... 2 C H"]:

@@ -106,15 +106,14 @@ def prefill_tiles(
 
 
 def tile_rows(
-    tiles: QueryTiles, query_start_loc, *, group_size: int, num_kv_heads: int, num_tokens: int, rows: int,
-    block_rows: int = ROWS,
-):  # fmt: skip
-    """Token [NT, rows] and query head [K, rows] of each row, in blocks of `block_rows` rows (a warpgroup's 64; the
-    narrow decode kernel's C columns); rows past a tile's tokens, and padding rows, get token T."""
-    per_block = block_rows // group_size
+    tiles: QueryTiles, query_start_loc, *, group_size: int, num_kv_heads: int, num_tokens: int, rows: int
+):
+    """Token [NT, rows] and query head [K, rows] of each row; rows past a tile's tokens, and padding rows, get
+    token T."""
+    per_block = ROWS // group_size
     row = jnp.arange(rows)
-    g, j = row % block_rows // per_block, row % block_rows % per_block
-    offset = row // block_rows * per_block + j
+    g, j = row % ROWS // per_block, row % ROWS % per_block
+    offset = row // ROWS * per_block + j
     tokens = jnp.where(
         (g < group_size) & (offset < tiles.query_len[:, None]),
         query_start_loc[tiles.request][:, None] + tiles.query_start[:, None] + offset,
