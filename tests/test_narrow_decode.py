@@ -168,3 +168,20 @@ def test_a_step_over_two_blocks_matches_reference_without_races(options, monkeyp
     assert not races_found()
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
+
+
+def test_each_request_and_kv_head_scales_its_own_query_into_float8():
+    """q's float8 parts are scaled by a power of two per (request, KV head): a request whose queries are 2^-12 of
+    another's keeps its precision (scaled by the largest q of the batch its parts would fall below float8's range)."""
+    inputs = random_paged_inputs(
+        5, query_lens=[1, 1, 1], seq_lens=[40, 150, 64], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=64,
+        kv_dtype=FP8, kv_layout="HND_VT", spare_blocks=2,
+    )  # fmt: skip
+    magnitudes = jnp.asarray([1.0, 2.0**-12, 2.0**6], jnp.float32)[:, None, None]
+    q = (inputs.q.astype(jnp.float32) * magnitudes).astype(inputs.q.dtype)
+    params = LayerAttentionParams(sm_scale=2.0**12 / 8)  # the small request's logits stay O(1)
+    small = slice(1, 2)
+    out = paged_attention(q, inputs.kv_cache, inputs.metadata, params=params, interpret=True)
+    expected = reference.paged_attention(q, inputs.kv_cache, inputs.metadata, params=params)
+    np.testing.assert_allclose(np.asarray(out[small], np.float32), np.asarray(expected[small], np.float32),
+                               **TOLERANCES[jnp.dtype(jnp.bfloat16)])  # fmt: skip

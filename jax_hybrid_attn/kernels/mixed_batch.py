@@ -141,16 +141,16 @@ QUERY_EXPONENT = 7
 parts, and far inside float16 (65504)."""
 
 
-def float16_query_scale(q: Float[Array, "T N H"]) -> Float[Array, ""]:
+def float16_query_scale(q: Float[Array, "T N H"], *, axis=None) -> Float[Array, ""]:
     """The power of two that q is multiplied by on its way to float16, for a float8 cache (the logits are
-    multiplied by its inverse).
+    multiplied by its inverse): one for all of q, or one per slice that `axis` reduces (`jnp.max`'s axis).
 
     sm90 converts e4m3 to float16 in one instruction, to bfloat16 only through float32, so the kernels convert
     each V step more cheaply when they compute in float16. Scaled by this power of two (exact), q's largest
     magnitude lies in [2^QUERY_EXPONENT, 2^(QUERY_EXPONENT + 1)): its float8 parts hold it (up to 448), and
     float16 keeps 10 mantissa bits, more than bfloat16's 7. A q holding inf or NaN is not scaled (1), so they
     reach the output as on the reference path."""
-    largest = jnp.max(jnp.abs(q)).astype(jnp.float32)
+    largest = jnp.max(jnp.abs(q), axis=axis).astype(jnp.float32)
     scalable = jnp.isfinite(largest) & (largest > 0)
     shift = jnp.where(scalable, jnp.floor(jnp.log2(jnp.where(scalable, largest, 1.0))) - QUERY_EXPONENT, 0)
     return jnp.ldexp(jnp.float32(1), -shift.astype(jnp.int32))
@@ -278,9 +278,11 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
         tiles = query_tiles.decode_tiles(query_lens, group_size)
         q_columns = query_columns(q, requests.query_start_loc[:-1], tiles.query_len, num_kv_heads=num_kv_heads,
                                   columns=columns)  # fmt: skip
-        q_parts = float8_query_parts(q_columns, q_scale)
+        column_scale = float16_query_scale(q_columns, axis=(-2, -1))  # one per (request, KV head): [R, K]
+        q_parts = float8_query_parts(q_columns, column_scale[..., None, None])
+        logit_scales = (params.sm_scale * k_scale / column_scale).astype(jnp.float32)
         out_t, lse = launch_narrow_decode(
-            q_parts, k_source, v_source, tiles.query_len, seq_lens, block_tables, scales, block_size=block_size,
+            q_parts, k_source, v_source, tiles.query_len, seq_lens, block_tables, logit_scales, block_size=block_size,
             group_size=group_size, params=params, stacked=stacked, config=decode_config, interpret=interpret,
         )  # fmt: skip
         return query_tiles.token_outputs(

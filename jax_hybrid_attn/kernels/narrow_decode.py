@@ -11,7 +11,8 @@ a multiple of 8; column ``g * (C // G) + j`` is head g, token j):
 
 Both products run on float8 tensor cores with the K-major operands float8 needs: K's rows as stored, V's block as
 "HND_VT" stores it (transposed, [H, S]), and q's and P's float8 parts kept [C, ...] in shared memory. q comes in
-its two float8 parts (hi + lo, `float8_query_parts`), and P, scaled by `P_SCALE`, in `KernelConfig.p_parts` parts.
+its two float8 parts (hi + lo, `float8_query_parts`; scaled by a power of two per request and KV head, which the
+CTA's logit scale divides out), and P, scaled by `P_SCALE`, in `KernelConfig.p_parts` parts.
 The softmax runs down the keys (the accumulator's rows, reduced across the warpgroup's warps): each step rescales
 out^T and an elementwise running sum of P, which is reduced over the keys once, at the end.
 
@@ -71,16 +72,16 @@ def query_columns(q: Float[Array, "T N H"], query_start: Int[Array, "R"], query_
     return jnp.pad(rows, ((0, 0), (0, 0), (0, columns - group_size * tokens), (0, 0)))
 
 
-def float8_query_parts(q_rows: Float[Array, "... C H"], scale: Float[Array, ""]) -> Float[Array, "... 2 C H"]:
-    """q's columns times `scale` (`mixed_batch.float16_query_scale`) as two float8 parts, hi = float8(q) and lo =
-    float8(q - hi), whose sum keeps about bfloat16's precision."""
+def float8_query_parts(q_rows: Float[Array, "... C H"], scale: Float[Array, "..."]) -> Float[Array, "... 2 C H"]:
+    """q's columns times `scale` (`mixed_batch.float16_query_scale`, broadcast against them) as two float8 parts,
+    hi = float8(q) and lo = float8(q - hi), whose sum keeps about bfloat16's precision."""
     scaled = q_rows.astype(jnp.float32) * scale
     high = scaled.astype(FP8_DTYPE)
     low = (scaled - high.astype(jnp.float32)).astype(FP8_DTYPE)
     return jnp.stack([high, low], axis=-3)
 
 
-def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref, window_ref, q_ref, k_ref, v_ref,
+def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scales_ref, window_ref, q_ref, k_ref, v_ref,
                       o_ref, lse_ref, *, block_size, group_size, params, stacked, config, acc_in_registers):  # fmt: skip
     """One CTA: the producer and consumer warpgroups of one (request, KV head, split)."""
     head_dim, columns = q_ref.shape[-1], q_ref.shape[-2]
@@ -137,7 +138,9 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
                  q_loaded):  # fmt: skip
         plgpu.barrier_wait(q_loaded)
         # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
-        logit_scale = scales_ref[0] if logits_soft_cap is not None else scales_ref[0] * LOG2E
+        logit_scale = logit_scales_ref[request, kv_head]
+        if logits_soft_cap is None:
+            logit_scale = logit_scale * LOG2E
         score_shape = (block_kv, columns)
         q_pos = first_q_pos + lax.rem(iota(score_shape, 1), tokens)
 
@@ -244,18 +247,19 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, scales_ref
 
 
 def launch_narrow_decode(
-    q_parts, k_source, v_source, query_lens, seq_lens, block_tables, scales, *, block_size, group_size, params,
+    q_parts, k_source, v_source, query_lens, seq_lens, block_tables, logit_scales, *, block_size, group_size, params,
     stacked, config, interpret,
 ):  # fmt: skip
-    """Run the kernel over (request, KV head, split) for a layer of `params` (its scale is already in `scales`).
+    """Run the kernel over (request, KV head, split) for a layer of `params` (its scale is in `logit_scales`).
 
     Args:
       q_parts: [R, K, 2, C, H] float8: each request's query columns in two float8 parts (`float8_query_parts`).
       k_source, v_source: with `stacked`, the one cache [B, 2, K, S, H] twice; else the pair's K and V caches
         [B, K, S, H]. v_source viewed as [..., K, H, S] (V transposed per block: "HND_VT").
       query_lens, seq_lens: [R]; block_tables: [R, P], every entry a block of the pool.
-      scales: [3] float32: the logit scale (``sm_scale * k_scale`` over q's scale), the v scale and q's scale (the
-        kernel reads the first).
+      logit_scales: [R, K] float32: each CTA's logit scale, ``sm_scale * k_scale`` over the power of two its
+        query columns were scaled by before their float8 parts (`mixed_batch.float16_query_scale` per request
+        and KV head).
     Returns:
       the partial outputs [R, K, splits, H, C] (float32, normalized per split; transposed) and their log-sum-exps
       [R, K, splits, C] (natural log; -inf where a split saw no key).
@@ -284,4 +288,4 @@ def launch_narrow_decode(
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(seq_lens, query_lens, block_tables, scales, window, q_parts, k_source, v_source)
+    )(seq_lens, query_lens, block_tables, logit_scales, window, q_parts, k_source, v_source)
