@@ -9,7 +9,7 @@ round trip. A float8_e4m3fn cache's k scale multiplies the logits in the kernel 
 scaled by a power of two into float16 (`float16_query_scale`) and split in the kernel into two float8 parts for
 the QK product on float8 tensor cores. A batch of short queries only (``G * max_query_len <= 64``) over a float8
 "HND_VT" cache runs on the narrow decode kernel instead (`narrow_decode`: the keys on the wgmma's 64-row side, the
-query heads on its narrow side). `plan_kernels` plans the launch that writes every token's output once per step,
+query heads on its narrow side; q scaled per request and KV head). `plan_kernels` plans the launch that writes every token's output once per step,
 for the layers that share its metadata (`launch_plan`).
 """
 
