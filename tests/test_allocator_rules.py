@@ -645,8 +645,9 @@ def test_colliding_inserts_of_the_first_chunk_are_placed_by_the_loop():
 
 
 def _step(manager, rows, *, defer_rest, first_chunk_multi_block=False, pad_to=0):
-    """rows: [(request_id, computed, new)], then padding rows (negative slots) up to `pad_to` rows, so that steps of
-    fewer rows share one compiled step; runs `allocate_slots` on the manager's state. Returns the StepOutput."""
+    """rows: [(request_id, computed, new)], then padding rows (negative slots) up to `pad_to` rows, so that
+    steps of fewer rows share one compiled step; runs `allocate_slots` on the manager's state. Returns the
+    StepOutput."""
     padding = max(0, pad_to - len(rows))
     slots = jnp.array([manager.slot(rid) for rid, _, _ in rows] + [-1] * padding, jnp.int32)
     computed = jnp.array([c for _, c, _ in rows] + [0] * padding, jnp.int32)
@@ -712,7 +713,8 @@ def test_defer_rest_prefill_steps_with_a_multi_block_first_chunk_equal_full_step
             new = min(len(tokens[r]) - computed[r], left, 7)  # chunks of up to 7 tokens: two or three blocks
             rows.append((r, computed[r], new))
             left -= new
-        outs = {defer: _step(manager, rows, defer_rest=defer, first_chunk_multi_block=defer, pad_to=len(tokens))
+        outs = {defer: _step(manager, rows, defer_rest=defer, first_chunk_multi_block=defer,
+                             pad_to=len(tokens))
                 for defer, manager in managers.items()}  # fmt: skip
         served = slice(0, len(rows))
         assert not outs[True].deferred[served].any() and outs[True].success[served].all(), f"step {step}"

@@ -157,17 +157,20 @@ def test_calls_of_several_decode_steps_give_the_one_step_engines_samples():
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss"])
 def test_cascade_decode_steps_give_the_same_greedy_tokens(family):
     """Decode steps with cascade attention on the full-attention layers (``cascade_attention="always"``): requests
-    behind one prompt prefix (hit from the prefix cache) give the dense forward's greedy tokens, as with it off."""
+    behind one prompt prefix (hit from the prefix cache) give the dense forward's greedy tokens, as with it off
+    (checked on one family: the switch does not depend on the layer pattern)."""
     config, model = tiny_model(family)
     prompts = [SHARED + [11 + i, 30 + 2 * i, 50 - i][: 1 + i % 3] for i in range(4)]
     want = [dense_greedy(model, p, MAX_TOKENS) for p in prompts]
     sizes = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    engines = {mode: Engine(model, config, EngineConfig(**sizes, cascade_attention=mode)) for mode in ("always", "off")}
+    modes = ("always", "off") if family == "gemma3_text" else ("always",)
+    engines = {mode: Engine(model, config, EngineConfig(**sizes, cascade_attention=mode)) for mode in modes}
     got = {mode: [o.output_token_ids for o in engine.generate(prompts, sampling)] for mode, engine in engines.items()}
-    assert got["always"] == got["off"] == want
-    cascade, plain = engines["always"].stats, engines["off"].stats
-    assert cascade.cascade_steps > 0 and plain.cascade_steps == 0
+    assert all(tokens == want for tokens in got.values()) and len(got) == len(modes)
+    cascade = engines["always"].stats
+    assert cascade.cascade_steps > 0
+    assert all(engines[mode].stats.cascade_steps == 0 for mode in modes if mode == "off")
     assert cascade.peak_common_prefix_tokens >= len(SHARED) - sizes["block_size"], "the rows shared no prefix"
     assert cascade.cached_prompt_tokens > 0
     for engine in engines.values():

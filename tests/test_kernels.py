@@ -95,9 +95,9 @@ def kernel_options(monkeypatch):
 
 def test_no_races_detected():
     """A decode tile (producer + one consumer) and prefill tiles (producer + two consumers), edge steps
-    with V rows zeroed by consumer 0 for both (a bf16 cache; a float8 one's staging buffers: the first case of
-    `test_float8_cache_matches_reference_without_races`, the same batch). The last request's keys (107..149) span
-    two key steps of 128, both edge steps: consumer 0 zeroes two slots in a row."""
+    with V rows zeroed by consumer 0 for both (a bf16 cache; a float8 one's staging buffers: the first case
+    of `test_float8_cache_matches_reference_without_races`, the same batch). The last request's keys
+    (107..149) span two key steps of 128, both edge steps: consumer 0 zeroes two slots in a row."""
     case = dict(block_size=16, heads=(8, 2), mask=dict(sliding_window=24), logits_soft_cap=None, with_sinks=True,
                 causal=True, dtype=jnp.bfloat16, kv_fp8=False, kv_layout="NHD",
                 batch=([1, 20, 20], [40, 33, 150]))  # fmt: skip

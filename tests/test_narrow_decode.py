@@ -171,11 +171,12 @@ def test_a_step_over_two_blocks_matches_reference_without_races(options, monkeyp
 
 
 def test_each_request_and_kv_head_scales_its_own_query_into_float8():
-    """q's float8 parts are scaled by a power of two per (request, KV head): a request whose queries are 2^-12 of
-    another's keeps its precision (scaled by the largest q of the batch its parts would fall below float8's range)."""
+    """q's float8 parts are scaled by a power of two per (request, KV head): a request whose queries are
+    2^-12 of another's keeps its precision (scaled by the largest q of the batch, its parts would fall below
+    float8's range)."""
     inputs = random_paged_inputs(
-        5, query_lens=[1, 1, 1], seq_lens=[40, 150, 64], num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=64,
-        kv_dtype=FP8, kv_layout="HND_VT", spare_blocks=2,
+        5, query_lens=[1, 1, 1], seq_lens=[40, 150, 64], num_q_heads=8, num_kv_heads=2, head_dim=64,
+        block_size=64, kv_dtype=FP8, kv_layout="HND_VT", spare_blocks=2,
     )  # fmt: skip
     magnitudes = jnp.asarray([1.0, 2.0**-12, 2.0**6], jnp.float32)[:, None, None]
     q = (inputs.q.astype(jnp.float32) * magnitudes).astype(inputs.q.dtype)

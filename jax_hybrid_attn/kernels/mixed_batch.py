@@ -9,8 +9,8 @@ round trip. A float8_e4m3fn cache's k scale multiplies the logits in the kernel 
 scaled by a power of two into float16 (`float16_query_scale`) and split in the kernel into two float8 parts for
 the QK product on float8 tensor cores. A batch of short queries only (``G * max_query_len <= 64``) over a float8
 "HND_VT" cache runs on the narrow decode kernel instead (`narrow_decode`: the keys on the wgmma's 64-row side, the
-query heads on its narrow side; q scaled per request and KV head). `plan_kernels` plans the launch that writes every token's output once per step,
-for the layers that share its metadata (`launch_plan`).
+query heads on its narrow side; q scaled per request and KV head). `plan_kernels` plans the launch that writes
+every token's output once per step, for the layers that share its metadata (`launch_plan`).
 """
 
 import contextlib
@@ -141,7 +141,7 @@ QUERY_EXPONENT = 7
 parts, and far inside float16 (65504)."""
 
 
-def float16_query_scale(q: Float[Array, "T N H"], *, axis=None) -> Float[Array, ""]:
+def float16_query_scale(q: Float[Array, "..."], *, axis=None) -> Float[Array, "..."]:
     """The power of two that q is multiplied by on its way to float16, for a float8 cache (the logits are
     multiplied by its inverse): one for all of q, or one per slice that `axis` reduces (`jnp.max`'s axis).
 
@@ -276,14 +276,15 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
     columns = None if parts else _narrow_launch_columns(decode_config, kv_cache.layout, group_size, metadata)
     if columns is not None:  # short queries only, over a float8 "HND_VT" cache: the narrow decode kernel
         tiles = query_tiles.decode_tiles(query_lens, group_size)
-        q_columns = query_columns(q, requests.query_start_loc[:-1], tiles.query_len, num_kv_heads=num_kv_heads,
-                                  columns=columns)  # fmt: skip
+        q_columns = query_columns(q, requests.query_start_loc[:-1], tiles.query_len,
+                                  num_kv_heads=num_kv_heads, columns=columns)  # fmt: skip
         column_scale = float16_query_scale(q_columns, axis=(-2, -1))  # one per (request, KV head): [R, K]
         q_parts = float8_query_parts(q_columns, column_scale[..., None, None])
         logit_scales = (params.sm_scale * k_scale / column_scale).astype(jnp.float32)
         out_t, lse = launch_narrow_decode(
-            q_parts, k_source, v_source, tiles.query_len, seq_lens, block_tables, logit_scales, block_size=block_size,
-            group_size=group_size, params=params, stacked=stacked, config=decode_config, interpret=interpret,
+            q_parts, k_source, v_source, tiles.query_len, seq_lens, block_tables, logit_scales,
+            block_size=block_size, group_size=group_size, params=params, stacked=stacked,
+            config=decode_config, interpret=interpret,
         )  # fmt: skip
         return query_tiles.token_outputs(
             (jnp.swapaxes(out_t, -1, -2), lse), None, requests, metadata.num_actual_tokens, sinks, v_scale,

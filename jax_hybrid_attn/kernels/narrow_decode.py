@@ -11,8 +11,8 @@ a multiple of 8; column ``g * (C // G) + j`` is head g, token j):
 
 Both products run on float8 tensor cores with the K-major operands float8 needs: K's rows as stored, V's block as
 "HND_VT" stores it (transposed, [H, S]), and q's and P's float8 parts kept [C, ...] in shared memory. q comes in
-its two float8 parts (hi + lo, `float8_query_parts`; scaled by a power of two per request and KV head, which the
-CTA's logit scale divides out), and P, scaled by `P_SCALE`, in `KernelConfig.p_parts` parts.
+its two float8 parts (hi + lo, `float8_query_parts`; scaled by a power of two per request and KV head, which
+the CTA's logit scale divides out), and P, scaled by `P_SCALE`, in `KernelConfig.p_parts` parts.
 The softmax runs down the keys (the accumulator's rows, reduced across the warpgroup's warps): each step rescales
 out^T and an elementwise running sum of P, which is reduced over the keys once, at the end.
 
@@ -58,9 +58,9 @@ def smem_bytes(config: KernelConfig, head_dim: int, columns: int) -> int:
 
 def query_columns(q: Float[Array, "T N H"], query_start: Int[Array, "R"], query_lens: Int[Array, "R"], *,
                   num_kv_heads: int, columns: int) -> Float[Array, "R K C H"]:
-    """Each request's query as the kernel's C columns per KV head: column ``g * (C // G) + j`` is head g of the
-    request's token j; columns past its `query_lens` tokens, and past G heads, are 0. One gather of whole token
-    rows, ``C // G`` per request."""
+    """Each request's query as the kernel's C columns per KV head: column ``g * (C // G) + j`` is head g of
+    the request's token j; columns past its `query_lens` tokens, and past G heads, are 0. One gather of whole
+    token rows, ``C // G`` per request."""
     num_tokens, num_q_heads, head_dim = q.shape
     group_size = num_q_heads // num_kv_heads
     tokens = columns // group_size
@@ -72,17 +72,20 @@ def query_columns(q: Float[Array, "T N H"], query_start: Int[Array, "R"], query_
     return jnp.pad(rows, ((0, 0), (0, 0), (0, columns - group_size * tokens), (0, 0)))
 
 
-def float8_query_parts(q_rows: Float[Array, "... C H"], scale: Float[Array, "..."]) -> Float[Array, "... 2 C H"]:
-    """q's columns times `scale` (`mixed_batch.float16_query_scale`, broadcast against them) as two float8 parts,
-    hi = float8(q) and lo = float8(q - hi), whose sum keeps about bfloat16's precision."""
+def float8_query_parts(
+    q_rows: Float[Array, "... C H"], scale: Float[Array, "..."]
+) -> Float[Array, "... 2 C H"]:
+    """q's columns times `scale` (`mixed_batch.float16_query_scale`, broadcast against them) as two float8
+    parts, hi = float8(q) and lo = float8(q - hi), whose sum keeps about bfloat16's precision."""
     scaled = q_rows.astype(jnp.float32) * scale
     high = scaled.astype(FP8_DTYPE)
     low = (scaled - high.astype(jnp.float32)).astype(FP8_DTYPE)
     return jnp.stack([high, low], axis=-3)
 
 
-def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scales_ref, window_ref, q_ref, k_ref, v_ref,
-                      o_ref, lse_ref, *, block_size, group_size, params, stacked, config, acc_in_registers):  # fmt: skip
+def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scales_ref, window_ref, q_ref,
+                      k_ref, v_ref, o_ref, lse_ref, *, block_size, group_size, params, stacked, config,
+                      acc_in_registers):  # fmt: skip
     """One CTA: the producer and consumer warpgroups of one (request, KV head, split)."""
     head_dim, columns = q_ref.shape[-1], q_ref.shape[-2]
     tokens = columns // group_size  # column g * tokens + j: head g, token j
@@ -247,8 +250,8 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scal
 
 
 def launch_narrow_decode(
-    q_parts, k_source, v_source, query_lens, seq_lens, block_tables, logit_scales, *, block_size, group_size, params,
-    stacked, config, interpret,
+    q_parts, k_source, v_source, query_lens, seq_lens, block_tables, logit_scales, *, block_size, group_size,
+    params, stacked, config, interpret,
 ):  # fmt: skip
     """Run the kernel over (request, KV head, split) for a layer of `params` (its scale is in `logit_scales`).
 
