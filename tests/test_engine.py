@@ -170,7 +170,8 @@ def test_cascade_decode_steps_give_the_same_greedy_tokens(family):
     assert all(tokens == want for tokens in got.values()) and len(got) == len(modes)
     cascade = engines["always"].stats
     assert cascade.cascade_steps > 0
-    assert all(engines[mode].stats.cascade_steps == 0 for mode in modes if mode == "off")
+    if "off" in engines:
+        assert engines["off"].stats.cascade_steps == 0
     assert cascade.peak_common_prefix_tokens >= len(SHARED) - sizes["block_size"], "the rows shared no prefix"
     assert cascade.cached_prompt_tokens > 0
     for engine in engines.values():
