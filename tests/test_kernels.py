@@ -13,7 +13,7 @@ import pytest
 
 from jax_hybrid_attn import PAD_SLOT_ID, LayerAttentionParams, paged_attention, reference
 from jax_hybrid_attn._compat import interpret_params, races_found
-from jax_hybrid_attn.kernels import mixed_batch
+from jax_hybrid_attn.kernels import cta_parts, mixed_batch
 from jax_hybrid_attn.kernels.config import KernelConfig
 from jax_hybrid_attn.testing import TOLERANCES, random_paged_inputs
 
@@ -256,7 +256,7 @@ def test_float16_query_is_exact_and_in_range(magnitude):
     q16, factor = mixed_batch.float16_query(q, scale), 1 / scale
     assert q16.dtype == jnp.float16
     largest = float(jnp.abs(q16.astype(jnp.float32)).max())
-    assert 2.0**mixed_batch.QUERY_EXPONENT <= largest < 2.0 ** (mixed_batch.QUERY_EXPONENT + 1)
+    assert 2.0**cta_parts.QUERY_EXPONENT <= largest < 2.0 ** (cta_parts.QUERY_EXPONENT + 1)
     # bfloat16 values scaled by a power of two fit float16 exactly while they stay above its normal range
     normal = jnp.abs(q16.astype(jnp.float32)) >= 2.0**-14
     np.testing.assert_array_equal(

@@ -1,6 +1,7 @@
 """The narrow decode kernel (float8 "HND_VT" caches: keys on the wgmma's 64-row side, query heads on its narrow
 side) against the reference, on the CPU in interpret mode, and through Mosaic GPU's lowering for a GPU."""
 
+import contextlib
 import dataclasses
 import re
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_hybrid_attn import LayerAttentionParams, paged_attention, reference
+from jax_hybrid_attn import PAD_SLOT_ID, LayerAttentionParams, paged_attention, reference
 from jax_hybrid_attn._compat import interpret_params, races_found
 from jax_hybrid_attn.kernels import mixed_batch, narrow_decode
 from jax_hybrid_attn.kernels.narrow_decode import narrow_columns
@@ -170,9 +171,9 @@ def test_a_step_over_two_blocks_matches_reference_without_races(options, monkeyp
     np.testing.assert_allclose(out, expected, **TOLERANCES[jnp.dtype(jnp.bfloat16)])
 
 
-def test_each_request_and_kv_head_scales_its_own_query_into_float8():
-    """q's float8 parts are scaled by a power of two per (request, KV head): a request whose queries are
-    2^-12 of another's keeps its precision (scaled by the largest q of the batch, its parts would fall below
+def test_each_query_column_scales_its_own_query_into_float8():
+    """q's float8 parts are scaled by a power of two per column (query head and token): a request whose queries
+    are 2^-12 of another's keeps its precision (scaled by the largest q of the batch, its parts would fall below
     float8's range)."""
     inputs = random_paged_inputs(
         5, query_lens=[1, 1, 1], seq_lens=[40, 150, 64], num_q_heads=8, num_kv_heads=2, head_dim=64,
@@ -186,3 +187,44 @@ def test_each_request_and_kv_head_scales_its_own_query_into_float8():
     expected = reference.paged_attention(q, inputs.kv_cache, inputs.metadata, params=params)
     np.testing.assert_allclose(np.asarray(out[small], np.float32), np.asarray(expected[small], np.float32),
                                **TOLERANCES[jnp.dtype(jnp.bfloat16)])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "num_sms, unwritten", [(1, "nan"), (1, "zero"), (None, "nan")], ids=["one-launch", "one-launch-zeroed", "split"]
+)  # fmt: skip
+def test_padding_and_requests_the_kernel_cannot_serve(num_sms, unwritten):
+    """Unsplit, the kernel writes every row of [T, N, H] itself: padding tokens after the last request come out 0,
+    and a flagged request's tokens NaN (a query longer than ``max_query_len``, even past the kernel's columns; a
+    sequence beyond its block table; a block id outside the pool), the other requests exact; memory the kernel
+    leaves unwritten starts as NaN, then as 0, so that a missing write of either shows. Split, the merge does the
+    same. No races between the CTAs' row copies."""
+    inputs = random_paged_inputs(
+        4, query_lens=[1, 3, 1, 2], seq_lens=[40, 150, 64, 90], num_q_heads=8, num_kv_heads=2, head_dim=64,
+        block_size=64, kv_dtype=FP8, kv_layout="HND_VT", spare_blocks=2, with_sinks=True,
+    )  # fmt: skip
+    num_padding = 5
+    q = jnp.concatenate([inputs.q, jax.random.normal(jax.random.key(2), (num_padding, *inputs.q.shape[1:]),
+                                                     inputs.q.dtype)])  # fmt: skip
+    pad = jnp.full((num_padding,), PAD_SLOT_ID, jnp.int32)
+    metadata = inputs.metadata.replace(slot_mapping=jnp.concatenate([inputs.metadata.slot_mapping, pad]))
+    options = dict(params=LayerAttentionParams(sliding_window=50), sinks=inputs.sinks)
+    starts = np.asarray(metadata.query_start_loc)
+    capacity = metadata.block_tables.shape[1] * 64
+    cases = {
+        "servable": (metadata, None),
+        "max_query_len below a query": (metadata.replace(max_query_len=2), 1),
+        "seq_len beyond the table": (metadata.replace(seq_lens=metadata.seq_lens.at[2].set(capacity + 3)), 2),
+        "block id outside the pool": (metadata.replace(block_tables=metadata.block_tables.at[3, 0].set(10**6)), 3),
+    }
+    want = np.asarray(reference.paged_attention(q, inputs.kv_cache, metadata, **options), np.float32)
+    interpret = dataclasses.replace(interpret_params(detect_races=True), uninitialized_memory=unwritten)
+    for name, (case, bad) in cases.items():
+        with mixed_batch.lowering_for_sms(num_sms) if num_sms else contextlib.nullcontext():
+            got = np.asarray(paged_attention(q, inputs.kv_cache, case, interpret=interpret, **options), np.float32)
+        assert not races_found(), name
+        rows = np.arange(len(got))
+        flagged = (rows >= starts[bad]) & (rows < starts[bad + 1]) if bad is not None else rows < 0
+        assert np.isnan(got[flagged]).all(), name
+        np.testing.assert_array_equal(got[starts[-1]:], 0.0, err_msg=name)
+        kept = ~flagged & (rows < starts[-1])
+        np.testing.assert_allclose(got[kept], want[kept], **TOLERANCES[jnp.dtype(jnp.bfloat16)], err_msg=name)

@@ -1,6 +1,7 @@
 """Pieces of the CTA bodies that both attention kernels use (`paged_attention`, `narrow_decode`): the online
-softmax's constants, the shared-memory tiling that wgmma and TMA read, the key steps of one split, the zeroing of a
-transposed V step's foreign keys and the accumulation of wgmma products."""
+softmax's constants, q's power-of-two scale into float8's range, the shared-memory tiling that wgmma and TMA read,
+the key steps of one split, the zeroing of a transposed V step's foreign keys and the accumulation of wgmma
+products."""
 
 import math
 
@@ -17,6 +18,21 @@ MASKED_LOGIT = -1e30  # finite, so fully masked steps never produce inf - inf
 P_SCALE = 256.0
 """P's multiplier before its float8 parts (the output's divisor after): P <= 1 becomes <= 256, within float8_e4m3fn
 (448), and its parts stay normal numbers down to 2^-14 of P's largest value."""
+QUERY_EXPONENT = 7
+"""`power_of_two_scale` puts q's largest magnitude in [2^7, 2^8): within float8_e4m3fn (448) for q's two float8
+parts, and far inside float16 (65504)."""
+_F32_MANTISSA_BITS, _F32_EXPONENT_MASK, _F32_BIAS = 23, 0xFF, 127
+
+
+def power_of_two_scale(largest):
+    """The power of two that scales magnitudes up to `largest` (float32, any shape: one scale per element) into
+    [2^QUERY_EXPONENT, 2^(QUERY_EXPONENT + 1)), read off the exponent bits (exact; the kernels compute it in
+    registers the same way). 1 where `largest` is 0, subnormal, inf or NaN: those reach the output unscaled."""
+    exponent = lax.shift_right_logical(lax.bitcast_convert_type(largest, jnp.int32), _F32_MANTISSA_BITS)
+    exponent = exponent & _F32_EXPONENT_MASK  # biased; the sign bit dropped
+    scaled = jnp.clip(2 * _F32_BIAS + QUERY_EXPONENT - exponent, 1, 2 * _F32_BIAS)  # biased exponent of the scale
+    scale = lax.bitcast_convert_type(lax.shift_left(scaled, _F32_MANTISSA_BITS), jnp.float32)
+    return jnp.where((exponent > 0) & (exponent < _F32_EXPONENT_MASK), scale, jnp.float32(1))
 
 
 def smem_transforms(head_dim: int, dtype) -> tuple:

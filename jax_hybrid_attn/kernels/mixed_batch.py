@@ -9,8 +9,9 @@ round trip. A float8_e4m3fn cache's k scale multiplies the logits in the kernel 
 scaled by a power of two into float16 (`float16_query_scale`) and split in the kernel into two float8 parts for
 the QK product on float8 tensor cores. A batch of short queries only (``G * max_query_len <= 64``) over a float8
 "HND_VT" cache runs on the narrow decode kernel instead (`narrow_decode`: the keys on the wgmma's 64-row side, the
-query heads on its narrow side; q scaled per request and KV head). `plan_kernels` plans the launch that writes
-every token's output once per step, for the layers that share its metadata (`launch_plan`).
+query heads on its narrow side; it reads q, and unsplit writes the output, in [T, N, H] itself). `plan_kernels`
+plans the launch that writes every token's output once per step, for the layers that share its metadata
+(`launch_plan`).
 """
 
 import contextlib
@@ -30,9 +31,11 @@ from ..params import CAUSAL, LayerAttentionParams
 from ..validation import check_paged_attention_args, unservable_requests
 from . import tiles as query_tiles
 from .config import SMEM_BUDGET_BYTES, default_config
+from .cta_parts import power_of_two_scale
 from .launch import direct_io_supported, launch_attention
 from .launch_plan import KernelPlan, direct_launch_plan
-from .narrow_decode import float8_query_parts, launch_narrow_decode, narrow_columns, query_columns
+from .narrow_decode import launch_narrow_decode, narrow_columns
+from .narrow_decode import smem_bytes as narrow_smem_bytes
 
 __all__ = [
     "KERNEL_DTYPES", "KernelPlan", "check_kernel_support", "decode_splits", "kernel_configs", "lowering_for_sms",
@@ -136,24 +139,16 @@ def lowering_for_sms(count: int):
         _sm_count = before
 
 
-QUERY_EXPONENT = 7
-"""`float16_query_scale` puts q's largest magnitude in [2^7, 2^8): within float8_e4m3fn (448) for q's two float8
-parts, and far inside float16 (65504)."""
-
-
-def float16_query_scale(q: Float[Array, "..."], *, axis=None) -> Float[Array, "..."]:
+def float16_query_scale(q: Float[Array, "..."]) -> Float[Array, ""]:
     """The power of two that q is multiplied by on its way to float16, for a float8 cache (the logits are
-    multiplied by its inverse): one for all of q, or one per slice that `axis` reduces (`jnp.max`'s axis).
+    multiplied by its inverse): `cta_parts.power_of_two_scale` of q's largest magnitude.
 
     sm90 converts e4m3 to float16 in one instruction, to bfloat16 only through float32, so the kernels convert
     each V step more cheaply when they compute in float16. Scaled by this power of two (exact), q's largest
     magnitude lies in [2^QUERY_EXPONENT, 2^(QUERY_EXPONENT + 1)): its float8 parts hold it (up to 448), and
     float16 keeps 10 mantissa bits, more than bfloat16's 7. A q holding inf or NaN is not scaled (1), so they
     reach the output as on the reference path."""
-    largest = jnp.max(jnp.abs(q), axis=axis).astype(jnp.float32)
-    scalable = jnp.isfinite(largest) & (largest > 0)
-    shift = jnp.where(scalable, jnp.floor(jnp.log2(jnp.where(scalable, largest, 1.0))) - QUERY_EXPONENT, 0)
-    return jnp.ldexp(jnp.float32(1), -shift.astype(jnp.int32))
+    return power_of_two_scale(jnp.max(jnp.abs(q)).astype(jnp.float32))
 
 
 def float16_query(q: Float[Array, "..."], scale: Float[Array, ""]) -> Float[Array, "..."]:
@@ -273,19 +268,27 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
         return run(plan.tiles, config, plan.requests(metadata.block_tables, clip=not metadata.block_ids_in_range),
                    direct=True)
 
-    columns = None if parts else _narrow_launch_columns(decode_config, kv_cache.layout, group_size, metadata)
+    columns = None
+    if not parts:
+        columns = _narrow_launch_columns(decode_config, kv_cache.layout, group_size, metadata, head_dim, q.dtype)
     if columns is not None:  # short queries only, over a float8 "HND_VT" cache: the narrow decode kernel
-        tiles = query_tiles.decode_tiles(query_lens, group_size)
-        q_columns = query_columns(q, requests.query_start_loc[:-1], tiles.query_len,
-                                  num_kv_heads=num_kv_heads, columns=columns)  # fmt: skip
-        column_scale = float16_query_scale(q_columns, axis=(-2, -1))  # one per (request, KV head): [R, K]
-        q_parts = float8_query_parts(q_columns, column_scale[..., None, None])
-        logit_scales = (params.sm_scale * k_scale / column_scale).astype(jnp.float32)
-        out_t, lse = launch_narrow_decode(
-            q_parts, k_source, v_source, tiles.query_len, seq_lens, block_tables, logit_scales,
-            block_size=block_size, group_size=group_size, params=params, stacked=stacked,
-            config=decode_config, interpret=interpret,
+        # It checks the lengths itself; the block ids only where the metadata does not vouch for them
+        out_of_pool = jnp.zeros(metadata.num_reqs, jnp.int32)
+        if not metadata.block_ids_in_range:
+            out_of_pool = jnp.any((metadata.block_tables < 0) | (metadata.block_tables >= num_blocks), axis=1)
+        # the scales as they are (the kernel makes a bad one NaN, as `KVCache.scales` does): each a [1] view
+        raw_scales = (params.sm_scale, *(1.0 if x is None else x for x in (kv_cache.k_scale, kv_cache.v_scale)))
+        kernel_scales = tuple(jnp.reshape(jnp.asarray(x, jnp.float32), (1,)) for x in raw_scales)
+        out = launch_narrow_decode(
+            q, k_source, v_source, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+            out_of_pool.astype(jnp.int32), jnp.reshape(metadata.num_actual_tokens, (1,)).astype(jnp.int32),
+            kernel_scales, sinks, columns=columns, block_size=block_size, group_size=group_size,
+            max_query_len=metadata.max_query_len, params=params, stacked=stacked, config=decode_config,
+            interpret=interpret,
         )  # fmt: skip
+        if decode_config.num_splits == 1:  # the kernel wrote every token's output
+            return out
+        out_t, lse = out
         return query_tiles.token_outputs(
             (jnp.swapaxes(out_t, -1, -2), lse), None, requests, metadata.num_actual_tokens, sinks, v_scale,
             group_size=group_size, num_tokens=num_tokens, dtype=q.dtype,
@@ -325,13 +328,17 @@ def _paged_attention_kernels(q, kv_cache: KVCache, metadata, sinks, flagged=None
     )  # fmt: skip
 
 
-def _narrow_launch_columns(decode_config, kv_layout: str, group_size: int,
-                           metadata: AttentionMetadata) -> int | None:  # fmt: skip
+def _narrow_launch_columns(decode_config, kv_layout: str, group_size: int, metadata: AttentionMetadata,
+                           head_dim: int, q_dtype) -> int | None:  # fmt: skip
     """The query columns C of the narrow decode kernel where it serves the batch (short queries only over an
-    "HND_VT" cache, `KernelConfig.narrow_decode` on), else None."""
+    "HND_VT" cache, `KernelConfig.narrow_decode` on, within shared memory), else None."""
     if kv_layout != "HND_VT" or not decode_config.narrow_decode:
         return None
-    return narrow_columns(group_size, metadata.max_query_len)
+    columns = narrow_columns(group_size, metadata.max_query_len)
+    if columns is None or narrow_smem_bytes(decode_config, head_dim, columns,
+                                            q_itemsize=jnp.dtype(q_dtype).itemsize) > SMEM_BUDGET_BYTES:
+        return None
+    return columns
 
 
 def _writes_tokens(config, head_dim: int, q_dtype, kv_dtype, group_size: int, *, v_transposed: bool) -> bool:
@@ -359,7 +366,7 @@ def plan_kernels(
         max_seq_len=metadata.max_seq_len, kv_layout=kv_cache.layout, block_size=block_size,
     )  # fmt: skip
     v_transposed = kv_cache.layout == "HND_VT"
-    if _narrow_launch_columns(decode_config, kv_cache.layout, group_size, metadata) is not None:
+    if _narrow_launch_columns(decode_config, kv_cache.layout, group_size, metadata, head_dim, q_dtype) is not None:
         return None  # the narrow decode kernel reads its requests as they are
     per_tile = query_tiles.tokens_per_tile(group_size)
     is_decode = metadata.query_lens <= per_tile

@@ -10,17 +10,23 @@ a multiple of 8; column ``g * (C // G) + j`` is head g, token j):
     out^T    [H, C]       += V_step^T [H, block_kv] · P^T [block_kv, C]
 
 Both products run on float8 tensor cores with the K-major operands float8 needs: K's rows as stored, V's block as
-"HND_VT" stores it (transposed, [H, S]), and q's and P's float8 parts kept [C, ...] in shared memory. q comes in
-its two float8 parts (hi + lo, `float8_query_parts`; scaled by a power of two per request and KV head, which
-the CTA's logit scale divides out), and P, scaled by `P_SCALE`, in `KernelConfig.p_parts` parts.
+"HND_VT" stores it (transposed, [H, S]), and q's and P's float8 parts kept [C, ...] in shared memory. The CTA reads
+its request's q rows from [T, N, H] itself (TMA pieces of whole rows into untiled staging rows) and splits them
+into two float8 parts (hi + lo), each column scaled by its own power of two (`cta_parts.power_of_two_scale`), which
+that column's logit scale divides out; P, scaled by `P_SCALE`, goes in `KernelConfig.p_parts` parts.
 The softmax runs down the keys (the accumulator's rows, reduced across the warpgroup's warps): each step rescales
 out^T and an elementwise running sum of P, which is reduced over the keys once, at the end.
 
 The producer warpgroup streams ``block_kv`` keys per step (a part of one block, or several whole blocks, each its
 own V^T tile and P^T part) by TMA into a ring of ``KernelConfig.num_stages`` slots, as the tile kernel's does.
 Every step is masked (C columns make the mask cheap); on a step holding keys outside the CTA's range V's columns
-there are zeroed, since stale or NaN memory must not reach ``0 * V``. Each split writes its normalized output [H, C] and log-sum-exp [C] (`tiles.token_outputs` merges
-them with the sinks and the v scale).
+there are zeroed, since stale or NaN memory must not reach ``0 * V``.
+
+With one split, the CTA writes its tokens' final rows into [T, N, H] (sinks, v scale, the output's dtype; through
+the staging rows, transposed) and its share of the rows no request holds (a flagged request's, the padding after
+the last request): the call is one launch, and a reduction over the block table where the metadata does not vouch
+for its ids. With several, each split writes its normalized output [H, C] and log-sum-exp [C], which
+`tiles.token_outputs` merges with the sinks and the v scale.
 """
 
 import dataclasses
@@ -30,17 +36,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float, Int
 
 from .._compat import plgpu, resolve_interpret
 from ..layout import FP8_DTYPE
 from ..masks import attention_mask
 from .config import SMEM_BUDGET_BYTES, KernelConfig
 from .launch import NO_WINDOW
-from .cta_parts import LOG2E, MASKED_LOGIT, P_SCALE, accumulate, smem_transforms, split_key_steps, zero_foreign_columns
+from .cta_parts import (LOG2E, MASKED_LOGIT, P_SCALE, accumulate, power_of_two_scale, smem_transforms, split_key_steps,
+                        zero_foreign_columns)
 
 COLUMN_MULTIPLE = 8  # wgmma N: the narrow side holds a multiple of 8 columns
 MAX_COLUMNS = 64
+STAGING_ROW_MULTIPLE = 32
 
 
 def narrow_columns(group_size: int, max_query_len: int) -> int | None:
@@ -50,45 +57,34 @@ def narrow_columns(group_size: int, max_query_len: int) -> int | None:
     return columns if columns <= MAX_COLUMNS else None
 
 
-def smem_bytes(config: KernelConfig, head_dim: int, columns: int) -> int:
-    """Shared memory of one CTA (float8 K and V rings, q's two parts, P's parts, the output tile; barriers aside)."""
+def staging_rows(columns: int) -> int:
+    """Rows of the q and output staging tiles: C rounded up to `STAGING_ROW_MULTIPLE` (the register layout that
+    copies them spreads whole 8-row tiles over the warpgroup's four warps)."""
+    return -(-columns // STAGING_ROW_MULTIPLE) * STAGING_ROW_MULTIPLE
+
+
+def smem_bytes(config: KernelConfig, head_dim: int, columns: int, *, q_itemsize: int = 2) -> int:
+    """Shared memory of one CTA (float8 K and V rings, the q / output staging rows, q's float8 parts and column
+    scales, P's parts, the partial output tile; barriers aside)."""
+    rows = staging_rows(columns)
     ring = 2 * config.num_stages * config.block_kv * head_dim
-    return ring + 2 * columns * head_dim + config.p_parts * columns * config.block_kv + 4 * columns * (head_dim + 1)
+    staging = rows * head_dim * (q_itemsize + config.q_parts) + 4 * rows
+    return ring + staging + config.p_parts * columns * config.block_kv + 4 * columns * (head_dim + 1)
 
 
-def query_columns(q: Float[Array, "T N H"], query_start: Int[Array, "R"], query_lens: Int[Array, "R"], *,
-                  num_kv_heads: int, columns: int) -> Float[Array, "R K C H"]:
-    """Each request's query as the kernel's C columns per KV head: column ``g * (C // G) + j`` is head g of
-    the request's token j; columns past its `query_lens` tokens, and past G heads, are 0. One gather of whole
-    token rows, ``C // G`` per request."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    group_size = num_q_heads // num_kv_heads
-    tokens = columns // group_size
-    offsets = jnp.arange(tokens)
-    rows = q.at[query_start[:, None] + offsets].get(mode="fill", fill_value=0)  # [R, J, N, H]
-    rows = jnp.where((offsets < query_lens[:, None])[..., None, None], rows, 0)
-    rows = rows.reshape(-1, tokens, num_kv_heads, group_size, head_dim).transpose(0, 2, 3, 1, 4)
-    rows = rows.reshape(-1, num_kv_heads, group_size * tokens, head_dim)
-    return jnp.pad(rows, ((0, 0), (0, 0), (0, columns - group_size * tokens), (0, 0)))
-
-
-def float8_query_parts(
-    q_rows: Float[Array, "... C H"], scale: Float[Array, "..."]
-) -> Float[Array, "... 2 C H"]:
-    """q's columns times `scale` (`mixed_batch.float16_query_scale`, broadcast against them) as two float8
-    parts, hi = float8(q) and lo = float8(q - hi), whose sum keeps about bfloat16's precision."""
-    scaled = q_rows.astype(jnp.float32) * scale
-    high = scaled.astype(FP8_DTYPE)
-    low = (scaled - high.astype(jnp.float32)).astype(FP8_DTYPE)
-    return jnp.stack([high, low], axis=-3)
-
-
-def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scales_ref, window_ref, q_ref,
-                      k_ref, v_ref, o_ref, lse_ref, *, block_size, group_size, params, stacked, config,
-                      acc_in_registers):  # fmt: skip
-    """One CTA: the producer and consumer warpgroups of one (request, KV head, split)."""
-    head_dim, columns = q_ref.shape[-1], q_ref.shape[-2]
+def narrow_decode_cta(query_start_loc_ref, seq_lens_ref, block_tables_ref, request_flags_ref, num_actual_tokens_ref,
+                      window_ref, sm_scale_ref, k_scale_ref, v_scale_ref, sinks_ref, q_ref, k_ref, v_ref, o_ref,
+                      lse_ref=None, *, block_size, group_size, columns, max_query_len, params, stacked, has_sinks,
+                      config, acc_in_registers):  # fmt: skip
+    """One CTA: the producer and consumer warpgroups of one (request, KV head, split). Without `lse_ref` (one
+    split) it writes its tokens' final output rows into [T, N, H] itself, and its share of the rows no request's
+    tile holds."""
+    num_tokens, _, head_dim = q_ref.shape
+    num_blocks, capacity = k_ref.shape[0], block_tables_ref.shape[1] * block_size
+    num_reqs = seq_lens_ref.shape[0]
+    direct = lse_ref is None
     tokens = columns // group_size  # column g * tokens + j: head g, token j
+    rows = staging_rows(columns)
     block_kv, num_stages = config.block_kv, config.num_stages
     # A step's keys: one block's part (S >= block_kv) or several whole blocks, each its own V^T tile ("pages")
     page_keys = min(block_size, block_kv)
@@ -96,34 +92,66 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scal
     request, kv_head, split = lax.axis_index("request"), lax.axis_index("kv_head"), lax.axis_index("split")
     mask = dict(params=params, sliding_window=window_ref[0])
     logits_soft_cap = params.logits_soft_cap
-    seq_len, query_len = seq_lens_ref[request], query_lens_ref[request]
-    first_q_pos = seq_len - query_len
+    first_token = query_start_loc_ref[request]
+    query_len = query_start_loc_ref[request + 1] - first_token
+    raw_seq_len = seq_lens_ref[request]
+    # What `validation.unservable_requests` flags, but the block ids (`request_flags`): the request's tokens get NaN
+    flagged = ((request_flags_ref[request] != 0) | (query_len > max_query_len) | (query_len > raw_seq_len)
+               | (raw_seq_len > capacity))  # fmt: skip
+    served_len = jnp.where(flagged, 0, jnp.clip(query_len, 0, tokens))  # flagged: no keys streamed, no q read
+    seq_len = jnp.minimum(raw_seq_len, capacity)
+    first_q_pos = seq_len - served_len
     # Keys some query of the request sees: [key_lo, key_hi]; this split streams its share of the steps holding them
-    key_lo, key_hi, my_lo, my_hi = split_key_steps(first_q_pos, query_len, seq_len, split, mask=mask,
+    key_lo, key_hi, my_lo, my_hi = split_key_steps(first_q_pos, served_len, seq_len, split, mask=mask,
                                                    block_kv=block_kv, num_splits=config.num_splits)  # fmt: skip
     block_lo, block_hi = key_lo // block_size, key_hi // block_size
+    # The request's tokens as pieces of whole rows (powers of two, largest first): for each head g, the staging
+    # rows g * tokens + [offset, offset + size) and q's or the output's [T, N, H] rows of its tokens; one piece of
+    # G rows (the group's heads of the one token) where a request has at most one
+    piece_sizes = [1 << i for i in reversed(range(tokens.bit_length()))]
+
+    def token_pieces(staging, copy, skip=None):
+        if tokens == 1:
+            heads = pl.ds(kv_head * group_size, group_size)
+            pl.when(served_len == 1)(lambda: copy(staging.at[pl.ds(0, group_size)], (first_token, heads)))
+            if skip is not None:
+                pl.when(served_len != 1)(skip)
+            return
+        for g in range(group_size):
+            for size in piece_sizes:
+                offset = served_len & ~(2 * size - 1)
+                smem_rows = staging.at[pl.ds(g * tokens + offset, size)]
+                token_rows = (pl.ds(first_token + offset, size), kv_head * group_size + g)
+                pl.when(served_len & size != 0)(partial(copy, smem_rows, token_rows))
+                if skip is not None:
+                    pl.when(served_len & size == 0)(skip)
 
     def ring_slot(step):
         return lax.rem(step - my_lo, num_stages)
+
+    def checked_scale(scale):  # a k or v scale that is not finite and > 0 becomes NaN (`layout.KVCache.scales`)
+        return jnp.where((scale > 0) & (scale < jnp.inf), scale, jnp.float32(jnp.nan))
 
     def producer(k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed):
         @pl.loop(my_lo, my_hi)
         def _(step):
             slot = ring_slot(step)
             reused = step - my_lo >= num_stages  # the slot held an earlier step: wait until consumed
-            # the step's blocks, read from the block table together; a block past the keys repeats the last one
-            ids = [block_tables_ref[request, jnp.clip((step * block_kv + p * page_keys) // block_size, block_lo,
-                                                      block_hi)] for p in range(pages)]  # fmt: skip
-            rows = pl.ds(lax.rem(step * block_kv, block_size), page_keys)
+            # the step's blocks, read from the block table together; a block past the keys repeats the last one,
+            # and no id leaves the pool (a request with one outside it is flagged)
+            ids = [jnp.clip(block_tables_ref[request, jnp.clip((step * block_kv + p * page_keys) // block_size,
+                                                               block_lo, block_hi)], 0, num_blocks - 1)
+                   for p in range(pages)]  # fmt: skip
+            step_rows = pl.ds(lax.rem(step * block_kv, block_size), page_keys)
             pl.when(reused)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
             for p, page in enumerate(ids):  # stacked: one array [B, 2, ...] holds K and V
                 block = (page, 0) if stacked else (page,)
-                plgpu.copy_gmem_to_smem(k_ref.at[block + (kv_head, rows)],
+                plgpu.copy_gmem_to_smem(k_ref.at[block + (kv_head, step_rows)],
                                         k_ring.at[slot, pl.ds(p * page_keys, page_keys)], k_loaded.at[slot])
             pl.when(reused)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
             for p, page in enumerate(ids):
                 block = (page, 1) if stacked else (page,)
-                plgpu.copy_gmem_to_smem(v_ref.at[block + (kv_head, slice(None), rows)], v_ring.at[slot, p],
+                plgpu.copy_gmem_to_smem(v_ref.at[block + (kv_head, slice(None), step_rows)], v_ring.at[slot, p],
                                         v_loaded.at[slot])
 
         # The last steps' consumption, which no later load waited for: every phase of a barrier the producer waits on
@@ -137,13 +165,34 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scal
     def iota(shape, dimension):
         return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
 
-    def consumer(q_parts, p_parts, out_smem, lse_smem, k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed,
-                 q_loaded):  # fmt: skip
+    def float8_query(staging, q_parts, column_scales):
+        """q's columns from the staging rows into `q_parts` (hi = float8(q), lo = float8(q - hi)), each column
+        scaled by its own power of two (`power_of_two_scale`, stored in `column_scales` for the logits); columns
+        that hold no token are 0."""
+        layout = plgpu.Layout.SMEM_GMEM_COPY((rows, head_dim), q_ref.dtype, staging_swizzle)
+        q = plgpu.load(staging, layout=layout).astype(jnp.float32)
+        column = plgpu.broadcasted_iota(jnp.int32, q.shape, 0, layout=layout)
+        q = jnp.where((column < group_size * tokens) & (lax.rem(column, tokens) < served_len), q, 0.0)
+        scale = power_of_two_scale(jnp.abs(q).max(axis=1))
+        q = q * lax.broadcast_in_dim(scale, q.shape, [0])
+        high = q.astype(FP8_DTYPE)
+        q_parts[0] = high
+        if config.q_parts == 2:
+            q_parts[1] = (q - high.astype(jnp.float32)).astype(FP8_DTYPE)
+        column_scales[...] = scale
+        plgpu.commit_smem()
+
+    def consumer(staging, q_parts, column_scales, p_parts, out_smem, lse_smem, k_ring, v_ring, k_loaded, v_loaded,
+                 k_consumed, v_consumed, q_loaded):  # fmt: skip
         plgpu.barrier_wait(q_loaded)
-        # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply.
-        logit_scale = logit_scales_ref[request, kv_head]
+        float8_query(staging, q_parts, column_scales)
+        # Logits go to base 2 for exp2; without a soft cap the two scales fold into one multiply. Each column's
+        # logits divide out its q scale.
+        logit_scale = sm_scale_ref[0] * checked_scale(k_scale_ref[0])
         if logits_soft_cap is None:
             logit_scale = logit_scale * LOG2E
+        q_scales = plgpu.load(column_scales.at[pl.ds(0, columns)], layout=plgpu.Layout.WGMMA.reduce(0))
+        logit_scales = logit_scale / q_scales
         score_shape = (block_kv, columns)
         q_pos = first_q_pos + lax.rem(iota(score_shape, 1), tokens)
 
@@ -154,12 +203,12 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scal
 
             def scores_t(acc_ref):
                 for part in range(config.q_parts):
-                    plgpu.wgmma(acc_ref, k_ring.at[slot], q_parts.at[part].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, k_ring.at[slot], q_parts.at[part, pl.ds(0, columns)].transpose((1, 0)))
                 return acc_ref[...]
 
             scores = pl.run_scoped(scores_t, plgpu.ACC(score_shape, jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
-            logits = scores * logit_scale
+            logits = scores * lax.broadcast_in_dim(logit_scales, score_shape, [1])
             if logits_soft_cap is not None:
                 logits = (logits_soft_cap * LOG2E) * jnp.tanh(logits / logits_soft_cap)
             k_pos = step * block_kv + iota(score_shape, 0)
@@ -208,6 +257,9 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scal
         )
         acc, m_i, p_sums = lax.fori_loop(my_lo, my_hi, step_body, carry)
         l_i = p_sums.sum(axis=0)
+        if direct:
+            write_tokens(staging, normalized(acc, m_i, l_i))
+            return
         has_keys = l_i > 0
         out_smem[...] = acc * lax.broadcast_in_dim(1 / (P_SCALE * jnp.where(has_keys, l_i, 1.0)), acc.shape, [1])
         lse_smem[...] = jnp.where(has_keys, (m_i + jnp.log2(jnp.where(has_keys, l_i, 1.0))) / LOG2E, -jnp.inf)
@@ -216,8 +268,57 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scal
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[request, kv_head, split])
         plgpu.wait_smem_to_gmem(0)
 
-    def body(q_parts, p_parts, out_smem, lse_smem, k_ring, v_ring, q_loaded, k_loaded, v_loaded, k_consumed,
-             v_consumed):  # fmt: skip
+    def normalized(acc, m_i, l_i):
+        """out^T [H, C] = acc / (P_SCALE * l); with sinks, each head's sink logit joins the denominator."""
+        acc = acc * (1 / P_SCALE)
+        if not has_sinks:
+            return acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [1])
+        head_of_column = jnp.minimum(iota(acc.shape, 1) // tokens, group_size - 1)
+        sink = jnp.zeros(acc.shape, jnp.float32)
+        for g in range(group_size):
+            sink = jnp.where(head_of_column == g, sinks_ref[kv_head * group_size + g] * LOG2E, sink)
+        m = lax.broadcast_in_dim(m_i, acc.shape, [1])
+        top = jnp.maximum(m, sink)
+        kept = jnp.exp2(m - top)
+        return acc * kept / (lax.broadcast_in_dim(l_i, acc.shape, [1]) * kept + jnp.exp2(sink - top))
+
+    def write_tokens(staging, out_t):
+        """The final output rows of the request's tokens straight into [T, N, H] (v scale applied, 0 for padding
+        tokens from num_actual_tokens on, in the output's dtype), transposed into the staging rows on the way."""
+        token = first_token + lax.rem(iota(out_t.shape, 1), tokens)
+        out_t = jnp.where(token < num_actual_tokens_ref[0], out_t * checked_scale(v_scale_ref[0]), 0.0)
+        staging_t = staging.transpose((1, 0))
+        staging_t[:, pl.ds(0, columns)] = plgpu.layout_cast(out_t, plgpu.Layout.WGMMA_TRANSPOSED).astype(o_ref.dtype)
+        plgpu.commit_smem()
+        token_pieces(staging, lambda smem_rows, token_rows: plgpu.copy_smem_to_gmem(smem_rows, o_ref.at[token_rows]))
+        plgpu.wait_smem_to_gmem(0)
+
+    def fill_unheld_rows(staging):
+        """The rows of this CTA's heads that no request's tile holds: a flagged request's tokens and this CTA's
+        share of the tokens after the last request (every `R`-th from its request index), NaN before
+        num_actual_tokens and 0 from there on, one row at a time from two staging rows (0: zeros, 1: NaN)."""
+        flagged_count = jnp.where(flagged, jnp.clip(query_len, 0, num_tokens - first_token), 0)
+        tail_start = query_start_loc_ref[num_reqs] + request
+        tail_count = pl.cdiv(jnp.maximum(num_tokens - tail_start, 0), num_reqs)
+
+        @pl.when((flagged_count > 0) | (tail_count > 0))
+        def _():
+            layout = plgpu.Layout.SMEM_GMEM_COPY((rows, head_dim), o_ref.dtype, staging_swizzle)
+            row = plgpu.broadcasted_iota(jnp.int32, (rows, head_dim), 0, layout=layout)
+            staging[...] = jnp.where(row == 1, jnp.float32(jnp.nan), 0.0).astype(o_ref.dtype)
+            plgpu.commit_smem()
+
+            def fill(token):
+                value = staging.at[pl.ds(jnp.where(token < num_actual_tokens_ref[0], 1, 0), 1)]
+                for g in range(group_size):
+                    plgpu.copy_smem_to_gmem(value, o_ref.at[pl.ds(token, 1), kv_head * group_size + g])
+
+            pl.loop(0, flagged_count)(lambda i: fill(first_token + i))
+            pl.loop(0, tail_count)(lambda i: fill(tail_start + i * num_reqs))
+            plgpu.wait_smem_to_gmem(0)
+
+    def body(staging, q_parts, column_scales, p_parts, out_smem, lse_smem, k_ring, v_ring, q_loaded, k_loaded,
+             v_loaded, k_consumed, v_consumed):  # fmt: skip
         ring = (k_ring, v_ring, k_loaded, v_loaded, k_consumed, v_consumed)
         wg = lax.axis_index("wg")
 
@@ -227,20 +328,28 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scal
 
         @pl.when(wg == 0)
         def _():
-            plgpu.copy_gmem_to_smem(q_ref.at[request, kv_head], q_parts, q_loaded)
-            consumer(q_parts, p_parts, out_smem, lse_smem, *ring, q_loaded)
+            token_pieces(staging, lambda smem_rows, token_rows: plgpu.copy_gmem_to_smem(q_ref.at[token_rows], smem_rows,
+                                                                                        q_loaded),
+                         skip=lambda: plgpu.barrier_arrive(q_loaded))  # every piece arrives once  # fmt: skip
+            consumer(staging, q_parts, column_scales, p_parts, out_smem, lse_smem, *ring, q_loaded)
+            if direct:
+                fill_unheld_rows(staging)
 
     key_transforms = smem_transforms(page_keys, FP8_DTYPE)  # V^T pages and P's parts: [.., page_keys], K-major
     head_transforms = smem_transforms(head_dim, FP8_DTYPE)  # K steps and q's parts: [.., H], K-major
+    staging_swizzle = smem_transforms(head_dim, q_ref.dtype)[1].swizzle
+    pieces = 1 if tokens == 1 else group_size * len(piece_sizes)
     pl.run_scoped(
         body,
-        plgpu.SMEM((2, columns, head_dim), FP8_DTYPE, transforms=head_transforms),
+        plgpu.SMEM((rows, head_dim), q_ref.dtype),  # q's rows, then the output's: untiled, any row a TMA target
+        plgpu.SMEM((config.q_parts, rows, head_dim), FP8_DTYPE, transforms=head_transforms),
+        plgpu.SMEM((rows,), jnp.float32),  # each column's q scale
         plgpu.SMEM((config.p_parts, pages, columns, page_keys), FP8_DTYPE, transforms=key_transforms),
-        plgpu.SMEM((head_dim, columns), jnp.float32),
-        plgpu.SMEM((columns,), jnp.float32),
+        None if direct else plgpu.SMEM((head_dim, columns), jnp.float32),
+        None if direct else plgpu.SMEM((columns,), jnp.float32),
         plgpu.SMEM((num_stages, block_kv, head_dim), FP8_DTYPE, transforms=head_transforms),
         plgpu.SMEM((num_stages, pages, head_dim, page_keys), FP8_DTYPE, transforms=key_transforms),
-        plgpu.Barrier(),
+        plgpu.Barrier(num_arrivals=pieces),
         plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=pages, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
@@ -250,25 +359,33 @@ def narrow_decode_cta(seq_lens_ref, query_lens_ref, block_tables_ref, logit_scal
 
 
 def launch_narrow_decode(
-    q_parts, k_source, v_source, query_lens, seq_lens, block_tables, logit_scales, *, block_size, group_size,
-    params, stacked, config, interpret,
+    q, k_source, v_source, query_start_loc, seq_lens, block_tables, request_flags, num_actual_tokens, scales, sinks,
+    *, columns, block_size, group_size, max_query_len, params, stacked, config, interpret,
 ):  # fmt: skip
-    """Run the kernel over (request, KV head, split) for a layer of `params` (its scale is in `logit_scales`).
+    """Run the kernel over (request, KV head, split) for a layer of `params` (its scale is in `scales`).
 
     Args:
-      q_parts: [R, K, 2, C, H] float8: each request's query columns in two float8 parts (`float8_query_parts`).
+      q: [T, N, H] (bfloat16 or float16): each CTA reads its request's tokens and splits them into float8 parts.
       k_source, v_source: with `stacked`, the one cache [B, 2, K, S, H] twice; else the pair's K and V caches
         [B, K, S, H]. v_source viewed as [..., K, H, S] (V transposed per block: "HND_VT").
-      query_lens, seq_lens: [R]; block_tables: [R, P], every entry a block of the pool.
-      logit_scales: [R, K] float32: each CTA's logit scale, ``sm_scale * k_scale`` over the power of two its
-        query columns were scaled by before their float8 parts (`mixed_batch.float16_query_scale` per request
-        and KV head).
+      query_start_loc: [R+1]; seq_lens: [R] (more than the block table holds: flagged); block_tables: [R, P]
+        (ids are clipped into the pool).
+      request_flags: [R] int32, nonzero for requests whose block ids leave the pool (`unservable_requests`'
+        table check; the kernel checks the lengths itself).
+      num_actual_tokens: [1] int32, the first padding token.
+      scales: ([1] sm_scale, [1] k_scale, [1] v_scale), float32: passed apart (a stack of traced scales would be
+        a kernel of its own).
+      sinks: [N] float32 or None.
+      columns: C, from `narrow_columns(G, max_query_len)`.
     Returns:
-      the partial outputs [R, K, splits, H, C] (float32, normalized per split; transposed) and their log-sum-exps
-      [R, K, splits, C] (natural log; -inf where a split saw no key).
+      with one split, the output [T, N, H] in q's dtype (NaN for the tokens of flagged requests and those before
+      num_actual_tokens that no request holds, 0 for padding). Else the partial outputs [R, K, splits, H, C]
+      (float32, normalized per split, no sinks or v scale; transposed) and their log-sum-exps [R, K, splits, C]
+      (natural log; -inf where a split saw no key), for `tiles.token_outputs`.
     """
-    num_reqs, num_kv_heads, _, columns, head_dim = q_parts.shape
-    needed = smem_bytes(config, head_dim, columns)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_reqs, num_kv_heads = seq_lens.shape[0], num_q_heads // group_size
+    needed = smem_bytes(config, head_dim, columns, q_itemsize=q.dtype.itemsize)
     if needed > SMEM_BUDGET_BYTES:
         raise NotImplementedError(f"{config} needs {needed} bytes of shared memory, more than {SMEM_BUDGET_BYTES}")
     if block_size % config.block_kv and config.block_kv % block_size:
@@ -276,19 +393,26 @@ def launch_narrow_decode(
     interpret = resolve_interpret(interpret)
     window = jnp.full((1,), NO_WINDOW if params.sliding_window is None else params.sliding_window, jnp.int32)
     params = dataclasses.replace(params, sliding_window=None, sm_scale=None)
-    kernel = partial(narrow_decode_cta, block_size=block_size, group_size=group_size, params=params, stacked=stacked,
+    kernel = partial(narrow_decode_cta, block_size=block_size, group_size=group_size, columns=columns,
+                     max_query_len=max_query_len, params=params, stacked=stacked, has_sinks=sinks is not None,
                      config=config, acc_in_registers=interpret is None)  # fmt: skip
     splits = config.num_splits
-    return plgpu.kernel(
-        kernel,
-        out_type=(
+    if splits == 1:
+        out_type = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    else:
+        out_type = (
             jax.ShapeDtypeStruct((num_reqs, num_kv_heads, splits, head_dim, columns), jnp.float32),
             jax.ShapeDtypeStruct((num_reqs, num_kv_heads, splits, columns), jnp.float32),
-        ),
+        )
+    sinks = jnp.zeros((1,), jnp.float32) if sinks is None else sinks
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
         grid=(num_reqs, num_kv_heads, splits),
         grid_names=("request", "kv_head", "split"),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(seq_lens, query_lens, block_tables, logit_scales, window, q_parts, k_source, v_source)
+    )(query_start_loc, seq_lens, block_tables, request_flags, num_actual_tokens, window, *scales, sinks, q, k_source,
+      v_source)  # fmt: skip
