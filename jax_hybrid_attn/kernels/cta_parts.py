@@ -1,7 +1,7 @@
 """Pieces of the CTA bodies that both attention kernels use (`paged_attention`, `narrow_decode`): the online
 softmax's constants, q's power-of-two scale into float8's range, the shared-memory tiling that wgmma and TMA read,
-the key steps of one split, the zeroing of a transposed V step's foreign keys and the accumulation of wgmma
-products."""
+the key steps of one split, the zeroing of a transposed V step's foreign keys, the accumulation of wgmma products
+and the final normalization with the sinks."""
 
 import math
 
@@ -52,6 +52,26 @@ def zero_foreign_columns(v_t, first_key, key_lo, key_hi) -> None:
         keys = lax.broadcasted_iota(jnp.int32, x.shape, 1) + first_key
         v_t[rows] = jnp.where((keys >= key_lo) & (keys <= key_hi), x, jnp.zeros_like(x)).astype(v_t.dtype)
     plgpu.commit_smem()
+
+
+def sink_logits(sinks_ref, head_in_group, *, first_head, group_size: int):
+    """Each element's sink logit in base 2 (acc's shape): `head_in_group` [...] int32 names the element's head
+    among the G heads from `first_head` of `sinks_ref` [N] (natural log)."""
+    sink = jnp.zeros(head_in_group.shape, jnp.float32)
+    for g in range(group_size):
+        sink = jnp.where(head_in_group == g, sinks_ref[first_head + g] * LOG2E, sink)
+    return sink
+
+
+def normalized(acc, m_i, l_i, *, query_axis: int, sinks=None):
+    """acc / l, for the running maximum `m_i` and sum `l_i` (base 2) of each query along acc's `query_axis`; with
+    `sinks` (`sink_logits`, acc's shape) each head's sink logit joins the denominator."""
+    if sinks is None:
+        return acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [query_axis])
+    m = lax.broadcast_in_dim(m_i, acc.shape, [query_axis])
+    top = jnp.maximum(m, sinks)
+    kept = jnp.exp2(m - top)
+    return acc * kept / (lax.broadcast_in_dim(l_i, acc.shape, [query_axis]) * kept + jnp.exp2(sinks - top))
 
 
 def accumulate(acc, issue, *, in_registers: bool):

@@ -42,8 +42,9 @@ from ..layout import FP8_DTYPE
 from ..masks import attention_mask
 from .config import SMEM_BUDGET_BYTES, KernelConfig
 from .launch import NO_WINDOW
-from .cta_parts import (LOG2E, MASKED_LOGIT, P_SCALE, accumulate, power_of_two_scale, smem_transforms, split_key_steps,
-                        zero_foreign_columns)
+from .cta_parts import (LOG2E, MASKED_LOGIT, P_SCALE, accumulate, power_of_two_scale, sink_logits, smem_transforms,
+                        split_key_steps, zero_foreign_columns)
+from .cta_parts import normalized as normalize
 
 COLUMN_MULTIPLE = 8  # wgmma N: the narrow side holds a multiple of 8 columns
 MAX_COLUMNS = 64
@@ -270,17 +271,11 @@ def narrow_decode_cta(query_start_loc_ref, seq_lens_ref, block_tables_ref, reque
 
     def normalized(acc, m_i, l_i):
         """out^T [H, C] = acc / (P_SCALE * l); with sinks, each head's sink logit joins the denominator."""
-        acc = acc * (1 / P_SCALE)
-        if not has_sinks:
-            return acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [1])
-        head_of_column = jnp.minimum(iota(acc.shape, 1) // tokens, group_size - 1)
-        sink = jnp.zeros(acc.shape, jnp.float32)
-        for g in range(group_size):
-            sink = jnp.where(head_of_column == g, sinks_ref[kv_head * group_size + g] * LOG2E, sink)
-        m = lax.broadcast_in_dim(m_i, acc.shape, [1])
-        top = jnp.maximum(m, sink)
-        kept = jnp.exp2(m - top)
-        return acc * kept / (lax.broadcast_in_dim(l_i, acc.shape, [1]) * kept + jnp.exp2(sink - top))
+        sinks = None
+        if has_sinks:
+            head_of_column = jnp.minimum(iota(acc.shape, 1) // tokens, group_size - 1)
+            sinks = sink_logits(sinks_ref, head_of_column, first_head=kv_head * group_size, group_size=group_size)
+        return normalize(acc * (1 / P_SCALE), m_i, l_i, query_axis=1, sinks=sinks)
 
     def write_tokens(staging, out_t):
         """The final output rows of the request's tokens straight into [T, N, H] (v scale applied, 0 for padding

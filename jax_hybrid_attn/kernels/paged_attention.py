@@ -45,7 +45,9 @@ from jax.experimental import pallas as pl
 from .._compat import plgpu
 from ..masks import allowed_key_range, attention_mask
 from .config import ROWS
-from .cta_parts import LOG2E, MASKED_LOGIT, P_SCALE, accumulate, smem_transforms, split_key_steps, zero_foreign_columns
+from .cta_parts import (LOG2E, MASKED_LOGIT, P_SCALE, accumulate, sink_logits, smem_transforms, split_key_steps,
+                        zero_foreign_columns)
+from .cta_parts import normalized as normalize
 
 def take_turn(schedule) -> None:
     """Two consumer warpgroups alternate on the tensor cores: each arrival lets the other one go."""
@@ -385,16 +387,11 @@ def paged_attention_cta(
 
             def normalized(acc, m_i, l_i, kv_head):
                 """acc / l; with `direct` and sinks, each head's sink logit joins the denominator."""
-                if not (direct and has_sinks):
-                    return acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
-                head_of_row = row_iota(acc.shape) // tokens_per_consumer
-                sink = jnp.zeros(acc.shape, jnp.float32)
-                for g in range(group_size):
-                    sink = jnp.where(head_of_row == g, sinks_ref[kv_head * group_size + g] * LOG2E, sink)
-                m = lax.broadcast_in_dim(m_i, acc.shape, [0])
-                top = jnp.maximum(m, sink)
-                kept = jnp.exp2(m - top)
-                return acc * kept / (lax.broadcast_in_dim(l_i, acc.shape, [0]) * kept + jnp.exp2(sink - top))
+                sinks = None
+                if direct and has_sinks:
+                    sinks = sink_logits(sinks_ref, row_iota(acc.shape) // tokens_per_consumer,
+                                        first_head=kv_head * group_size, group_size=group_size)  # fmt: skip
+                return normalize(acc, m_i, l_i, query_axis=0, sinks=sinks)
 
             def consume():
                 _, consumer, _ = work_item(tile, kv_head, split)
