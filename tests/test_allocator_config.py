@@ -75,7 +75,7 @@ def test_startup_check_names_the_largest_max_model_len_that_fits():
     budget = 1001 * PAGE  # 1000 usable blocks after the null block
     with pytest.raises(ValueError, match=r"largest max_model_len that fits is (\d+)") as error:
         get_kv_cache_config(specs, available_memory=budget, max_model_len=32768, max_num_batched_tokens=2048)
-    largest = int(error.value.args[0].split("fits is ")[1].split(".")[0])
+    largest = int(error.value.args[0].split("fits is ")[1].split(";")[0])
     groups = (FULL, SW)
     sizes = dict(max_num_batched_tokens=2048)
     assert blocks_per_request(groups, max_model_len=largest, **sizes) <= 1000
@@ -85,6 +85,13 @@ def test_startup_check_names_the_largest_max_model_len_that_fits():
     )
     assert config.num_blocks == 1001
     assert estimate_max_model_len(groups, num_blocks=2, max_num_batched_tokens=2048, upper=100) == 0
+
+
+def test_a_pool_too_small_for_one_block_says_so_once():
+    message = r"needs \d+ KV-cache blocks \(.* MiB\) for one request, but only 0 are available \(0 B; .*\): no "
+    with pytest.raises(ValueError, match=message) as error:
+        get_kv_cache_config({"f": FULL}, available_memory=1024, max_model_len=2048, max_num_batched_tokens=512)
+    assert "-1" not in str(error.value) and str(error.value).count("more memory") == 1
 
 
 def test_max_concurrency():

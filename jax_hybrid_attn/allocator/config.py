@@ -186,7 +186,7 @@ def check_enough_kv_cache_memory(
     need = blocks_per_request(
         specs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
     )
-    usable = kv_config.num_blocks - 1
+    usable = max(kv_config.num_blocks - 1, 0)  # block 0 is the null block
     if need <= usable:
         return
     bytes_per_block = kv_config.page_size_bytes * kv_config.group_size
@@ -197,15 +197,22 @@ def check_enough_kv_cache_memory(
         upper=max_model_len,
     )
     fix = (
-        f"the largest max_model_len that fits is {largest}"
+        f"the largest max_model_len that fits is {largest}; decrease max_model_len or give the KV cache more memory"
         if largest
         else "no max_model_len fits: give the KV cache more memory"
     )
     raise ValueError(
-        f"{max_model_len=} needs {need} KV-cache blocks ({need * bytes_per_block / 2**30:.2f} GiB) for one request, "
-        f"but only {usable} blocks ({usable * bytes_per_block / 2**30:.2f} GiB; block 0 is the null block) are "
-        f"available; {fix}. Increase the memory budget or decrease max_model_len."
+        f"{max_model_len=} needs {need} KV-cache blocks ({_bytes(need * bytes_per_block)}) for one request, but "
+        f"only {usable} are available ({_bytes(usable * bytes_per_block)}; block 0 is the null block): {fix}."
     )
+
+
+def _bytes(size: int) -> str:
+    """`size` bytes in the largest binary unit that keeps it at least 1 ("1.50 GiB", "512 B")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size} B"
 
 
 def get_kv_cache_config(
