@@ -10,28 +10,64 @@ The predicates broadcast over numpy and jax arrays alike. Since each rule allows
 does their combination: `allowed_key_range` gives its first and last key, which kernels use to skip
 whole blocks. Both also take the window as a value (``sliding_window=``, which may be traced): the kernels read
 it from memory, so that layers that differ only in their window share one compiled kernel.
+
+Positions, lengths, windows and chunks are integers: Python or numpy ints, or integer arrays (jax arrays may be
+traced). A window or chunk given as a concrete value must be an int in ``[1, 2**31 - 1]`` (`ValueError` naming it
+otherwise); a traced one is read on the device, where it cannot be checked: a traced window below 1 masks every key.
 """
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
+from .integers import check_int, is_int
 from .params import CAUSAL, LayerAttentionParams, check_params
 
 __all__ = ["causal_mask", "sliding_window_mask", "chunked_local_mask", "attention_mask", "allowed_key_range"]
 
 
+def _check_integers(name: str, value) -> None:
+    """`ValueError` naming `name` unless `value` is an int (Python or numpy, not a bool) or an integer array."""
+    if is_int(value):
+        return
+    if not isinstance(value, (jax.Array, np.ndarray)) or not jnp.issubdtype(value.dtype, jnp.integer):
+        kind = f"{value.dtype} array" if isinstance(value, (jax.Array, np.ndarray)) else type(value).__name__
+        raise ValueError(f"{name}={value!r:.80} ({kind}) must be an int or an integer array")
+
+
+def _size_value(name: str, value):
+    """A window or chunk given as a value: `value` itself, checked as far as it is concrete: an int in
+    ``[1, 2**31 - 1]``, or an integer scalar array (a traced one is taken as it is: its value is unknown here)."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        _check_integers(name, value)
+        if value.ndim != 0:
+            raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
+        if not isinstance(value, jax.core.Tracer):
+            check_int(name, value.item())
+        return value
+    return check_int(name, value)
+
+
 def causal_mask(q_pos, k_pos):
     """True where key `k_pos` is not after query `q_pos`."""
+    _check_integers("q_pos", q_pos)
+    _check_integers("k_pos", k_pos)
     return k_pos <= q_pos
 
 
 def sliding_window_mask(q_pos, k_pos, sliding_window: int):
     """True where `k_pos` is among the `sliding_window` positions ending at `q_pos` (or after it)."""
-    return q_pos - k_pos < sliding_window
+    _check_integers("q_pos", q_pos)
+    _check_integers("k_pos", k_pos)
+    return q_pos - k_pos < _size_value("sliding_window", sliding_window)
 
 
 def chunked_local_mask(q_pos, k_pos, attention_chunk_size: int):
     """True where `k_pos` and `q_pos` lie in the same chunk of `attention_chunk_size` positions."""
-    return k_pos // attention_chunk_size == q_pos // attention_chunk_size
+    _check_integers("q_pos", q_pos)
+    _check_integers("k_pos", k_pos)
+    chunk = _size_value("attention_chunk_size", attention_chunk_size)
+    return k_pos // chunk == q_pos // chunk
 
 
 def _window(params: LayerAttentionParams, sliding_window):
@@ -41,7 +77,7 @@ def _window(params: LayerAttentionParams, sliding_window):
         return params.sliding_window
     if params.sliding_window is not None:
         raise ValueError(f"{params.sliding_window=} and a sliding_window value: give the window once")
-    return sliding_window
+    return _size_value("sliding_window", sliding_window)
 
 
 def attention_mask(q_pos, k_pos, seq_len, *, params: LayerAttentionParams = CAUSAL, sliding_window=None):
@@ -49,6 +85,8 @@ def attention_mask(q_pos, k_pos, seq_len, *, params: LayerAttentionParams = CAUS
     `params` (its causality, window and chunk); `sliding_window`, a value that may be traced, stands for a
     window that `params` does not hold."""
     window = _window(params, sliding_window)
+    for name, value in (("q_pos", q_pos), ("k_pos", k_pos), ("seq_len", seq_len)):
+        _check_integers(name, value)
     allowed = (0 <= k_pos) & (k_pos < seq_len) & (q_pos < seq_len)
     if params.causal:
         allowed = allowed & causal_mask(q_pos, k_pos)
@@ -68,6 +106,8 @@ def allowed_key_range(q_pos, seq_len, *, params: LayerAttentionParams = CAUSAL, 
     ``attention_mask(q, k, n, params=p) == (first <= k) & (k <= last)``.
     """
     window = _window(params, sliding_window)
+    _check_integers("q_pos", q_pos)
+    _check_integers("seq_len", seq_len)
     first = jnp.zeros_like(q_pos)
     last = q_pos if params.causal else jnp.broadcast_to(seq_len - 1, jnp.shape(q_pos))
     if window is not None:  # compared before subtracting: a negative q_pos minus a huge window overflows int32

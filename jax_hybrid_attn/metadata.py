@@ -114,12 +114,6 @@ register_pytree_dataclass(
 )
 
 
-def check_metadata_arg(metadata) -> None:
-    """A helper's `metadata` argument must be an `AttentionMetadata`."""
-    if not isinstance(metadata, AttentionMetadata):
-        raise ValueError(f"metadata must be an AttentionMetadata, got {type(metadata).__name__}")
-
-
 def host_int32(name: str, values) -> np.ndarray:
     """Concrete int32 copy of `values`; int64 and friends are converted only when every value fits."""
     if isinstance(values, jax.core.Tracer):

@@ -2,7 +2,10 @@
 of its requests, chunked-local attention as virtual requests, and block tables of smaller kernel blocks.
 
 `split_decodes_and_prefills`, `reorder_decodes_first` and `make_local_attention_virtual_batches` take concrete
-arrays, as vLLM computes them from its CPU copies; `expand_block_tables` is traceable.
+arrays, as vLLM computes them from its CPU copies, and check the metadata they read first (`ValueError` naming the
+field): its types, dtypes and shapes as `paged_attention` does, a ``query_start_loc`` that starts at 0, never
+decreases and ends at ``num_actual_tokens`` (at most T), and the lengths each helper reads.
+`expand_block_tables` is traceable.
 """
 
 import jax
@@ -10,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from .integers import cdiv, check_int
-from .metadata import AttentionMetadata, check_metadata_arg, host_int32
+from .integers import cdiv, check_bool, check_int
+from .metadata import AttentionMetadata, host_int32
+from .validation import check_metadata
 
 __all__ = [
     "expand_block_tables",
@@ -31,10 +35,9 @@ def split_decodes_and_prefills(
     the first longer request on is a prefill. With `require_uniform`, decodes must also all have the
     query length of request 0. The batch must already be decode-first (`reorder_decodes_first`).
     """
-    check_metadata_arg(metadata)
     check_int("decode_threshold", decode_threshold)
-    query_start_loc = host_int32("query_start_loc", metadata.query_start_loc)
-    query_lens = np.diff(query_start_loc)
+    require_uniform = check_bool("require_uniform", require_uniform)
+    query_start_loc, query_lens = _query_offsets(metadata)
     num_reqs, num_tokens = len(query_lens), int(query_start_loc[-1])
     if num_reqs and query_lens.max() <= decode_threshold and (not require_uniform or decode_threshold == 1):
         return num_reqs, 0, num_tokens, 0
@@ -63,15 +66,17 @@ def reorder_decodes_first(
     Returns the reordered metadata and ``token_order`` [T]: the reordered batch's token i is the
     original token ``token_order[i]`` (``q_reordered = q[token_order]``). Padding tokens stay last.
     """
-    check_metadata_arg(metadata)
     check_int("decode_threshold", decode_threshold)
-    query_start_loc = host_int32("query_start_loc", metadata.query_start_loc)
-    seq_lens = host_int32("seq_lens", metadata.seq_lens)
-    query_lens = np.diff(query_start_loc)
+    query_start_loc, query_lens = _query_offsets(metadata)
+    seq_lens = _seq_lens(metadata, query_lens)
     has_context = seq_lens > query_lens
-    is_prefilling = ~has_context if is_prefilling is None else np.asarray(is_prefilling, bool)
-    if is_prefilling.shape != seq_lens.shape:
-        raise ValueError(f"is_prefilling.shape={is_prefilling.shape} must be [R={len(seq_lens)}]")
+    if is_prefilling is None:
+        is_prefilling = ~has_context
+    else:
+        flags = np.asarray(is_prefilling) if isinstance(is_prefilling, (list, tuple, np.ndarray, jax.Array)) else None
+        if flags is None or flags.dtype != np.bool_ or flags.shape != seq_lens.shape:
+            raise ValueError(f"is_prefilling={is_prefilling!r:.80} must be [R={len(seq_lens)}] bools")
+        is_prefilling = flags
     short = query_lens <= decode_threshold
     request_class = np.select(
         [short & ~is_prefilling, short & is_prefilling, ~short & has_context], [0, 1, 2], default=3
@@ -101,19 +106,18 @@ def make_local_attention_virtual_batches(
     ``attention_chunk_size // block_size`` columns from the chunk's first block, clipped to the last
     column (so short rows repeat their last block id, as vLLM's do).
     """
-    chunk = attention_chunk_size
-    check_int("attention_chunk_size", chunk)
-    check_int("block_size", block_size)
-    check_metadata_arg(metadata)
+    chunk = check_int("attention_chunk_size", attention_chunk_size)
+    block_size = check_int("block_size", block_size)
     if chunk % block_size:
         raise ValueError(f"attention_chunk_size={chunk} must be a multiple of {block_size=}")
-    query_start_loc = host_int32("query_start_loc", metadata.query_start_loc)
-    seq_lens = host_int32("seq_lens", metadata.seq_lens)
-    block_tables = host_int32("block_tables", metadata.block_tables)
-    query_lens = np.diff(query_start_loc)
-    if np.any(query_lens < 0) or np.any(query_lens > seq_lens):
+    _, query_lens = _query_offsets(metadata)
+    seq_lens = _seq_lens(metadata, query_lens)
+    block_tables = host_int32("metadata.block_tables", metadata.block_tables)
+    capacity = block_tables.shape[1] * block_size
+    if np.any(seq_lens > capacity):
         raise ValueError(
-            f"metadata.seq_lens={seq_lens.tolist()} must be >= the query lengths {query_lens.tolist()} (>= 0)"
+            f"metadata.seq_lens={seq_lens.tolist()} exceed the block tables' capacity {capacity} tokens "
+            f"({block_tables.shape[1]} blocks * {block_size=})"
         )
 
     # Queries in the chunk holding each request's first new token, and keys in its last chunk.
@@ -135,7 +139,7 @@ def make_local_attention_virtual_batches(
 
     blocks_per_chunk = chunk // block_size
     columns = key_starts[:, None] // block_size + np.arange(blocks_per_chunk)
-    columns = np.minimum(columns, block_tables.shape[1] - 1)
+    columns = np.clip(columns, 0, block_tables.shape[1] - 1)  # below 0: a request without keys
     virtual_block_tables = block_tables[owner[:, None], columns]
 
     return metadata.replace(
@@ -146,6 +150,35 @@ def make_local_attention_virtual_batches(
         max_seq_len=int(virtual_seq_lens.max(initial=0)),
         causal=True,
     )
+
+
+def _query_offsets(metadata) -> tuple[np.ndarray, np.ndarray]:
+    """The metadata (checked as `paged_attention` checks it) and its ``query_start_loc`` [R+1] and query lengths
+    [R] on the host: ``query_start_loc`` must start at 0, never decrease and end at ``num_actual_tokens <= T``."""
+    check_metadata(metadata)
+    query_start_loc = host_int32("metadata.query_start_loc", metadata.query_start_loc)
+    num_actual_tokens = int(host_int32("metadata.num_actual_tokens", metadata.num_actual_tokens))
+    query_lens = np.diff(query_start_loc)
+    if query_start_loc[0] != 0 or np.any(query_lens < 0) or query_start_loc[-1] > metadata.num_tokens:
+        raise ValueError(
+            f"metadata.query_start_loc={query_start_loc.tolist()} must start at 0, never decrease and end at most "
+            f"at T={metadata.num_tokens}"
+        )
+    if num_actual_tokens != query_start_loc[-1]:
+        raise ValueError(
+            f"metadata.num_actual_tokens={num_actual_tokens} must equal query_start_loc[-1]={query_start_loc[-1]}"
+        )
+    return query_start_loc, query_lens
+
+
+def _seq_lens(metadata: AttentionMetadata, query_lens: np.ndarray) -> np.ndarray:
+    """The metadata's ``seq_lens`` [R] on the host, each at least its request's query length."""
+    seq_lens = host_int32("metadata.seq_lens", metadata.seq_lens)
+    if np.any(query_lens > seq_lens):
+        raise ValueError(
+            f"metadata.seq_lens={seq_lens.tolist()} must be >= the query lengths {query_lens.tolist()}"
+        )
+    return seq_lens
 
 
 def expand_block_tables(block_tables: Int[Array, "R P"], *, allocator_block_size: int, kernel_block_size: int):

@@ -81,3 +81,16 @@ def test_matches_jax_dot_product_attention(sliding_window):
 def test_edge_converters(sliding_window, left, local):
     assert window_left(sliding_window) == left
     assert local_window_size(sliding_window) == local
+
+
+@pytest.mark.parametrize("window", [1, 3, 100])
+def test_window_value_may_be_traced(window):
+    """The window as a traced value, as the kernels read it, masks as the same window in `params`; a traced float
+    window is refused by its dtype (a concrete bad window is refused by value: tests/bad_input)."""
+    q, k, params = jnp.arange(9)[:, None], jnp.arange(9)[None, :], LayerAttentionParams(sliding_window=window)
+    traced_mask = jax.jit(lambda w: masks.attention_mask(q, k, 9, sliding_window=w))(window)
+    np.testing.assert_array_equal(traced_mask, masks.attention_mask(q, k, 9, params=params))
+    traced_range = jax.jit(lambda w: masks.allowed_key_range(jnp.arange(9), 9, sliding_window=w))(window)
+    np.testing.assert_array_equal(traced_range, masks.allowed_key_range(jnp.arange(9), 9, params=params))
+    with pytest.raises(ValueError, match=r"sliding_window=.*float32 array\) must be an int"):
+        jax.jit(lambda w: masks.attention_mask(q, k, 9, sliding_window=w))(float(window))

@@ -11,9 +11,9 @@ import pytest
 import jax_hybrid_attn
 from jax_hybrid_attn import (
     AttentionSpec,
-    KVCache,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    KVCache,
     LayerAttentionParams,
     SlidingWindowSpec,
     expand_block_tables,
@@ -21,13 +21,14 @@ from jax_hybrid_attn import (
     local_window_size,
     make_attention_metadata,
     make_local_attention_virtual_batches,
+    masks,
     metadata_group_key,
     reorder_decodes_first,
     split_decodes_and_prefills,
     window_left,
     write_kv,
 )
-from jax_hybrid_attn.masks import attention_mask
+from jax_hybrid_attn.masks import allowed_key_range, attention_mask
 from jax_hybrid_attn.reference import paged_attention
 from jax_hybrid_attn.testing import random_paged_inputs
 
@@ -43,6 +44,10 @@ TABLE = np.asarray(MD.block_tables)
 NEW_KV = jnp.asarray(np.random.default_rng(1).standard_normal((T, 2, H)), jnp.float32)
 FP8 = jnp.float8_e4m3fn
 SPEC = dict(block_size=4, num_kv_heads=2, head_size=8, dtype=jnp.bfloat16)
+
+
+POSITIONS = jnp.arange(4)
+PARAMS_W = LayerAttentionParams(sliding_window=2)
 
 
 def attention(q=Q, kv_cache=KV, metadata=MD, **kwargs):
@@ -248,11 +253,49 @@ CASES = [
      lambda: attention_mask(jnp.arange(4), jnp.arange(4), 4, params=LayerAttentionParams(attention_chunk_size=0)),
      E, "attention_chunk_size"),  # fmt: skip
     ("mask-params-not-params", lambda: attention_mask(jnp.arange(4), jnp.arange(4), 4, params="x"), E, "params="),
+    *[(f"{name}-window-{label}", lambda call=call, w=w: call(w), E, rf"sliding_window={shown} must be an int in \[1,")
+      for name, call in (("mask", lambda w: attention_mask(POSITIONS, POSITIONS[:, None], 4, sliding_window=w)),
+                         ("key-range", lambda w: allowed_key_range(POSITIONS, 4, sliding_window=w)))
+      for label, w, shown in (("0", 0, "0"), ("negative", -1, "-1"), ("float", 2.5, "2.5"), ("bool", True, "True"),
+                              ("inf", float("inf"), "inf"), ("str", "4", "'4'"), ("huge", 2**40, str(2**40)),
+                              ("numpy-0", np.int64(0), r"np\.int64\(0\)"), ("jax-0", jnp.int32(0), "0"))],  # fmt: skip
+    ("mask-window-vector", lambda: attention_mask(POSITIONS, POSITIONS, 4, sliding_window=jnp.ones(4, jnp.int32)),
+     E, r"sliding_window must be a scalar"),  # fmt: skip
+    ("mask-window-float-array", lambda: attention_mask(POSITIONS, POSITIONS, 4, sliding_window=jnp.float32(2)),
+     E, r"sliding_window=.*float32 array\) must be an int"),  # fmt: skip
+    ("mask-window-and-params-window", lambda: attention_mask(POSITIONS, POSITIONS, 4, sliding_window=2, params=PARAMS_W),
+     E, "give the window once"),  # fmt: skip
+    ("mask-float-positions", lambda: attention_mask(POSITIONS + 0.5, POSITIONS, 4), E, r"q_pos=.*float"),
+    ("mask-list-positions", lambda: attention_mask(POSITIONS, [0, 1], 4), E, r"k_pos=\[0, 1\]"),
+    ("mask-str-seq-len", lambda: attention_mask(POSITIONS, POSITIONS, "4"), E, r"seq_len='4'"),
+    ("key-range-float-positions", lambda: allowed_key_range(POSITIONS * 1.0, 4), E, r"q_pos=.*float"),
+    ("chunked-mask-0", lambda: masks.chunked_local_mask(POSITIONS, POSITIONS, 0), E, "attention_chunk_size=0"),
+    ("window-mask-bool", lambda: masks.sliding_window_mask(POSITIONS, POSITIONS, True), E, "sliding_window=True"),
     # metadata helpers
     ("virtual-chunk-not-multiple", lambda: make_local_attention_virtual_batches(6, MD, 4), E, "attention_chunk_size"),
     ("virtual-chunk-0", lambda: make_local_attention_virtual_batches(0, MD, 4), E, "attention_chunk_size"),
     ("virtual-block-size-0", lambda: make_local_attention_virtual_batches(8, MD, 0), E, "block_size"),
+    ("virtual-table-without-columns",
+     lambda: make_local_attention_virtual_batches(8, MD.replace(block_tables=MD.block_tables[:, :0]), 4),
+     E, r"metadata\.block_tables\.shape"),  # fmt: skip
+    ("virtual-seq-len-beyond-table", lambda: make_local_attention_virtual_batches(8, MD.replace(
+        seq_lens=edited("seq_lens", 1, NUM_COLS * BLOCK_SIZE + 1)), 4), E, r"metadata\.seq_lens.*capacity"),
+    *[(f"{name}-query-start-loc-{label}", lambda helper=helper, qsl=qsl: helper(MD.replace(query_start_loc=qsl)),
+       E, r"metadata\.query_start_loc=\[.*must start at 0, never decrease")
+      for name, helper in (("split", split_decodes_and_prefills), ("reorder", reorder_decodes_first),
+                           ("virtual", lambda md: make_local_attention_virtual_batches(8, md, 4)))
+      for label, qsl in (("decreasing", edited("query_start_loc", 1, 5)),
+                         ("not-at-0", edited("query_start_loc", 0, 1)),
+                         ("past-T", edited("query_start_loc", -1, T + 1)))],  # fmt: skip
+    ("split-num-actual-tokens", lambda: split_decodes_and_prefills(MD.replace(num_actual_tokens=jnp.int32(T - 1))),
+     E, r"metadata\.num_actual_tokens"),  # fmt: skip
+    ("split-not-metadata", lambda: split_decodes_and_prefills(dict(vars(MD))), E, "metadata must be"),
     ("split-threshold-0", lambda: split_decodes_and_prefills(MD, decode_threshold=0), E, "decode_threshold"),
+    ("split-require-uniform-str", lambda: split_decodes_and_prefills(MD, require_uniform="no"), E, "require_uniform"),
+    ("reorder-seq-len-below-query", lambda: reorder_decodes_first(MD.replace(seq_lens=edited("seq_lens", 0, 2))),
+     E, r"metadata\.seq_lens"),  # fmt: skip
+    ("reorder-is-prefilling-ints", lambda: reorder_decodes_first(MD, is_prefilling=[1, 0, 2]), E, "is_prefilling"),
+    ("reorder-is-prefilling-str", lambda: reorder_decodes_first(MD, is_prefilling="yes"), E, "is_prefilling"),
     ("reorder-threshold-0", lambda: reorder_decodes_first(MD, decode_threshold=0), E, "decode_threshold"),
     ("reorder-is-prefilling-shape", lambda: reorder_decodes_first(MD, is_prefilling=[True, False]),
      E, "is_prefilling"),  # fmt: skip
