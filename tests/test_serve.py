@@ -480,6 +480,169 @@ def test_bad_requests_are_openai_errors_that_change_nothing(served, route, body,
     assert idle_engine(served) == before  # no step ran, no request was added
 
 
+NAN, INF = float("nan"), float("inf")
+NOT_BOOLS = [1, 0, "true", 1.0, [], {}]
+NOT_INTS = [True, "1", 1.5, 1.0, [], {}]
+NOT_FLOATS = [True, False, "0.5", "1", [], {}, NAN, INF, -INF]
+NOT_STRINGS = [True, 1, 1.5, [], {}]
+SHARED_FIELDS = {  # field: values both endpoints refuse, naming the field
+    "model": NOT_STRINGS + ["no-such-model", "模型"],
+    "temperature": NOT_FLOATS + [-0.5, 1e7],
+    "top_p": NOT_FLOATS + [0, -0.1, 1.5],
+    "top_k": NOT_INTS + [-2, 2**31],
+    "seed": NOT_INTS + [2**63, -(2**63) - 1],
+    "stop": [True, 1, 1.5, {}, [1], [""], [None], ["x", []]],
+    "stop_token_ids": [True, 1, "1", [True], [1.5], ["1"], [-1], [2**40]],
+    "n": NOT_INTS + [0, -1, MAX_N + 1, 2**64],
+    "stream": NOT_BOOLS,
+    "stream_options": [True, 1, "x", [], {}, {"include_usage": True}],  # without "stream": true
+    "ignore_eos": NOT_BOOLS + [None],
+    "return_token_ids": NOT_BOOLS,
+    "frequency_penalty": NOT_FLOATS + [0.5],
+    "presence_penalty": NOT_FLOATS + [-0.5],
+    "logit_bias": [True, 1, "x", [], {"1": True}, {"1": "1"}, {"1": NAN}, {"1": 5}],
+    "user": NOT_STRINGS,
+    "max_tokens": NOT_INTS + [0, -1, 2**64],
+    # vLLM's extensions the server does not implement, asking for something
+    "min_p": [0.1], "repetition_penalty": [1.2, True], "skip_special_tokens": [False, 1], "use_beam_search": [True],
+    "guided_json": [{"type": "object"}], "min_tokens": [2], "priority": [1],
+}
+COMPLETION_FIELDS = {
+    "prompt": [True, 1, 1.5, None, [], {}, [[]], [True], [1.5], [-1], [ByteTokenizer.vocab_size], ["x", 1]],
+    "echo": NOT_BOOLS + [True],
+    "logprobs": NOT_INTS + [-1, 0, 1],
+    "suffix": NOT_STRINGS + ["x"],
+    "best_of": NOT_INTS + [0, 2],
+    "response_format": [{"type": "json_object"}],
+    "add_special_tokens": [False],
+}
+CHAT_FIELDS = {
+    "messages": [True, "x", {}, [], [1], [{}], [{"role": 1, "content": "x"}], [{"role": "user", "content": 1}],
+                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                 [{"role": "user", "content": [{"type": "text", "text": 1}]}], [{"role": "user", "content": [1]}]],
+    "max_completion_tokens": NOT_INTS + [0, 2],  # 2: differs from max_tokens
+    "logprobs": NOT_BOOLS + [True],
+    "top_logprobs": NOT_INTS + [-1, 0, 5],
+    "tools": [True, "x", {}, [1], [{"type": "function", "function": {"name": "f"}}]],
+    "response_format": [True, "json", [], {"type": "json_object"}, {}],
+    "add_generation_prompt": NOT_BOOLS + [None],
+    "chat_template_kwargs": [True, [], "x", {"messages": []}, {"add_generation_prompt": False},
+                             {"add_generation_prompt": "yes"}, {"add_generation_prompt": 1}, {"tokenize": True},
+                             {"chat_template": "x"}, {"tools": []}, {"continue_final_message": True}],
+    "continue_final_message": [True], "echo": [True], "chat_template": ["{{ 'x' }}"],
+}
+COMPLETION = {"prompt": "x", "max_tokens": 1}
+CHAT = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+
+
+def fuzz_cases():
+    """(route, body, the field its error must name): every field of both endpoints with each bad value (those of
+    the fields both share, which one class checks, sent to either endpoint in turn)."""
+    endpoints = [("/v1/completions", COMPLETION, COMPLETION_FIELDS), ("/v1/chat/completions", CHAT, CHAT_FIELDS)]
+    for i, (field, values) in enumerate(SHARED_FIELDS.items()):
+        for j, value in enumerate(values):
+            route, base, _ = endpoints[(i + j) % 2]
+            yield route, {**base, field: value}, field
+    for route, base, fields in endpoints:
+        for field, values in fields.items():
+            for value in values:
+                yield route, {**base, field: value}, field
+    for route, base, _ in endpoints:
+        yield route, {**base, "stream": False, "stream_options": {"include_usage": True}}, "stream_options"
+        for options in [True, [], {"include_usage": 1}, {"include_usage": None}, {"continuous_usage_stats": True}]:
+            yield route, {**base, "stream": True, "stream_options": options}, "stream_options"
+
+
+def post(http, route: str, body, *, content_type: str | None = "application/json"):
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)  # NaN and Infinity as Python sends them
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    return http.post(route, content=content, headers=headers)
+
+
+def test_a_fuzz_of_every_field_gets_a_400_that_names_it(served):
+    """Every field of both endpoints, with each wrong type (bool, string, float for int, list, object, null where
+    OpenAI takes none), NaN and infinities as Python's json sends them, and out-of-range values: a 4xx in OpenAI's
+    error JSON whose message starts with the field and whose param is it; nothing reaches the engine, nothing is
+    logged as a server error."""
+    before, errors_before = idle_engine(served), len(served.errors.records)
+    wrong = []
+    with httpx.Client(base_url=served.base, timeout=REQUEST_TIMEOUT_S) as http:
+        for route, body, field in fuzz_cases():
+            response = post(http, route, body)
+            error = response.json().get("error") if response.status_code in (400, 404) else None
+            if not (error and error["message"].startswith(field) and (error["param"] or "").split(".")[0] == field):
+                wrong.append((route, body.get(field, body), response.status_code, response.text[:200]))
+    assert not wrong, f"{len(wrong)} wrong answers, e.g. {wrong[:5]}"
+    assert len(served.errors.records) == errors_before
+    assert idle_engine(served) == before
+
+
+MALFORMED = [  # (method, route, body, content type, status)
+    ("POST", "/v1/completions", "[1, 2]", "application/json", 400),
+    ("POST", "/v1/completions", "null", "application/json", 400),
+    ("POST", "/v1/chat/completions", '"x"', "application/json", 400),
+    ("POST", "/v1/chat/completions", "", "application/json", 400),
+    ("POST", "/v1/completions", b"\xff\xfe{", "application/json", 400),
+    ("POST", "/v1/completions", "[" * 10_000, "application/json", 400),
+    ("POST", "/v1/completions", json.dumps(COMPLETION), "text/plain", 415),
+    ("POST", "/v1/chat/completions", json.dumps(CHAT), "application/x-www-form-urlencoded", 415),
+    ("GET", "/v1/completions", None, None, 405),
+    ("PUT", "/v1/chat/completions", None, None, 405),
+    ("POST", "/v1/models", "{}", "application/json", 405),
+    ("GET", "/v1/no-such-route", None, None, 404),
+    ("POST", "/v2/completions", json.dumps(COMPLETION), "application/json", 404),
+]
+
+
+def test_malformed_bodies_wrong_content_types_and_unknown_routes_are_openai_errors(served):
+    with httpx.Client(base_url=served.base, timeout=REQUEST_TIMEOUT_S) as http:
+        for method, route, body, content_type, status in MALFORMED:
+            headers = {} if content_type is None else {"Content-Type": content_type}
+            response = http.request(method, route, content=body, headers=headers)
+            assert response.status_code == status, (method, route, body, response.text)
+            assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+        # a JSON body that names no content type, or application/json with a charset, is taken
+        for content_type in (None, "application/json; charset=utf-8"):
+            assert post(http, "/v1/completions", COMPLETION, content_type=content_type).status_code == 200
+
+
+def test_edge_values_that_are_valid_are_served(served):
+    """Ints for floats, null where OpenAI takes it as the default, the neutral values of vLLM's extensions, and
+    chat_template_kwargs: its add_generation_prompt when it agrees with the request's, and any variable the
+    template does not own (``self`` failed in the renderer's signature)."""
+    prompt_tokens = len(chat_prompt(CHAT["messages"]))
+    with httpx.Client(base_url=served.base, timeout=REQUEST_TIMEOUT_S) as http:
+        for route, base in [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)]:
+            for extra in ({"temperature": 0, "top_p": 1, "seed": -1, "frequency_penalty": 0, "logit_bias": {}},
+                          {"n": None, "stream": None, "return_token_ids": None, "stop": ["😀", "é"], "user": "ü"},
+                          {"min_p": 0, "repetition_penalty": 1.0, "skip_special_tokens": True, "guided_json": None}):
+                response = post(http, route, {**base, **extra})
+                assert response.status_code == 200, (route, extra, response.text)
+        assert post(http, "/v1/completions", {**COMPLETION, "echo": None, "logprobs": None}).status_code == 200
+        chat = [({"chat_template_kwargs": {"add_generation_prompt": True}}, prompt_tokens),
+                ({"add_generation_prompt": False, "chat_template_kwargs": {"add_generation_prompt": False}},
+                 prompt_tokens - len("<assistant>")),
+                ({"chat_template_kwargs": {"self": 1, "bos_token": "B"}}, prompt_tokens + 1),
+                ({"max_tokens": 1, "max_completion_tokens": 1, "logprobs": None, "top_logprobs": None}, prompt_tokens)]
+        for extra, expected in chat:
+            response = post(http, "/v1/chat/completions", {**CHAT, **extra})
+            assert response.status_code == 200, (extra, response.text)
+            assert response.json()["usage"]["prompt_tokens"] == expected, extra
+
+
+def test_chat_templates_take_variables_and_fail_as_chat_template_errors():
+    from jax_hybrid_attn.serve.chat_template import ChatTemplate, ChatTemplateError
+
+    template = ChatTemplate("{{ bos_token }}{{ messages | length }}{{ add_generation_prompt }}{{ 10 // x }}",
+                            special_tokens={"bos_token": "<s>"})
+    assert template.render([{}], variables={"x": 5}) == "<s>1True2"
+    assert template.render([], add_generation_prompt=False, variables={"x": 1, "bos_token": "B"}) == "B0False10"
+    with pytest.raises(ChatTemplateError, match="ZeroDivisionError"):
+        template.render([], variables={"x": 0})
+    with pytest.raises(ValueError, match=r"variables=\['add_generation_prompt', 'messages'\]"):
+        template.render([], variables={"messages": [], "add_generation_prompt": False, "x": 1})
+
+
 def test_the_cli_refuses_bad_server_options(capsys):
     assert main(["serve", "--port", "70000"]) == 2
     assert "--port=70000" in capsys.readouterr().err

@@ -149,12 +149,24 @@ async def _with_error_event(events):
 
 
 async def _parse[M: BaseModel](request: Request, model: type[M]) -> M:
-    """The request's JSON body as `model`, or a 400 naming the field at fault."""
+    """The request's JSON body as `model`, or a 400 naming the field at fault (a 415 for a body that says it is
+    not JSON: a ``Content-Type`` other than ``application/json`` or ``application/*+json``; none is taken as
+    JSON)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not _is_json(content_type):
+        message = f"Content-Type: {content_type!r} is not application/json: the body must be a JSON object"
+        raise APIError(message, status=http.HTTPStatus.UNSUPPORTED_MEDIA_TYPE, code="unsupported_media_type")
     raw = await request.body()
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:
         raise validation_error(error.errors()) from None
+
+
+def _is_json(content_type: str) -> bool:
+    media_type = content_type.partition(";")[0].strip().lower()
+    kind, _, subtype = media_type.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 async def _unless_disconnected(request: Request, work):

@@ -11,8 +11,9 @@ adding special tokens: the template writes them.
 import datetime
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ChatTemplate", "ChatTemplateError", "load_chat_template"]
 
@@ -56,20 +57,25 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens or {})
 
-    def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True, **variables) -> str:
-        """The conversation as the prompt's text; `ChatTemplateError` when the template refuses it."""
-        import jinja2
-        import jinja2.ext
+    def render(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = True, variables: Mapping[str, Any] | None = None
+    ) -> str:
+        """The conversation as the prompt's text; `ChatTemplateError` when the template refuses it or fails on it.
 
-        context = {**self.special_tokens, **variables}
+        `variables`: more of the template's variables (they override the special tokens); ``messages`` and
+        ``add_generation_prompt`` are the arguments of those names."""
+        variables = variables or {}
+        taken = sorted(set(variables) & {"messages", "add_generation_prompt"})
+        if taken:
+            raise ValueError(f"variables={taken} are arguments of render, not variables")
+        own = {"messages": list(messages), "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt, **context
-            )
+            return self._template.render({**self.special_tokens, **variables, **own})
         except ChatTemplateError:
             raise
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as error:
-            raise ChatTemplateError(f"the chat template failed on these messages: {error}") from None
+        except Exception as error:  # noqa: BLE001 - the template failed on the request's data, whatever the error
+            message = f"{type(error).__name__}: {error}"
+            raise ChatTemplateError(f"the chat template failed on these messages: {message}") from None
 
 
 def load_chat_template(model_dir: str | os.PathLike | None, *, override: str | None = None) -> ChatTemplate | None:

@@ -230,7 +230,7 @@ class OpenAIServing:
         messages = [message.for_template() for message in request.messages]
         try:
             text = self.chat_template.render(messages, add_generation_prompt=request.add_generation_prompt,
-                                             **(request.chat_template_kwargs or {}))  # fmt: skip
+                                             variables=request.template_variables)  # fmt: skip
         except ChatTemplateError as error:
             raise APIError(f"messages: {error}", param="messages") from None
         tokens = self.tokenizer.encode(text, add_special_tokens=False)
