@@ -89,3 +89,95 @@ def test_bytes_stand_in_for_a_missing_tokenizer_with_the_checkpoints_own_eos(tmp
     assert load_tokenizer(tmp_path).eos_token_ids == (1, 106)
     (tmp_path / "bare").mkdir()
     assert load_tokenizer(tmp_path / "bare").eos_token_ids == ()  # neither file: no EOS
+
+
+CORPUS = ["The capital of France is Paris.", "Sliding-window attention keeps only the recent keys.",
+          "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)"]  # fmt: skip
+TEXTS = ["The capital of Spain is", "ünïcode and  spaces\tand\nlines", "def f(x): return x"]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_checkpoint(tmp_path_factory):
+    """A directory with a SentencePiece ``tokenizer.model`` (Llama 2's form: no tokenizer.json) and its configs."""
+    spm = pytest.importorskip("sentencepiece")
+    directory = tmp_path_factory.mktemp("sentencepiece")
+    corpus = directory / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS * 30))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(directory / "tokenizer"), vocab_size=300,
+                                   model_type="bpe", byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
+                                   num_threads=1, minloglevel=2)  # fmt: skip
+    for leftover in (corpus, directory / "tokenizer.vocab"):
+        leftover.unlink()
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+    (directory / "config.json").write_text(json.dumps({"eos_token_id": 2, "bos_token_id": 1}))
+    return directory
+
+
+def test_a_sentencepiece_checkpoint_gives_transformers_token_ids(sentencepiece_checkpoint):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.AutoTokenizer.from_pretrained(str(sentencepiece_checkpoint))
+    tok = load_tokenizer(sentencepiece_checkpoint)
+    assert isinstance(tok, HFTokenizer)
+    assert tok.source == "tokenizer.model, tokenizer_config.json through transformers"
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == reference.encode(text) and ids[0] == 1
+        assert tok.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    native = pytest.importorskip("sentencepiece").SentencePieceProcessor(
+        model_file=str(sentencepiece_checkpoint / "tokenizer.model"))
+    assert tok.encode(CORPUS[0]) == [1, *native.encode(CORPUS[0])]  # SentencePiece's own pieces, not bytes
+    assert tok.eos_token_ids == (2,) and tok.bos_token_id == 1
+
+
+def test_a_byte_level_bpe_checkpoint_gives_transformers_token_ids(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(CORPUS * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.model.save(str(tmp_path))  # vocab.json and merges.txt, as GPT-2 and Qwen ship them
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}))
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    tok = load_tokenizer(tmp_path)
+    assert tok.source == "merges.txt, tokenizer_config.json, vocab.json through transformers"
+    for text in TEXTS:
+        assert tok.encode(text) == reference.encode(text)
+        assert tok.decode(tok.encode(text)) == reference.decode(reference.encode(text), skip_special_tokens=True)
+    assert tok.eos_token_ids == (reference.convert_tokens_to_ids("<|endoftext|>"),)
+
+
+def test_without_the_tokenizers_extra_text_is_refused_with_what_to_install(sentencepiece_checkpoint, monkeypatch):
+    import importlib.util
+
+    from jax_hybrid_attn.extras import MissingExtraError
+    from jax_hybrid_attn.models import MissingTokenizer
+
+    find_spec = importlib.util.find_spec
+    hidden = lambda name, *args: None if name == "sentencepiece" else find_spec(name, *args)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    tok = load_tokenizer(sentencepiece_checkpoint)
+    assert isinstance(tok, MissingTokenizer) and tok.eos_token_ids == (2,)  # token-id prompts still stop on EOS
+    with pytest.raises(MissingExtraError, match=r"the tokenizer of .*\(tokenizer.model, tokenizer_config.json; no tokenizer.json\) needs the tokenizers extra \(sentencepiece not "
+                       r"installed\): pip install 'jax-hybrid-attn\[tokenizers\]'"):  # fmt: skip
+        tok.encode("hello")
+
+
+def test_a_checkpoint_that_names_a_tokenizer_never_falls_back_to_bytes(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    with pytest.raises(ValueError, match=r"transformers read no vocabulary from the tokenizer of .*\(tokenizer_config"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json' is not valid JSON"):
+        load_tokenizer(tmp_path)
+
+
+def test_bytes_stand_in_only_where_the_checkpoint_ships_no_tokenizer_file_and_say_so(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, ByteTokenizer) and tok.source == "UTF-8 bytes (the checkpoint ships no tokenizer file)"
+    assert load_tokenizer(None).source == "UTF-8 bytes"

@@ -32,3 +32,26 @@ def test_every_subpackage_ships():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(init.parent.relative_to(root).parts) for init in (root / "jax_hybrid_attn").rglob("__init__.py")}
     assert found <= listed
+
+
+def test_the_extras_named_in_errors_install_the_modules_they_are_checked_for():
+    """`extras.require_extra` names an extra of pyproject.toml for each module it finds missing."""
+    import re
+
+    from jax_hybrid_attn.extras import EXTRA_MODULES
+
+    root = pathlib.Path(__file__).parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    distributions = importlib.metadata.packages_distributions()
+    for extra, modules in EXTRA_MODULES.items():
+        normal = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731 - PEP 503's normal form
+        listed = {normal(re.split(r"[\[<>=~!; ]", requirement)[0]) for requirement in extras[extra]}
+        for module in modules:
+            assert {normal(d) for d in distributions[module]} & listed, (extra, module)
+
+
+def test_the_subpackages_are_attributes_of_the_package_once_used():
+    code = ("import sys, jax_hybrid_attn; print('jax_hybrid_attn.models' in sys.modules, "
+            "callable(jax_hybrid_attn.models.compare_with_transformers), 'jax_hybrid_attn.serve.server' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True", "False"]

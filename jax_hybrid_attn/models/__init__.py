@@ -9,7 +9,14 @@ from .embedded import EMBEDDED_HF_CONFIG, embedded_config
 from .loading import checkpoint_tensor_names, load_model, random_model
 from .rope import RopeParameters
 from .summary import describe_model, model_line
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from .tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    MissingTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    tokenizer_files,
+)
 
 __all__ = [
     "AttentionCache",
@@ -38,5 +45,7 @@ __all__ = [
     "Tokenizer",
     "ByteTokenizer",
     "HFTokenizer",
+    "MissingTokenizer",
     "load_tokenizer",
+    "tokenizer_files",
 ]

@@ -96,8 +96,16 @@ def read_config_dir(path: str | os.PathLike) -> dict:
     file = path / "config.json"
     if not file.is_file():
         raise ValueError(f"path={str(path)!r} has no config.json")
-    with open(file) as f:
-        return read_hf_config(json.load(f))
+    return read_hf_config(read_json_file(file))
+
+
+def read_json_file(file: Path):
+    """The JSON value of `file`; a file that is not JSON is a `ValueError` naming it."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{str(file)!r} is not valid JSON: {error}") from None
 
 
 def read_hf_config(config: dict) -> dict:
