@@ -4,6 +4,8 @@ Shape letters: T query tokens · R requests · N query heads · K kv heads · H 
 pool · S block_size · P max blocks per request. Window convention: see `jax_hybrid_attn.params`.
 """
 
+import importlib
+
 from . import allocator, masks, reference
 from .attention import layer_attention, paged_attention
 from .cascade import cascade_attention
@@ -53,3 +55,14 @@ __all__ = [
     "window_left",
     "write_kv",
 ]
+
+
+_SUBPACKAGES = ("engine", "kernels", "models", "serve")
+"""Imported on first use (``jax_hybrid_attn.models.load_model(...)`` after ``import jax_hybrid_attn``), so that
+importing the package does not import the models, the engine or the server."""
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

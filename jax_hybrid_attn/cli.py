@@ -11,22 +11,44 @@ stdout. The model and engine options, shared with ``jha serve``, and the compila
 steps across runs (by default in ``~/.cache/jax_hybrid_attn``): `engine_options`.
 
 ``jha compare`` (the ``torch`` extra) runs `models.compare.compare_with_transformers`: it prints the table of
-per-layer differences (or with ``--json`` the report as one JSON object) and exits with 0 when every difference is
-within tolerance and the float32 greedy tokens agree, 1 when not (the report names the first layer beyond
-tolerance), 2 on an error (an unsupported model type, a bad option, torch missing).
+per-layer differences (or with ``--json`` the report as one JSON object) and exits with 1 when a difference is
+beyond tolerance or the float32 greedy tokens differ (the report names the first layer beyond tolerance).
+
+Every command checks its arguments before it reads a weight, and exits with 2 and one line on stderr for
+bad input (an option, a checkpoint that cannot be read, an extra that is not installed: the line says which
+``pip install`` adds it), with 3 when ``jha serve`` cannot start its server (the port is taken), and with 70
+(and the traceback) for a failure of the package itself.
 """
 
 import argparse
+import importlib.metadata
 import json
 import re
 import sys
 import time
+import traceback
 
 import numpy as np
 
 from .engine_options import add_engine_arguments, load_planned, plan_model
 
-__all__ = ["main"]
+__all__ = [
+    "EXIT_BAD_INPUT",
+    "EXIT_COMPARISON_FAILED",
+    "EXIT_INTERNAL_ERROR",
+    "EXIT_SERVER_NOT_STARTED",
+    "main",
+]
+
+EXIT_COMPARISON_FAILED = 1
+"""``jha compare``: a difference beyond tolerance, or float32 greedy tokens that differ."""
+EXIT_BAD_INPUT = 2
+"""A bad option, a checkpoint that cannot be read, an extra that is not installed (argparse's code too)."""
+EXIT_SERVER_NOT_STARTED = 3
+"""``jha serve``: the server could not start (its address cannot be listened on, the engine process died)."""
+EXIT_INTERNAL_ERROR = 70
+"""A failure of the package itself (sysexits' EX_SOFTWARE), with its traceback."""
+EXIT_INTERRUPTED = 130
 
 PROCESS_START = time.perf_counter()  # (about) when the process started: this module is imported first
 
@@ -36,8 +58,6 @@ DEFAULT_PROMPTS = (
     "def fibonacci(n):",
     "In a hybrid model, full-attention layers",
 )
-
-
 
 def token_id_lists(text: str) -> list[list[int]]:
     """``--prompt-token-ids '[[1, 2], [3]]'`` (argparse type)."""
@@ -60,12 +80,23 @@ def token_ids(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("jax-hybrid-attn")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """``jha``'s parser: options spelled out in full (no abbreviations), each checked by its type."""
     from .serve import add_serve_arguments
 
-    parser = argparse.ArgumentParser(prog="jha", description="jax_hybrid_attn: paged attention serving in JAX")
+    description = "jax_hybrid_attn: paged attention serving in JAX"
+    parser = argparse.ArgumentParser(prog="jha", description=description, allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    g = commands.add_parser("generate", help="generate text for prompts with the continuous-batching engine")
+    add = lambda name, **kwargs: commands.add_parser(name, allow_abbrev=False, **kwargs)  # noqa: E731
+    g = add("generate", help="generate text for prompts with the continuous-batching engine")
     add_engine_arguments(g)
     g.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     g.add_argument("--prompt-file", help="a file with one prompt per line")
@@ -79,10 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the batch once first, then time a second run with a cold prefix cache")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print one JSON object and nothing else on stdout")
     g.add_argument("--no-progress", action="store_true")
-    s = commands.add_parser("serve", help="an OpenAI-compatible HTTP server on the engine (the serve extra)")
+    s = add("serve", help="an OpenAI-compatible HTTP server on the engine (the serve extra)")
     add_engine_arguments(s)
     add_serve_arguments(s)
-    add_compare_arguments(commands.add_parser(
+    add_compare_arguments(add(
         "compare", help="the JAX model of a checkpoint against transformers, layer by layer (the torch extra)"))
     return parser
 
@@ -160,6 +191,13 @@ def report(engine, outputs, wall_seconds: float, startup: dict) -> dict:
     }
 
 
+def output_text(tokenizer, token_ids) -> str | None:
+    """The text of `token_ids`, or None where the tokenizer cannot be read here (`MissingTokenizer`)."""
+    from .models import MissingTokenizer
+
+    return None if isinstance(tokenizer, MissingTokenizer) else tokenizer.decode(token_ids)
+
+
 def print_report(metrics: dict, outputs, tokenizer, file) -> None:
     from .models import model_line
 
@@ -167,7 +205,8 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
         if output.error is not None:
             print(f"[{i}] refused: {output.error}", file=file)
         else:
-            print(f"[{i}] {tokenizer.decode(output.output_token_ids)!r}", file=file)
+            text = output_text(tokenizer, output.output_token_ids)
+            print(f"[{i}] {output.output_token_ids if text is None else repr(text)}", file=file)
     kv = metrics["kv_cache"]
     fmt = lambda p: "-" if p is None else " / ".join(f"{v * 1e3:.1f}" for v in p.values())  # noqa: E731
     rate = lambda x: "-" if x is None else f"{x:,.0f}"  # noqa: E731
@@ -175,6 +214,7 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
     lines = [
         "",
         model_line(metrics["model"]) if "model" in metrics else "",
+        f"tokenizer: {metrics['tokenizer']}" if "tokenizer" in metrics else "",
         f"requests {metrics['requests']} ({metrics['refused']} refused) in {metrics['wall_s']:.2f} s",
         f"tokens/s: prefill {rate(metrics['prefill_tokens_per_s'])}, decode {rate(metrics['decode_tokens_per_s'])}, "
         f"output {rate(metrics['output_tokens_per_s'])}",
@@ -198,18 +238,50 @@ def print_report(metrics: dict, outputs, tokenizer, file) -> None:
     print("\n".join(lines), file=file)
 
 
-def prompt_token_lists(args, tokenizer) -> list[list[int]]:
-    """The prompts of ``--prompt``, ``--prompt-file`` and ``--prompt-token-ids`` (none: `DEFAULT_PROMPTS`)."""
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
-    token_lists = [tokenizer.encode(p) for p in prompts] + list(args.prompt_token_ids or [])
-    return token_lists or [tokenizer.encode(p) for p in DEFAULT_PROMPTS]
+def read_prompt_file(path: str) -> list[str]:
+    """The prompts of ``--prompt-file``: its non-empty lines. A file that cannot be read, or holds none, is a
+    `ValueError`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--prompt-file={path!r} cannot be read: {error}") from None
+    if not prompts:
+        raise ValueError(f"--prompt-file={path!r} holds no prompt (one prompt per non-empty line)")
+    return prompts
 
 
-def refuse_if_nothing_runs(token_lists, config, max_model_len: int) -> None:
-    """Raise the first prompt's refusal (`engine.prompts.check_prompt`) when the engine would refuse every one."""
+def prompt_texts(args) -> list[str] | None:
+    """The text prompts of ``--prompt`` and ``--prompt-file``, in order; None when no prompt is given at all (the
+    run takes `DEFAULT_PROMPTS`)."""
+    texts = [*args.prompt, *(read_prompt_file(args.prompt_file) if args.prompt_file else [])]
+    if not texts and args.prompt_token_ids is not None and not args.prompt_token_ids:
+        raise ValueError("--prompt-token-ids='[]' holds no prompt")
+    return texts if texts or args.prompt_token_ids else None
+
+
+def prompt_token_lists(texts: list[str] | None, token_ids: list | None, tokenizer) -> list[list[int]]:
+    """`texts` through `tokenizer`, then the `token_ids` prompts (both None: `DEFAULT_PROMPTS`)."""
+    if texts is None:
+        return [tokenizer.encode(p) for p in DEFAULT_PROMPTS]
+    return [tokenizer.encode(p) for p in texts] + list(token_ids or [])
+
+
+def sampling_params(args):
+    """The `SamplingParams` of the sampling options (each checked, named as its option)."""
+    from .engine import SamplingParams
+
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, seed=None, ignore_eos=args.ignore_eos)  # fmt: skip
+    except ValueError as error:
+        option = str(error).split("=", 1)[0].replace("_", "-")
+        raise ValueError(f"--{option}: {error}") from None
+
+
+def refuse_if_nothing_runs(token_lists, config, max_model_len: int) -> list[bool]:
+    """Which prompts the engine serves (`engine.prompts.check_prompt`); the first prompt's refusal is raised
+    when it would refuse every one."""
     from .engine.prompts import check_prompt
 
     errors = []
@@ -218,31 +290,47 @@ def refuse_if_nothing_runs(token_lists, config, max_model_len: int) -> None:
             check_prompt(tokens, model_config=config, max_model_len=max_model_len)
         except (ValueError, NotImplementedError) as error:
             errors.append(error)
-    if token_lists and len(errors) == len(token_lists):
-        raise type(errors[0])(f"every prompt would be refused ({len(errors)}); the first: {errors[0]}")
+        else:
+            errors.append(None)
+    refused = [error for error in errors if error is not None]
+    if token_lists and len(refused) == len(token_lists):
+        raise type(refused[0])(f"every prompt would be refused ({len(refused)}); the first: {refused[0]}")
+    return [error is None for error in errors]
+
+
+def check_room_for_output(token_lists, served: list[bool], *, max_tokens: int, max_model_len: int) -> None:
+    """`ValueError` when a served prompt and ``--max-tokens`` output tokens exceed ``max_model_len`` (as the
+    server answers such a request with a 400), rather than stopping the output short."""
+    for i, (tokens, runs) in enumerate(zip(token_lists, served, strict=True)):
+        if runs and len(tokens) + max_tokens > max_model_len:
+            raise ValueError(
+                f"--max-tokens={max_tokens}: prompt [{i}] has {len(tokens)} tokens and the model's length is "
+                f"max_model_len={max_model_len}: give at most --max-tokens {max_model_len - len(tokens)}, or "
+                f"--max-model-len {len(tokens) + max_tokens} (at most the model's max_position_embeddings)"
+            )
 
 
 def generate(args, out=None, err=None) -> dict:
+    """``jha generate``: every option and prompt checked, then the model loaded, compiled and run; the report
+    printed (or its JSON) and returned."""
     out, err = out or sys.stdout, err or sys.stderr
+    sampling = sampling_params(args)
+    texts = prompt_texts(args)
     from tqdm import tqdm
 
     started = time.perf_counter()
-    from .engine import Engine, SamplingParams
-    from .engine.engine import resolve
+    from .engine import Engine
 
     startup = {"import": time.perf_counter() - started}
     started = time.perf_counter()
     planned = plan_model(args, log=err)
     engine_config, tokenizer = planned.engine_config, planned.tokenizer
-    token_lists = prompt_token_lists(args, tokenizer)
-    max_model_len = resolve(planned.config, engine_config)[1]
-    refuse_if_nothing_runs(token_lists, planned.config, max_model_len)  # before loading or compiling
+    token_lists = prompt_token_lists(texts, args.prompt_token_ids, tokenizer)
+    served = refuse_if_nothing_runs(token_lists, planned.config, planned.max_model_len)
+    max_model_len = planned.max_model_len
+    check_room_for_output(token_lists, served, max_tokens=args.max_tokens, max_model_len=max_model_len)
     config, model, lowering = load_planned(args, planned)
     startup["load"] = time.perf_counter() - started
-    sampling = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        seed=None, ignore_eos=args.ignore_eos,
-    )  # fmt: skip
     engine = Engine(model, config, engine_config, eos_token_ids=tokenizer.eos_token_ids, lowering=lowering)
     del model  # the engine keeps its own layout of the weights
     startup["engine"] = time.perf_counter() - started - startup["load"]
@@ -269,12 +357,14 @@ def generate(args, out=None, err=None) -> dict:
     bar.close()
     metrics = report(engine, outputs, wall, startup)
     metrics["model"] = planned.description
+    metrics["tokenizer"] = tokenizer.source
     metrics["compile_timeline"] = compile_timeline
     if args.json:
         payload = {
             "outputs": [
                 {"prompt_token_ids": o.prompt_token_ids, "output_token_ids": o.output_token_ids,
-                 "text": tokenizer.decode(o.output_token_ids), "finish_reason": o.finish_reason, "error": o.error}
+                 "text": output_text(tokenizer, o.output_token_ids), "finish_reason": o.finish_reason,
+                 "error": o.error}
                 for o in outputs
             ],
             "metrics": metrics,
@@ -290,6 +380,9 @@ def generate(args, out=None, err=None) -> dict:
 
 def compare(args, out=None):
     """``jha compare``: print the `ComparisonReport`'s table (or its JSON) and return the report."""
+    from .extras import require_extra
+
+    require_extra("torch", needed_for="jha compare")
     from .models.compare import compare_with_transformers
 
     out = out or sys.stdout
@@ -302,22 +395,44 @@ def compare(args, out=None):
     return report
 
 
+def serve(args):
+    """``jha serve``: the server, until interrupted (`serve.serve`)."""
+    from .extras import require_extra
+
+    require_extra("serve", needed_for="jha serve")
+    from .serve import serve as run
+
+    run(args)
+
+
+COMMANDS = {"generate": generate, "serve": serve, "compare": compare}
+
+
 def main(argv=None) -> int:
+    """Run the ``jha`` command of `argv` (default: the process's arguments); returns the exit code (the module
+    docstring lists them)."""
+    from .extras import MissingExtraError
+    from .serve import ServerNotStarted
+
     args = build_parser().parse_args(argv)
-    errors = (ValueError, NotImplementedError, FileNotFoundError)
-    if args.command == "serve":
-        from .serve import serve as run  # FastAPI and uvicorn only for the server
-    elif args.command == "compare":
-        run, errors = compare, (*errors, ImportError)  # torch and transformers missing: the torch extra
-    else:
-        run = generate
+    name = f"jha {args.command}"
     try:
-        result = run(args)
-    except errors as error:
-        print(f"jha {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        result = COMMANDS[args.command](args)
+    except ServerNotStarted as error:
+        print(f"{name}: error: {error}", file=sys.stderr)
+        return EXIT_SERVER_NOT_STARTED
+    except (ValueError, NotImplementedError, OSError, MissingExtraError) as error:
+        print(f"{name}: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception:  # noqa: BLE001 - a failure of the package itself: its traceback, for a bug report
+        traceback.print_exc()
+        print(f"{name}: internal error (the traceback above; please report it)", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR
     if args.command == "compare" and not result.passed:
-        return 1  # beyond tolerance: the table says where
+        return EXIT_COMPARISON_FAILED  # beyond tolerance: the table says where
     return 0
 
 

@@ -161,14 +161,15 @@ def nnx_leaves(model) -> list:
 
 @dataclasses.dataclass(frozen=True)
 class ModelPlan:
-    """What the options name, before any weight is read (`plan_model`).
+    """What the options name, checked before any weight is read (`plan_model`).
 
     Attributes:
       engine_config: the `EngineConfig` of the options.
       plan: the checkpoint's `CheckpointPlan` (None for the embedded model).
       config: the model's `ModelConfig`.
-      tokenizer: its tokenizer (the byte tokenizer for the embedded model).
+      tokenizer: its tokenizer (the byte tokenizer for the embedded model; its ``source`` says which).
       description: `models.describe_model` of it.
+      max_model_len: the engine's ``max_model_len`` (resolved: the option, else the model's and the engine's).
     """
 
     engine_config: object
@@ -176,20 +177,28 @@ class ModelPlan:
     config: object
     tokenizer: object
     description: dict
+    max_model_len: int
 
 
 def plan_model(args, *, log=None) -> ModelPlan:
-    """The compilation cache enabled (`enable_compilation_cache`), the `EngineConfig`, the checkpoint's plan, config
-    and tokenizer (no tensor read yet); the model's line printed to `log` (stderr)."""
+    """The compilation cache enabled (`enable_compilation_cache`), the `EngineConfig`, the checkpoint's plan,
+    config and tokenizer, and the engine's sizes checked against the model and the devices
+    (`engine.check_engine_config`), all before any tensor is read; the model's line and the tokenizer's printed
+    to `log` (stderr)."""
+    from .engine import check_engine_config
     from .models import describe_model, load_tokenizer, model_line, plan_checkpoint
 
+    log = log or sys.stderr
     enable_compilation_cache(args, log=log)
+    engine_config = make_engine_config(args)
     plan = None if args.model is None else plan_checkpoint(args.model)
     config = model_config(args) if plan is None else plan.config
-    planned = ModelPlan(make_engine_config(args), plan, config, load_tokenizer(args.model),
-                        describe_model(config, plan=plan))  # fmt: skip
-    print(model_line(planned.description), file=log or sys.stderr)
-    return planned
+    max_model_len = check_engine_config(config, engine_config, dtype=model_dtype(args))
+    tokenizer = load_tokenizer(args.model)
+    description = describe_model(config, plan=plan)
+    print(model_line(description), file=log)
+    print(f"tokenizer: {tokenizer.source}", file=log)
+    return ModelPlan(engine_config, plan, config, tokenizer, description, max_model_len)
 
 
 def load_planned(args, planned: ModelPlan):

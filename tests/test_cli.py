@@ -64,28 +64,154 @@ def test_a_saved_transformers_checkpoint_runs(capsys, tmp_path):
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
-    code, out, _ = run(capsys, "--model", str(tmp_path), "--json", "--max-tokens", "4", "--prompt", "abc",
-                       "--ignore-eos")  # fmt: skip
-    assert code == 0 and len(json.loads(out)["outputs"][0]["output_token_ids"]) == 4
+    code, out, err = run(capsys, "--model", str(tmp_path), "--json", "--max-tokens", "4", "--prompt", "abc",
+                         "--ignore-eos", "--warmup")  # fmt: skip
+    payload = json.loads(out)
+    assert code == 0 and len(payload["outputs"][0]["output_token_ids"]) == 4
+    # no tokenizer file at all: bytes, said on stderr and in the report
+    assert "tokenizer: UTF-8 bytes (the checkpoint ships no tokenizer file)" in err
+    assert payload["metrics"]["tokenizer"] == "UTF-8 bytes (the checkpoint ships no tokenizer file)"
+    # what was compiled before the warm-up run is still counted after it
+    assert payload["metrics"]["compiled_executables"] > 0 and payload["metrics"]["compile_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def mistral_checkpoint(tmp_path_factory):
+    """A tiny Mistral checkpoint written by transformers (no tokenizer files)."""
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    config = transformers.MistralConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8)  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("mistral")
+    transformers.MistralForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:4096]),
+         "model.safetensors' is not a readable safetensors file: Error while deserializing header"),
+        (lambda d: (d / "model.safetensors").write_bytes(b""), "is not a readable safetensors file"),
+        (lambda d: (d / "config.json").write_text("{'model_type': 'mistral'"), "config.json' is not valid JSON"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("command", ["generate", "compare"])
+def test_a_damaged_checkpoint_is_named_in_one_line(capsys, tmp_path, mistral_checkpoint, command, damage, message):
+    import shutil
+
+    shutil.copytree(mistral_checkpoint, tmp_path, dirs_exist_ok=True)
+    damage(tmp_path)
+    assert main([command, "--model", str(tmp_path), *(["--no-progress"] if command == "generate" else [])]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"jha {command}: ")
+
+
+def test_compare_on_a_torch_device_that_is_not_there_is_refused_before_loading(capsys, mistral_checkpoint,
+                                                                               monkeypatch):  # fmt: skip
+    torch = pytest.importorskip("torch")
+    from jax_hybrid_attn.models import compare
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    monkeypatch.setattr(compare, "load_model", lambda *args, **kwargs: pytest.fail("the weights were loaded"))
+    assert main(["compare", "--model", str(mistral_checkpoint), "--torch-device", "cuda"]) == 2
+    assert "torch_device='cuda': torch has no cuda device here" in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail a test that reads any weight (the embedded model's random ones too)."""
+    import jax_hybrid_attn.engine_options as engine_options
+
+    monkeypatch.setattr(engine_options, "load", lambda *args, **kwargs: pytest.fail("the weights were loaded"))
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--model", "/nonexistent/model"], "/nonexistent/model"),
-        (["--temperature", "-1"], "temperature"),
-        (["--top-p", "0"], "top_p"),
+        (["--temperature", "-1"], "--temperature: temperature=-1.0"),
+        (["--top-p", "0"], "--top-p: top_p=0.0"),
+        (["--max-tokens", "-1"], "--max-tokens: max_tokens=-1"),
+        (["--top-k", "-2"], "--top-k: top_k=-2"),
         (["--max-num-batched-tokens", "0"], "max_num_batched_tokens"),
-        (["--max-model-len", "8", "--prompt", "a prompt longer than eight bytes"], "max_model_len"),
+        (["--max-model-len", "8", "--prompt", "a prompt longer than eight bytes"], "every prompt would be refused"),
         (["--tensor-parallel", "64"], "tensor_parallel=64"),
+        (["--kv-memory", "1KiB"], "only 0 are available"),
+        (["--max-model-len", "100000"], "max_model_len=100000 exceeds the model's max_position_embeddings=4096"),
+        (["--max-model-len", "16", "--prompt", "0123456789", "--max-tokens", "8"],
+         "--max-tokens=8: prompt [0] has 11 tokens and the model's length is max_model_len=16: give at most "
+         "--max-tokens 5"),
+        (["--prompt-token-ids", "[]"], "--prompt-token-ids='[]' holds no prompt"),
+        (["--prompt-token-ids", "[[1, 999]]"], "999"),
     ],
-)
-def test_bad_input_is_a_clear_error(capsys, args, message):
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2_before_any_weight_is_read(capsys, no_weights, args, message):
     code, out, err = run(capsys, "--max-tokens", "2", *args)
-    if code == 0:  # a refused prompt: the others run, the refusal is reported
-        assert "refused" in err and message in err
-    else:
-        assert code == 2 and message in err and out == ""
+    assert code == 2 and out == "" and message in err, err
+    assert err.strip().splitlines()[-1].startswith("jha generate: error: ") and "Traceback" not in err
+
+
+def test_prompt_files_that_hold_no_prompt_or_cannot_be_read(capsys, no_weights, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    code, out, err = run(capsys, "--prompt-file", str(empty))
+    assert code == 2 and f"--prompt-file={str(empty)!r} holds no prompt" in err
+    code, out, err = run(capsys, "--prompt-file", str(tmp_path / "missing.txt"))
+    assert code == 2 and "cannot be read" in err and "missing.txt" in err
+
+
+def test_options_are_spelled_out_and_the_version_is_printed(capsys):
+    from jax_hybrid_attn.cli import package_version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--max-token", "5"])  # an abbreviation of --max-tokens
+    assert exit_.value.code == 2 and "unrecognized arguments: --max-token" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"jha {package_version()}"
+    assert package_version()[0].isdigit()
+
+
+def test_a_missing_extra_is_named_with_its_install_command(capsys, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    missing = {"fastapi", "torch"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else find_spec(name, *a))
+    assert main(["serve", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "jha serve: error: jha serve needs the serve extra (fastapi not installed): pip install " in err
+    assert "'jax-hybrid-attn[serve]'" in err
+    assert main(["compare", "--model", "."]) == 2
+    assert "needs the torch extra (torch not installed)" in capsys.readouterr().err
+
+
+def test_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
+    import socket
+
+    from jax_hybrid_attn.cli import EXIT_SERVER_NOT_STARTED
+    from jax_hybrid_attn.serve import server
+
+    monkeypatch.setattr(server, "build_server", lambda *args, **kwargs: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(server, "server_options", lambda args: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == EXIT_SERVER_NOT_STARTED
+    assert f"jha serve: error: cannot listen on 127.0.0.1:{port}: " in capsys.readouterr().err
+
+
+def test_a_failure_of_the_package_itself_is_exit_70_with_its_traceback(capsys, monkeypatch):
+    from jax_hybrid_attn import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "generate", lambda args: {}["a bug"])
+    assert main(["generate"]) == cli.EXIT_INTERNAL_ERROR
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'a bug'" in err and "internal error" in err
 
 
 def test_malformed_token_ids_are_refused_by_the_parser(capsys):

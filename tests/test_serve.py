@@ -644,8 +644,9 @@ def test_chat_templates_take_variables_and_fail_as_chat_template_errors():
 
 
 def test_the_cli_refuses_bad_server_options(capsys):
-    assert main(["serve", "--port", "70000"]) == 2
-    assert "--port=70000" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--port", "70000"])
+    assert exit_.value.code == 2 and "--port='70000' must be an integer in [0, 65535]" in capsys.readouterr().err
     assert main(["serve", "--chat-template", "no-such-template-file"]) == 2
     assert "--chat-template='no-such-template-file'" in capsys.readouterr().err
 

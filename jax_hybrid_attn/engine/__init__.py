@@ -11,7 +11,7 @@ With ``EngineConfig(tensor_parallel=N)`` the model's heads and MLP are split ove
 """
 
 from .config import EngineConfig, EngineStats
-from .engine import Engine, lower_ahead
+from .engine import Engine, check_engine_config, lower_ahead
 from .kv_layout import KVCacheLayout
 from .model_runner import ModelRunner
 from .paged_cache import PagedCache
@@ -29,6 +29,7 @@ __all__ = [
     "PagedCache",
     "RequestOutput",
     "SamplingParams",
+    "check_engine_config",
     "lower_ahead",
     "sample_tokens",
 ]

@@ -53,8 +53,10 @@ from ..allocator.config import FULL
 from ..cascade import cascade_pays
 from ..integers import cdiv, check_int
 from ..models.config import ModelConfig
+from ..sharding import tensor_parallel_mesh
 from .config import DEFAULT_MAX_MODEL_LEN, EngineConfig, EngineStats
 from .device_step import NO_SLOT, StepPlan
+from .kv_layout import KVCacheLayout
 from .model_runner import CompileReport, ModelRunner
 from .prompts import check_prompt
 from .requests import InFlightWork, Request, RequestOutput
@@ -64,7 +66,7 @@ from .sent_steps import SentStep, StackedResults
 from .step_cache import RunnerSpec, StepCache, StepLowering
 from .step_shapes import StepShape, select_step_shape
 
-__all__ = ["Engine", "lower_ahead", "resolve"]
+__all__ = ["Engine", "check_engine_config", "lower_ahead", "resolve"]
 
 STEPS_IN_FLIGHT = 2
 """Steps sent and not yet read back when `Engine.step` returns: the device has the next step queued while the
@@ -85,6 +87,16 @@ def resolve(model_config: ModelConfig, config: EngineConfig | None = None) -> tu
             f"{model_config.max_position_embeddings}"
         )
     return config, max_model_len
+
+
+def check_engine_config(model_config: ModelConfig, config: EngineConfig | None = None, *, dtype) -> int:
+    """What an `Engine` of a model of `model_config` (weights in `dtype`) and `config` would refuse, found before
+    the model exists: ``max_model_len`` beyond the model's, more `tensor_parallel` devices than there are, a KV
+    cache dtype or size that does not serve one request (`KVCacheLayout.for_engine`). Returns ``max_model_len``."""
+    config, max_model_len = resolve(model_config, config)
+    tensor_parallel_mesh(config.tensor_parallel)
+    KVCacheLayout.for_engine(model_config, config, max_model_len=max_model_len, dtype=dtype)
+    return max_model_len
 
 
 def _exports(config: EngineConfig) -> bool:
@@ -192,14 +204,16 @@ class Engine:
         return self.scheduler.abort(request_id)
 
     def reset(self) -> None:
-        """Forget the prefix cache and the counters (compiled step shapes stay); refused while requests run."""
+        """Forget the prefix cache and the serving counters (compiled step shapes stay, and so do `stats`'
+        counts of them); refused while requests run."""
         if self.has_unfinished_requests():
             raise ValueError(f"reset() with {self.num_unfinished_requests} unfinished requests")
         self._on_device(self.manager.reset_prefix_cache)
         if self.scheduler.cached_prefixes is not None:
             self.scheduler.cached_prefixes.clear()
         self.synchronize()
-        self.stats = EngineStats()
+        kept = {"compiled_executables": self.stats.compiled_executables, "compile_time": self.stats.compile_time}
+        self.stats = EngineStats(**kept)
 
     def synchronize(self) -> None:
         """Wait until every device call made so far is sent (the caches and the allocator's state are then the

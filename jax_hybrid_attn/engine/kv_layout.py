@@ -23,8 +23,9 @@ from ..allocator import (
     get_kv_cache_groups,
 )
 from ..integers import check_int
-from ..layout import KVLayout, get_kv_cache_shape, preferred_kv_layout
+from ..layout import FP8_DTYPE, KVLayout, get_kv_cache_shape, preferred_kv_layout
 from ..models.config import ModelConfig
+from ..models.partitioning import tensor_parallel_config
 
 __all__ = ["KVCacheLayout"]
 
@@ -53,6 +54,34 @@ class KVCacheLayout:
     tensor_shape: tuple[int, ...]
     dtype: np.dtype
     kv_layout: KVLayout = "NHD"
+
+    @classmethod
+    def for_engine(cls, model_config: ModelConfig, config, *, max_model_len: int, dtype) -> "KVCacheLayout":
+        """The layout an engine of `config` (a resolved `EngineConfig`) keeps for a model of `model_config`
+        whose weights are in `dtype`: the cache in ``config.kv_cache_dtype`` (None: `dtype`), each layer's KV
+        heads split over ``config.tensor_parallel`` devices, ``config.kv_memory`` per device. Nothing is
+        allocated, so the engine's options are checked with it before any weight is read. `ValueError` for a
+        cache dtype that is neither `dtype` nor float8, or a pool too small for one request of `max_model_len`
+        tokens."""
+        model_dtype = jnp.dtype(dtype)
+        cache_dtype = config.kv_cache_dtype or model_dtype
+        if cache_dtype not in (model_dtype, FP8_DTYPE):
+            raise ValueError(
+                f"kv_cache_dtype={cache_dtype} must be the model's dtype ({model_dtype}) or {FP8_DTYPE}"
+            )
+        devices = config.tensor_parallel
+        per_device = model_config if devices == 1 else tensor_parallel_config(model_config, devices)
+        return cls.for_model(
+            per_device,
+            block_size=config.block_size,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            dtype=cache_dtype,
+            num_blocks=config.num_blocks,
+            kv_memory=None if config.kv_memory is None else config.kv_memory * devices,
+            hybrid=config.hybrid,
+        )
 
     @classmethod
     def for_model(

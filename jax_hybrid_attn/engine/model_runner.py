@@ -27,7 +27,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..allocator import KVCacheManager
-from ..layout import FP8_DTYPE
 from ..models.config import ModelConfig
 from ..models.layer_scan import ScannedDecoder
 from ..models.partitioning import shard_model
@@ -98,24 +97,17 @@ class ModelRunner:
         self._replicated = None if self.mesh is None else NamedSharding(self.mesh, P())
         self.abstract = isinstance(jax.tree.leaves(nnx.state(model))[0], jax.ShapeDtypeStruct)
         if self.mesh is None:
-            decoder, run_config, stack = model, model_config, _stack_abstract if self.abstract else None
+            decoder, stack = model, _stack_abstract if self.abstract else None
         else:  # heads and MLP split over the mesh; everything else (allocator, metadata) replicated
-            graphdef, state, run_config = shard_model(model, self.mesh, TENSOR_AXIS)
+            graphdef, state, _ = shard_model(model, self.mesh, TENSOR_AXIS)
             decoder, stack = nnx.merge(graphdef, state), self._stack_sharded
         # fused [q|k|v] and [gate|up] weights on one device only: split column-parallel, a shard would mix them
         fuse = config.fuse_projections and self.mesh is None
         self.model = ScannedDecoder.from_decoder(decoder, fuse_projections=fuse,
                                                  **({} if stack is None else {"stack": stack}))  # fmt: skip
-        kv_memory = None if config.kv_memory is None else config.kv_memory * config.tensor_parallel
-        if config.kv_cache_dtype not in (None, jnp.dtype(model.dtype), FP8_DTYPE):
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype} must be the model's dtype "
-                             f"({jnp.dtype(model.dtype)}) or {FP8_DTYPE}")  # fmt: skip
-        self.layout = KVCacheLayout.for_model(
-            run_config, block_size=config.block_size, max_model_len=max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            dtype=config.kv_cache_dtype or model.dtype, num_blocks=config.num_blocks, kv_memory=kv_memory,
-            hybrid=config.hybrid,
-        )  # fmt: skip
+        self.layout = KVCacheLayout.for_engine(
+            model_config, config, max_model_len=max_model_len, dtype=model.dtype
+        )
         self.allocator_config = self.layout.allocator_config(
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=config.max_num_batched_tokens, enable_caching=config.enable_prefix_caching,

@@ -18,8 +18,8 @@ head, saved RoPE buffers) or is an error: a parameter none of the tensors makes,
 parameter two tensors would make.
 """
 
+import contextlib
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,8 +28,16 @@ from flax import nnx
 
 from .config import ModelConfig
 from .decoder import Decoder
+from .hf_config import read_json_file
 
-__all__ = ["CheckpointPlan", "ParamSource", "checkpoint_tensor_names", "plan_checkpoint", "SOURCE_KINDS"]
+__all__ = [
+    "CheckpointPlan",
+    "ParamSource",
+    "checkpoint_tensor_names",
+    "open_weights",
+    "plan_checkpoint",
+    "SOURCE_KINDS",
+]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -123,21 +131,39 @@ def _check_dir(path) -> Path:
     return checked
 
 
+@contextlib.contextmanager
+def open_weights(file: Path):
+    """safetensors' ``safe_open`` of `file` (flax arrays), which reads its header; a file it cannot read (truncated,
+    empty, not safetensors) is a `ValueError` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        handle = safe_open(file, framework="flax")
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{str(file)!r} is not a readable safetensors file: {error}") from None
+    with handle as f:
+        yield f
+
+
 def weight_files(path: Path) -> dict[str, Path]:
     """Each tensor name in the checkpoint directory `path` and the file holding it (from the index, or the one
-    safetensors file's header)."""
-    from safetensors import safe_open
-
+    safetensors file's header). Every file's header is read: a file that cannot be read, or a shard that lacks a
+    tensor the index puts in it, is a `ValueError`."""
     index = path / INDEX_FILE
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
+        index_value = read_json_file(index)
+        weight_map = index_value.get("weight_map") if isinstance(index_value, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{str(index)!r} has no weight_map")
         files = {name: path / file for name, file in weight_map.items()}
         for file in sorted(set(files.values())):
             if not file.is_file():
                 raise ValueError(f"{str(index)!r} names the shard {file.name!r}, which is not in {str(path)!r}")
+            with open_weights(file) as f:
+                stored = set(f.keys())
+            missing = sorted(name for name, holder in files.items() if holder == file and name not in stored)
+            if missing:
+                raise ValueError(f"{str(index)!r} puts {missing[:3]} in {file.name!r}, which does not hold them")
         return files
     single = path / SINGLE_FILE
     if not single.is_file():
@@ -147,7 +173,7 @@ def weight_files(path: Path) -> dict[str, Path]:
                 f"path={str(path)!r} has no {SINGLE_FILE} nor {INDEX_FILE} (safetensors files: {others})"
             )
         single = path / others[0]
-    with safe_open(single, framework="flax") as f:
+    with open_weights(single) as f:
         return {name: single for name in f.keys()}
 
 

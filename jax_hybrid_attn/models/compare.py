@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ..extras import require_extra
 from ..integers import check_int
 from .attention_cache import DenseAttention
 from .comparison_report import (
@@ -46,6 +47,7 @@ from .comparison_report import (
     LayerDifference,
 )
 from .config import ModelConfig
+from .checkpoint_plan import CheckpointPlan, plan_checkpoint
 from .loading import load_model
 
 __all__ = [
@@ -76,8 +78,6 @@ SHORT_PROMPT_LENGTH = 5
 FULL_ATTENTION_PROMPT_LENGTH = 33
 """The default prompts' longer length for a model without windows or chunks."""
 
-TORCH_EXTRA = "torch"
-"""The extra of this package that installs torch and transformers."""
 
 TRANSFORMERS_CLASSES = {
     "mistral": "MistralForCausalLM",
@@ -153,16 +153,29 @@ def _token_lists(prompts, config: ModelConfig, model_dir, *, greedy_steps: int) 
 
 
 def _import_torch():
-    """torch and transformers, or an ImportError that says how to install them."""
-    try:
-        import torch
-        import transformers
-    except ImportError as error:
-        raise ImportError(
-            f"comparing with transformers needs torch and transformers ({error}): install this package's "
-            f"'{TORCH_EXTRA}' extra, e.g. pip install 'jax-hybrid-attn[{TORCH_EXTRA}]'"
-        ) from error
+    """torch and transformers, or a `MissingExtraError` that says how to install them."""
+    require_extra("torch", needed_for="comparing with transformers")
+    import torch
+    import transformers
+
     return torch, transformers
+
+
+def _check_torch_device(torch, torch_device: str) -> None:
+    """`ValueError` unless torch can run on `torch_device` here ("cpu", "cuda", "cuda:1", ...)."""
+    try:
+        device = torch.device(torch_device)
+    except RuntimeError as error:
+        raise ValueError(f"{torch_device=} is not a torch device: {error}") from None
+    backend = getattr(torch, device.type, None) if device.type != "cpu" else None
+    if backend is not None and hasattr(backend, "is_available") and not backend.is_available():
+        raise ValueError(
+            f"{torch_device=}: torch has no {device.type} device here ({backend.__name__}.is_available() is "
+            "False); --torch-device cpu runs transformers on the CPU"
+        )
+    count = getattr(backend, "device_count", lambda: None)()
+    if device.index is not None and count is not None and device.index >= count:
+        raise ValueError(f"{torch_device=}: torch sees {count} {device.type} device(s)")
 
 
 def _as_array(x) -> np.ndarray:
@@ -262,10 +275,10 @@ def _difference(ours: list[_Tensors], theirs: list[_Tensors], field: str, layer:
                       scale=float(max(np.abs(b).max() for b in theirs)))  # fmt: skip
 
 
-def _run(model_dir, config: ModelConfig, class_name: str, token_lists, *, dtype: str, greedy_steps: int,
+def _run(model_dir, plan: CheckpointPlan, class_name: str, token_lists, *, dtype: str, greedy_steps: int,
          torch_device: str) -> DtypeRun:  # fmt: skip
     torch, transformers = _import_torch()
-    _, model = load_model(model_dir, dtype=jnp.dtype(dtype))
+    config, model = load_model(model_dir, dtype=jnp.dtype(dtype), plan=plan)
     ours, our_greedy = _ours(model, token_lists, greedy_steps=greedy_steps)
     del model
     hf_model = getattr(transformers, class_name).from_pretrained(
@@ -313,22 +326,24 @@ def compare_with_transformers(
       differences, the embeddings' and logits', the greedy tokens; `passed`, `first_bad`, `first_bad_layer`.
 
     Raises: `NotImplementedError` for an unsupported ``model_type``; `ValueError` naming a bad argument;
-      `ImportError` when torch or transformers is missing (the ``torch`` extra)."""
+      `MissingExtraError` (an `ImportError`) when torch or transformers is missing (the ``torch`` extra)."""
     if dtype not in DTYPE_TOLERANCES:
         raise ValueError(f"dtype={dtype!r} is not supported (supported: {tuple(DTYPE_TOLERANCES)})")
     greedy_steps = check_int("greedy_steps", greedy_steps, minimum=0)
     seed = check_int("seed", seed, minimum=0, maximum=None)
     if not isinstance(torch_device, str):
         raise ValueError(f"torch_device={torch_device!r} must be a string such as 'cpu' or 'cuda'")
-    config = ModelConfig.from_dir(model_dir)  # an unsupported model_type is refused here, by name
+    plan = plan_checkpoint(model_dir)  # the config (an unsupported model_type is refused by name) and the files
+    config = plan.config
     class_name = TRANSFORMERS_CLASSES[config.model_type]
     if prompts is None:
         token_lists = _default_prompts(config, greedy_steps=greedy_steps, seed=seed)
     else:
         token_lists = _token_lists(prompts, config, model_dir, greedy_steps=greedy_steps)
-    _, transformers = _import_torch()
+    torch, transformers = _import_torch()
+    _check_torch_device(torch, torch_device)
     dtypes = ["float32"] + ([dtype] if dtype != "float32" else [])
-    runs = tuple(_run(model_dir, config, class_name, token_lists, dtype=d, greedy_steps=greedy_steps,
+    runs = tuple(_run(model_dir, plan, class_name, token_lists, dtype=d, greedy_steps=greedy_steps,
                       torch_device=torch_device) for d in dtypes)  # fmt: skip
     return ComparisonReport(
         model_dir=os.fspath(model_dir), model_type=config.model_type, transformers_class=class_name,

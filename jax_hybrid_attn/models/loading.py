@@ -16,7 +16,13 @@ import numpy as np
 from flax import nnx
 
 from ..integers import check_int
-from .checkpoint_plan import CheckpointPlan, ParamSource, checkpoint_tensor_names, plan_checkpoint
+from .checkpoint_plan import (
+    CheckpointPlan,
+    ParamSource,
+    checkpoint_tensor_names,
+    open_weights,
+    plan_checkpoint,
+)
 from .config import ModelConfig
 from .decoder import Decoder
 
@@ -65,8 +71,6 @@ def load_model(
     `plan`: the checkpoint's `plan_checkpoint(path)` when the caller has it already. `ValueError` names what is
     wrong: a path that is not a directory, no ``config.json``, no weights, a parameter missing from the files, a
     tensor of the files that is no parameter, a shape that differs."""
-    from safetensors import safe_open
-
     if plan is None:
         plan = plan_checkpoint(path)
     elif not isinstance(plan, CheckpointPlan):
@@ -79,14 +83,14 @@ def load_model(
         expected.update({stored: shape for stored in source.names if shape is not None})
     by_file = plan.reads_by_file()
     for file, names in by_file.items():  # every shape from the headers, before any tensor is read
-        with safe_open(file, framework="flax") as f:
+        with open_weights(file) as f:
             for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
                 if name in expected and shape != expected[name]:
                     raise ValueError(f"tensor {name!r} has shape {shape}, the model expects {expected[name]}")
     raw = {}
     for file, names in by_file.items():
-        with safe_open(file, framework="flax") as f:
+        with open_weights(file) as f:
             for name in names:
                 raw[name] = f.get_tensor(name)
     values = {}

@@ -16,7 +16,15 @@ package's own import, which ``jha``'s argument parser needs, imports none of the
 
 import argparse
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "MAX_CHOICES", "SERVE_GPU_STEP_TOKENS", "add_serve_arguments", "serve"]
+__all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "MAX_CHOICES",
+    "SERVE_GPU_STEP_TOKENS",
+    "ServerNotStarted",
+    "add_serve_arguments",
+    "serve",
+]
 
 DEFAULT_HOST = "127.0.0.1"
 """Where ``jha serve`` listens unless ``--host`` says otherwise (loopback: nothing is exposed by default)."""
@@ -31,10 +39,15 @@ throughput, the trade that vLLM's ``--max-num-batched-tokens`` makes (benchmarks
 load", measures both budgets)."""
 
 
+class ServerNotStarted(RuntimeError):
+    """``jha serve`` could not start: its address cannot be listened on, or the engine process failed for a reason
+    other than its options (``jha`` exits with 3)."""
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """``jha serve``'s own options (the engine's come from `jax_hybrid_attn.engine_options.add_engine_arguments`)."""
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"the address to listen on (default: {DEFAULT_HOST})")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default: {DEFAULT_PORT})")
+    parser.add_argument("--port", type=port_number, default=DEFAULT_PORT, help=f"(default: {DEFAULT_PORT})")
     parser.add_argument("--served-model-name", default=None,
                         help="the model's name in the API (default: the --model directory's name, or the "
                              "embedded model's)")  # fmt: skip
@@ -46,8 +59,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
+def port_number(text: str) -> int:
+    """``--port`` (argparse type): an integer in [0, 65535] (0: a free port the system picks)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"--port={text!r} must be an integer in [0, 65535]")
+    return port
+
+
 def serve(args: argparse.Namespace) -> None:
-    """Load the model, compile the engine and serve until interrupted (`server.run`)."""
+    """Listen on ``--host``:``--port``, load the model, compile the engine and serve until interrupted
+    (`server.run`)."""
     from .server import run
 
     run(args)

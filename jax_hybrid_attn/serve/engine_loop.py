@@ -15,6 +15,7 @@ calls (`Engine.synchronize`), so an idle engine holds no block. After each step 
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
@@ -182,7 +183,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             if not self.engine.runner.compiled:
-                self.engine.compile()
+                self._compile()
             self._publish()
             self.ready.set()
             while self._serve_once():
@@ -193,6 +194,16 @@ class EngineLoop:
             self._fail_all(f"the engine failed: {type(error).__name__}: {error}")
         finally:
             self.ready.clear()
+
+    def _compile(self) -> None:
+        """Compile the engine, logging each step function as it is ready (a server says nothing otherwise for as
+        long as that takes)."""
+        total = len(self.engine.runner.executable_keys())
+        shapes = ", ".join(map(str, self.engine.runner.shapes))
+        logger.info("compiling %d step functions (step shapes %s); /health answers 503 until then", total, shapes)
+        done = itertools.count(1)
+        report = self.engine.compile(progress=lambda name: logger.info("compiled %d/%d: %s", next(done), total, name))
+        logger.info("compiled in %.1f s; serving", report.wall_s + report.warm_up_s)
 
     def _serve_once(self) -> bool:
         """Apply the queued commands, then step once if any request is unfinished; False once told to stop."""
