@@ -50,10 +50,12 @@ def get_kv_cache_shape(
     num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, *, kv_layout: KVLayout = "NHD"
 ) -> tuple[int, int, int, int, int]:
     """Shape of one layer's cache: [B, 2, S, K, H] for "NHD", [B, 2, K, S, H] for "HND" and "HND_VT"."""
-    for name, value in dict(
-        num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size
-    ).items():
+    num_blocks, block_size, num_kv_heads, head_size = (
         check_int(name, value)
+        for name, value in dict(
+            num_blocks=num_blocks, block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size
+        ).items()
+    )
     check_kv_layout(kv_layout)
     if kv_layout == "NHD":
         return (num_blocks, 2, block_size, num_kv_heads, head_size)

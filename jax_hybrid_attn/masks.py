@@ -11,9 +11,10 @@ does their combination: `allowed_key_range` gives its first and last key, which 
 whole blocks. Both also take the window as a value (``sliding_window=``, which may be traced): the kernels read
 it from memory, so that layers that differ only in their window share one compiled kernel.
 
-Positions, lengths, windows and chunks are integers: Python or numpy ints, or integer arrays (jax arrays may be
-traced). A window or chunk given as a concrete value must be an int in ``[1, 2**31 - 1]`` (`ValueError` naming it
-otherwise); a traced one is read on the device, where it cannot be checked: a traced window below 1 masks every key.
+Positions, lengths, windows and chunks are integers: Python or numpy ints, or integer arrays (jax arrays
+may be traced). A window or chunk given as a concrete value must be an int in ``[1, 2**31 - 1]`` (`ValueError`
+naming it otherwise); a traced one is read on the device, where it cannot be checked: a traced window below 1
+masks every key.
 """
 
 import jax
@@ -27,7 +28,8 @@ __all__ = ["causal_mask", "sliding_window_mask", "chunked_local_mask", "attentio
 
 
 def _check_integers(name: str, value) -> None:
-    """`ValueError` naming `name` unless `value` is an int (Python or numpy, not a bool) or an integer array."""
+    """`ValueError` naming `name` unless `value` is an int (Python or numpy, not a bool) or an integer
+    array."""
     if is_int(value):
         return
     if not isinstance(value, (jax.Array, np.ndarray)) or not jnp.issubdtype(value.dtype, jnp.integer):
@@ -37,7 +39,8 @@ def _check_integers(name: str, value) -> None:
 
 def _size_value(name: str, value):
     """A window or chunk given as a value: `value` itself, checked as far as it is concrete: an int in
-    ``[1, 2**31 - 1]``, or an integer scalar array (a traced one is taken as it is: its value is unknown here)."""
+    ``[1, 2**31 - 1]``, or an integer scalar array (a traced one is taken as it is: its value is unknown
+    here)."""
     if isinstance(value, (jax.Array, np.ndarray)):
         _check_integers(name, value)
         if value.ndim != 0:

@@ -226,8 +226,25 @@ def metadata_from_lengths(
     max_seq_len: int,
     causal: bool = True,
 ) -> AttentionMetadata:
-    """Traceable: metadata from int32 lengths and block tables, with vLLM's slot mapping (no value checks; see
-    `make_attention_metadata` for the checked host version). Tokens past ``sum(query_lens)`` are padding."""
+    """Traceable: metadata from int32 lengths and block tables, with vLLM's slot mapping. Tokens past
+    ``sum(query_lens)`` are padding. Checked: the arrays' kinds, dtypes and shapes and the static options
+    (`ValueError` naming them); not the arrays' values, which may be traced (`make_attention_metadata` is the
+    checked host version)."""
+    arrays = (("query_lens", query_lens, 1), ("seq_lens", seq_lens, 1), ("block_tables", block_tables, 2))
+    for name, x, ndim in arrays:
+        if not isinstance(x, (jax.Array, np.ndarray)) or x.ndim != ndim or x.dtype != np.int32:
+            got = f"{x.dtype} array of shape {tuple(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+            raise ValueError(f"{name} must be an int32 array of {ndim} dimensions, got {got}")
+    if seq_lens.shape != query_lens.shape or block_tables.shape[0] != query_lens.shape[0]:
+        raise ValueError(
+            f"query_lens.shape={query_lens.shape}, seq_lens.shape={seq_lens.shape} and block_tables.shape="
+            f"{block_tables.shape} must be [R], [R] and [R, P]"
+        )
+    block_size = check_int("block_size", block_size)
+    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+    max_query_len = check_int("max_query_len", max_query_len, minimum=0)
+    max_seq_len = check_int("max_seq_len", max_seq_len, minimum=0)
+    causal = check_bool("causal", causal)
     query_start_loc = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(query_lens, dtype=jnp.int32)])
     token = jnp.arange(num_tokens, dtype=jnp.int32)
     if min(block_tables.shape) == 0:  # no request, or no block: every token is padding

@@ -2,9 +2,9 @@
 of its requests, chunked-local attention as virtual requests, and block tables of smaller kernel blocks.
 
 `split_decodes_and_prefills`, `reorder_decodes_first` and `make_local_attention_virtual_batches` take concrete
-arrays, as vLLM computes them from its CPU copies, and check the metadata they read first (`ValueError` naming the
-field): its types, dtypes and shapes as `paged_attention` does, a ``query_start_loc`` that starts at 0, never
-decreases and ends at ``num_actual_tokens`` (at most T), and the lengths each helper reads.
+arrays, as vLLM computes them from its CPU copies, and check the metadata they read first (`ValueError` naming
+the field): its types, dtypes and shapes as `paged_attention` does, a ``query_start_loc`` that starts at 0,
+never decreases and ends at ``num_actual_tokens`` (at most T), and the lengths each helper reads.
 `expand_block_tables` is traceable.
 """
 
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
-from .integers import cdiv, check_bool, check_int
+from .integers import INT32_MAX, cdiv, check_bool, check_int
 from .metadata import AttentionMetadata, host_int32
 from .validation import check_metadata
 
@@ -73,7 +73,8 @@ def reorder_decodes_first(
     if is_prefilling is None:
         is_prefilling = ~has_context
     else:
-        flags = np.asarray(is_prefilling) if isinstance(is_prefilling, (list, tuple, np.ndarray, jax.Array)) else None
+        is_sequence = isinstance(is_prefilling, (list, tuple, np.ndarray, jax.Array))
+        flags = np.asarray(is_prefilling) if is_sequence else None
         if flags is None or flags.dtype != np.bool_ or flags.shape != seq_lens.shape:
             raise ValueError(f"is_prefilling={is_prefilling!r:.80} must be [R={len(seq_lens)}] bools")
         is_prefilling = flags
@@ -153,20 +154,22 @@ def make_local_attention_virtual_batches(
 
 
 def _query_offsets(metadata) -> tuple[np.ndarray, np.ndarray]:
-    """The metadata (checked as `paged_attention` checks it) and its ``query_start_loc`` [R+1] and query lengths
-    [R] on the host: ``query_start_loc`` must start at 0, never decrease and end at ``num_actual_tokens <= T``."""
+    """The metadata's ``query_start_loc`` [R+1] and query lengths [R] on the host, the metadata checked as
+    `paged_attention` checks it: ``query_start_loc`` must start at 0, never decrease and end at
+    ``num_actual_tokens <= T``."""
     check_metadata(metadata)
     query_start_loc = host_int32("metadata.query_start_loc", metadata.query_start_loc)
     num_actual_tokens = int(host_int32("metadata.num_actual_tokens", metadata.num_actual_tokens))
     query_lens = np.diff(query_start_loc)
     if query_start_loc[0] != 0 or np.any(query_lens < 0) or query_start_loc[-1] > metadata.num_tokens:
         raise ValueError(
-            f"metadata.query_start_loc={query_start_loc.tolist()} must start at 0, never decrease and end at most "
-            f"at T={metadata.num_tokens}"
+            f"metadata.query_start_loc={query_start_loc.tolist()} must start at 0, never decrease and end at "
+            f"most at T={metadata.num_tokens}"
         )
     if num_actual_tokens != query_start_loc[-1]:
         raise ValueError(
-            f"metadata.num_actual_tokens={num_actual_tokens} must equal query_start_loc[-1]={query_start_loc[-1]}"
+            f"metadata.num_actual_tokens={num_actual_tokens} must equal query_start_loc[-1]="
+            f"{query_start_loc[-1]}"
         )
     return query_start_loc, query_lens
 
@@ -182,10 +185,11 @@ def _seq_lens(metadata: AttentionMetadata, query_lens: np.ndarray) -> np.ndarray
 
 
 def expand_block_tables(block_tables: Int[Array, "R P"], *, allocator_block_size: int, kernel_block_size: int):
-    """Block table of the allocator's blocks -> table of the kernel's smaller blocks: [R, P * ratio].
+    """Block table of the allocator's blocks -> table of the kernel's smaller blocks: [R, P * ratio], int32.
 
     Allocator block b becomes kernel blocks ``b * ratio ... b * ratio + ratio - 1`` (vLLM's "hybrid
-    blocks"), where ``ratio = allocator_block_size // kernel_block_size``.
+    blocks"), where ``ratio = allocator_block_size // kernel_block_size``. A concrete table's ids must be >= 0
+    and their kernel blocks must fit int32 (`ValueError` otherwise); a traced one's are not checked.
     """
     check_int("allocator_block_size", allocator_block_size)
     check_int("kernel_block_size", kernel_block_size)
@@ -197,5 +201,14 @@ def expand_block_tables(block_tables: Int[Array, "R P"], *, allocator_block_size
     if not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"block_tables.dtype={block_tables.dtype} must be an integer dtype")
     ratio = allocator_block_size // kernel_block_size
-    expanded = block_tables[:, :, None] * ratio + jnp.arange(ratio, dtype=block_tables.dtype)
-    return expanded.reshape(block_tables.shape[0], -1)
+    largest = (INT32_MAX - ratio + 1) // ratio  # the largest id whose kernel blocks fit int32
+    if not isinstance(block_tables, jax.core.Tracer) and block_tables.size:
+        low, high = int(block_tables.min()), int(block_tables.max())
+        if low < 0 or high > largest:
+            raise ValueError(
+                f"block_tables holds ids in [{low}, {high}]: they must lie in [0, {largest}], so that their "
+                f"kernel blocks (id * {ratio} + j) fit int32"
+            )
+    num_reqs, num_cols = block_tables.shape
+    expanded = jnp.asarray(block_tables, jnp.int32)[:, :, None] * ratio + jnp.arange(ratio, dtype=jnp.int32)
+    return expanded.reshape(num_reqs, num_cols * ratio)

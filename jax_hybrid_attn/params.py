@@ -108,7 +108,8 @@ def metadata_group_key(params: LayerAttentionParams) -> tuple:
 
 def resolve_sm_scale(sm_scale: float | None, head_dim: int) -> float:
     """FlashInfer's and vLLM's default: ``head_dim ** -0.5`` when `sm_scale` is None."""
-    return head_dim**-0.5 if sm_scale is None else float(sm_scale)
+    head_dim = check_int("head_dim", head_dim)
+    return head_dim**-0.5 if sm_scale is None else _optional_positive_float("sm_scale", sm_scale)
 
 
 def window_left(sliding_window: int | None) -> int:

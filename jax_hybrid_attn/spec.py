@@ -6,6 +6,7 @@ specs can share one KV-cache group. Token counts follow the window convention of
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from .integers import cdiv, check_int
@@ -23,13 +24,16 @@ class AttentionSpec:
     dtype: np.dtype
 
     def __post_init__(self):
-        check_int("block_size", self.block_size)
-        check_int("num_kv_heads", self.num_kv_heads)
-        check_int("head_size", self.head_size)
-        try:
-            dtype = np.dtype(self.dtype)
-        except TypeError as error:
-            raise ValueError(f"dtype={self.dtype!r} is not a dtype") from error
+        """Check every field and store it as a Python int or a numpy dtype (numpy ints are converted), so that
+        equal specs hash alike."""
+        for name in ("block_size", "num_kv_heads", "head_size"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name)))
+        try:  # np.dtype(None) would be float64
+            dtype = None if self.dtype is None else np.dtype(self.dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"dtype={self.dtype!r} must be a floating-point dtype (the cache's)")
         object.__setattr__(self, "dtype", dtype)
 
     @property
@@ -38,12 +42,18 @@ class AttentionSpec:
         return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
     def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+        """Most blocks one request can hold in this layer at once (`ValueError` naming a length that is not an
+        int in [1, 2**31 - 1])."""
+        return self._max_num_blocks(
+            max_model_len=check_int("max_model_len", max_model_len),
+            max_num_batched_tokens=check_int("max_num_batched_tokens", max_num_batched_tokens),
+        )
+
+    def _max_num_blocks(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
         raise NotImplementedError(f"{type(self).__name__} does not define its block count")
 
     def max_memory_usage_bytes(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
         """Most bytes one request can hold in this layer at once (vLLM's startup sizing)."""
-        check_int("max_model_len", max_model_len)
-        check_int("max_num_batched_tokens", max_num_batched_tokens)
         blocks = self.max_num_blocks_per_request(
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
         )
@@ -54,7 +64,7 @@ class AttentionSpec:
 class FullAttentionSpec(AttentionSpec):
     """Every token of the request stays in the cache until the request ends."""
 
-    def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+    def _max_num_blocks(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
         return cdiv(max_model_len, self.block_size)
 
 
@@ -66,9 +76,9 @@ class SlidingWindowSpec(AttentionSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("sliding_window", self.sliding_window)
+        object.__setattr__(self, "sliding_window", check_int("sliding_window", self.sliding_window))
 
-    def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+    def _max_num_blocks(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
         # The window may start inside a block, hence the extra block (vLLM's admission cap).
         tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
         return cdiv(tokens, self.block_size) + 1
@@ -82,13 +92,14 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def __post_init__(self):
         super().__post_init__()
-        check_int("attention_chunk_size", self.attention_chunk_size)
+        chunk = check_int("attention_chunk_size", self.attention_chunk_size)
+        object.__setattr__(self, "attention_chunk_size", chunk)
         if self.attention_chunk_size % self.block_size:
             # vLLM's chunked-local manager frees and looks up whole blocks at chunk starts.
             raise ValueError(
                 f"attention_chunk_size={self.attention_chunk_size} must be a multiple of block_size={self.block_size}"
             )
 
-    def max_num_blocks_per_request(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
+    def _max_num_blocks(self, *, max_model_len: int, max_num_batched_tokens: int) -> int:
         tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
         return cdiv(tokens, self.block_size)

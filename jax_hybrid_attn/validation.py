@@ -15,7 +15,7 @@ import numpy as np
 
 from ._compat import resolve_interpret
 from .constants import NULL_BLOCK_ID, PAD_SLOT_ID
-from .integers import INT32_MAX, check_bool
+from .integers import INT32_MAX, check_bool, check_int
 from .layout import FP8_DTYPE, KV_CACHE_DTYPES, KVCache, as_kv_cache, check_kv_layout, is_kv_pair
 from .masks import allowed_key_range
 from .metadata import AttentionMetadata
@@ -26,7 +26,7 @@ METADATA_INDEX_DTYPE = jnp.dtype(jnp.int32)
 
 
 def _check_array(name: str, x, *, ndim: int) -> None:
-    if not isinstance(x, (jax.Array, np.ndarray)):
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):  # a numpy scalar is a 0-d array
         hint = " (a torch tensor enters JAX through jax_hybrid_attn_torch.to_jax)" if "torch" in type(x).__module__ else ""
         raise TypeError(f"{name} must be a jax or numpy array, got {type(x).__name__}{hint}")
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
@@ -123,6 +123,10 @@ def check_metadata_values(
     (`check_block_reads`): no key position its queries attend lies in the null block, and no block it reads is
     written in this step for another request."""
     check_metadata(metadata)
+    num_blocks = None if num_blocks is None else check_int("num_blocks", num_blocks)
+    block_size = check_int("block_size", block_size)
+    if params is not None:
+        check_params(params)
     query_start_loc = _concrete("metadata.query_start_loc", metadata.query_start_loc)
     seq_lens = _concrete("metadata.seq_lens", metadata.seq_lens)
     block_tables = _concrete("metadata.block_tables", metadata.block_tables)

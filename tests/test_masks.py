@@ -85,8 +85,8 @@ def test_edge_converters(sliding_window, left, local):
 
 @pytest.mark.parametrize("window", [1, 3, 100])
 def test_window_value_may_be_traced(window):
-    """The window as a traced value, as the kernels read it, masks as the same window in `params`; a traced float
-    window is refused by its dtype (a concrete bad window is refused by value: tests/bad_input)."""
+    """The window as a traced value, as the kernels read it, masks as the same window in `params`; a traced
+    float window is refused by its dtype (a concrete bad window is refused by value: tests/bad_input)."""
     q, k, params = jnp.arange(9)[:, None], jnp.arange(9)[None, :], LayerAttentionParams(sliding_window=window)
     traced_mask = jax.jit(lambda w: masks.attention_mask(q, k, 9, sliding_window=w))(window)
     np.testing.assert_array_equal(traced_mask, masks.attention_mask(q, k, 9, params=params))

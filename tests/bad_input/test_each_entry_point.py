@@ -16,12 +16,14 @@ from jax_hybrid_attn import (
     KVCache,
     LayerAttentionParams,
     SlidingWindowSpec,
+    check_metadata_values,
     expand_block_tables,
     get_kv_cache_shape,
     local_window_size,
     make_attention_metadata,
     make_local_attention_virtual_batches,
     masks,
+    metadata_from_lengths,
     metadata_group_key,
     reorder_decodes_first,
     split_decodes_and_prefills,
@@ -29,6 +31,7 @@ from jax_hybrid_attn import (
     write_kv,
 )
 from jax_hybrid_attn.masks import allowed_key_range, attention_mask
+from jax_hybrid_attn.params import resolve_sm_scale
 from jax_hybrid_attn.reference import paged_attention
 from jax_hybrid_attn.testing import random_paged_inputs
 
@@ -48,6 +51,26 @@ SPEC = dict(block_size=4, num_kv_heads=2, head_size=8, dtype=jnp.bfloat16)
 
 POSITIONS = jnp.arange(4)
 PARAMS_W = LayerAttentionParams(sliding_window=2)
+
+
+def mask(**options):
+    return attention_mask(POSITIONS, POSITIONS[:, None], 4, **options)
+
+
+def key_range(**options):
+    return allowed_key_range(POSITIONS, 4, **options)
+
+
+def split(**changes):
+    return split_decodes_and_prefills(MD.replace(**changes))
+
+
+def reorder(**changes):
+    return reorder_decodes_first(MD.replace(**changes))
+
+
+def virtual(**changes):
+    return make_local_attention_virtual_batches(8, MD.replace(**changes), 4)
 
 
 def attention(q=Q, kv_cache=KV, metadata=MD, **kwargs):
@@ -80,6 +103,37 @@ def build(query_lens=QUERY_LENS, seq_lens=SEQ_LENS, block_tables=TABLE, block_si
     return make_attention_metadata(query_lens, seq_lens, block_tables, block_size=block_size, **kwargs)
 
 
+LENGTHS = dict(
+    query_lens=jnp.asarray(QUERY_LENS, jnp.int32),
+    seq_lens=jnp.asarray(SEQ_LENS, jnp.int32),
+    block_tables=jnp.asarray(TABLE),
+    block_size=BLOCK_SIZE,
+    num_tokens=T,
+    max_query_len=4,
+    max_seq_len=9,
+)
+BAD_SIZES = {"0": 0, "negative": -1, "float": 2.5, "str": "4", "huge": 2**40, "none": None, "bool": True}
+
+
+def from_lengths(**changes):
+    return metadata_from_lengths(**{**LENGTHS, **changes})
+
+
+def check_values(**changes):
+    return check_metadata_values(MD, **{"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, **changes})
+
+
+def blocks_per_request(**changes):
+    spec = SlidingWindowSpec(sliding_window=5, **SPEC)
+    return spec.max_num_blocks_per_request(**{"max_model_len": 64, "max_num_batched_tokens": 8, **changes})
+
+
+def expand(block_tables, *, allocator_block_size=8, kernel_block_size=4):
+    return expand_block_tables(
+        block_tables, allocator_block_size=allocator_block_size, kernel_block_size=kernel_block_size
+    )
+
+
 def int64_metadata(field):
     return lambda: attention(metadata=MD.replace(**{field: np.asarray(getattr(MD, field), np.int64)}))
 
@@ -98,6 +152,9 @@ VALID_CALLS = {
     "write_kv-kv-pair": lambda: write(kv_cache=(jnp.array(KV[:, 0]), jnp.array(KV[:, 1]))),
     "write_kv": lambda: write(checked=True),
     "make_attention_metadata": lambda: build(num_tokens=T + 2),
+    "metadata_from_lengths": lambda: from_lengths(block_size=np.int64(BLOCK_SIZE), causal=np.bool_(True)),
+    "check_metadata_values": lambda: check_values(num_blocks=np.int64(NUM_BLOCKS), params=PARAMS_W),
+    "numpy-scalar-num-actual-tokens": lambda: checked(num_actual_tokens=np.int32(T)),
     "specs": lambda: (FullAttentionSpec(**SPEC), SlidingWindowSpec(sliding_window=5, **SPEC),
                       ChunkedLocalAttentionSpec(attention_chunk_size=8, **SPEC)),  # fmt: skip
     "params": lambda: metadata_group_key(LayerAttentionParams(sliding_window=4, logits_soft_cap=30.0)),
@@ -218,6 +275,23 @@ CASES = [
     ("kv-shape-0-blocks", lambda: get_kv_cache_shape(0, 16, 2, 8), E, "num_blocks"),
     ("kv-shape-bool-heads", lambda: get_kv_cache_shape(4, 16, True, 8), E, "num_kv_heads"),
     ("kv-shape-layout", lambda: get_kv_cache_shape(4, 16, 2, 8, kv_layout="NCHW"), E, "kv_layout"),
+    # metadata_from_lengths: static options and the arrays' kinds, dtypes and shapes
+    *[(f"from-lengths-{name}-{label}", lambda name=name, bad=bad: from_lengths(**{name: bad}), E, rf"{name}=")
+      for name in ("block_size", "num_tokens", "max_query_len", "max_seq_len")
+      for label, bad in BAD_SIZES.items() if label != "0" or name == "block_size"],
+    ("from-lengths-causal-str", lambda: from_lengths(causal="yes"), E, "causal='yes'"),
+    *[(f"from-lengths-{name}-{label}", lambda n=name, bad=bad: from_lengths(**{n: bad}), E, rf"^{name} ")
+      for name in ("query_lens", "seq_lens", "block_tables")
+      for label, bad in (("list", [1, 2, 3]), ("float", LENGTHS[name].astype(jnp.float32)),
+                         ("int64", np.asarray(LENGTHS[name], np.int64)), ("rank+1", LENGTHS[name][None]))],
+    ("from-lengths-shapes", lambda: from_lengths(seq_lens=LENGTHS["seq_lens"][:-1]), E, r"seq_lens\.shape"),
+    # check_metadata_values
+    *[(f"check-values-{name}-{label}", lambda name=name, bad=bad: check_values(**{name: bad}), E, rf"{name}=")
+      for name in ("num_blocks", "block_size")
+      for label, bad in {**BAD_SIZES, "list": [4]}.items() if (label, name) != ("none", "num_blocks")],
+    ("check-values-params-str", lambda: check_values(params="x"), E, "params="),
+    ("resolve-sm-scale-head-dim-0", lambda: resolve_sm_scale(None, 0), E, "head_dim=0"),
+    ("resolve-sm-scale-str", lambda: resolve_sm_scale("0.5", 8), E, "sm_scale='0.5'"),
     # make_attention_metadata
     ("build-seq-lens-below-query-lens", lambda: build(seq_lens=[2, 6, 9]), E, "query_lens"),
     ("build-negative-query-len", lambda: build(query_lens=[3, -1, 4]), E, "query_lens"),
@@ -236,6 +310,12 @@ CASES = [
     ("chunked-spec-not-multiple", lambda: ChunkedLocalAttentionSpec(attention_chunk_size=6, **SPEC),
      E, "attention_chunk_size"),  # fmt: skip
     ("spec-dtype-not-a-dtype", lambda: FullAttentionSpec(**{**SPEC, "dtype": "not-a-dtype"}), E, "dtype"),
+    *[(f"spec-dtype-{label}", lambda bad=bad: FullAttentionSpec(**{**SPEC, "dtype": bad}), E, "floating")
+      for label, bad in (("none", None), ("object", object), ("bool", bool), ("str", "U4"),
+                         ("int8", jnp.int8), ("complex", np.complex64))],
+    *[(f"spec-blocks-per-request-{name}-{label}", lambda n=name, bad=bad: blocks_per_request(**{n: bad}),
+       E, rf"{name}=")
+      for name in ("max_model_len", "max_num_batched_tokens") for label, bad in BAD_SIZES.items()],
     ("spec-max-model-len-0",
      lambda: FullAttentionSpec(**SPEC).max_memory_usage_bytes(max_model_len=0, max_num_batched_tokens=8),
      E, "max_model_len"),  # fmt: skip
@@ -253,49 +333,43 @@ CASES = [
      lambda: attention_mask(jnp.arange(4), jnp.arange(4), 4, params=LayerAttentionParams(attention_chunk_size=0)),
      E, "attention_chunk_size"),  # fmt: skip
     ("mask-params-not-params", lambda: attention_mask(jnp.arange(4), jnp.arange(4), 4, params="x"), E, "params="),
-    *[(f"{name}-window-{label}", lambda call=call, w=w: call(w), E, rf"sliding_window={shown} must be an int in \[1,")
-      for name, call in (("mask", lambda w: attention_mask(POSITIONS, POSITIONS[:, None], 4, sliding_window=w)),
-                         ("key-range", lambda w: allowed_key_range(POSITIONS, 4, sliding_window=w)))
-      for label, w, shown in (("0", 0, "0"), ("negative", -1, "-1"), ("float", 2.5, "2.5"), ("bool", True, "True"),
-                              ("inf", float("inf"), "inf"), ("str", "4", "'4'"), ("huge", 2**40, str(2**40)),
-                              ("numpy-0", np.int64(0), r"np\.int64\(0\)"), ("jax-0", jnp.int32(0), "0"))],  # fmt: skip
-    ("mask-window-vector", lambda: attention_mask(POSITIONS, POSITIONS, 4, sliding_window=jnp.ones(4, jnp.int32)),
-     E, r"sliding_window must be a scalar"),  # fmt: skip
-    ("mask-window-float-array", lambda: attention_mask(POSITIONS, POSITIONS, 4, sliding_window=jnp.float32(2)),
-     E, r"sliding_window=.*float32 array\) must be an int"),  # fmt: skip
-    ("mask-window-and-params-window", lambda: attention_mask(POSITIONS, POSITIONS, 4, sliding_window=2, params=PARAMS_W),
-     E, "give the window once"),  # fmt: skip
+    *[(f"{name}-window-{label}", lambda call=call, w=w: call(sliding_window=w), E, f"window={shown} must")
+      for name, call in (("mask", mask), ("key-range", key_range))
+      for label, w, shown in (("0", 0, "0"), ("negative", -1, "-1"), ("float", 2.5, "2.5"),
+                              ("bool", True, "True"), ("inf", float("inf"), "inf"), ("str", "4", "'4'"),
+                              ("huge", 2**40, str(2**40)), ("numpy-0", np.int64(0), r"np\.int64\(0\)"),
+                              ("jax-0", jnp.int32(0), "0"))],
+    ("mask-window-vector", lambda: mask(sliding_window=jnp.ones(4, jnp.int32)), E, "must be a scalar"),
+    ("mask-window-float-array", lambda: mask(sliding_window=jnp.float32(2)), E, r"float32 array\) must be"),
+    ("mask-window-and-params-window", lambda: mask(sliding_window=2, params=PARAMS_W), E, "the window once"),
     ("mask-float-positions", lambda: attention_mask(POSITIONS + 0.5, POSITIONS, 4), E, r"q_pos=.*float"),
     ("mask-list-positions", lambda: attention_mask(POSITIONS, [0, 1], 4), E, r"k_pos=\[0, 1\]"),
     ("mask-str-seq-len", lambda: attention_mask(POSITIONS, POSITIONS, "4"), E, r"seq_len='4'"),
     ("key-range-float-positions", lambda: allowed_key_range(POSITIONS * 1.0, 4), E, r"q_pos=.*float"),
-    ("chunked-mask-0", lambda: masks.chunked_local_mask(POSITIONS, POSITIONS, 0), E, "attention_chunk_size=0"),
-    ("window-mask-bool", lambda: masks.sliding_window_mask(POSITIONS, POSITIONS, True), E, "sliding_window=True"),
+    ("chunked-mask-0", lambda: masks.chunked_local_mask(POSITIONS, POSITIONS, 0), E, "chunk_size=0"),
+    ("window-mask-bool", lambda: masks.sliding_window_mask(POSITIONS, POSITIONS, True), E, "window=True"),
     # metadata helpers
     ("virtual-chunk-not-multiple", lambda: make_local_attention_virtual_batches(6, MD, 4), E, "attention_chunk_size"),
     ("virtual-chunk-0", lambda: make_local_attention_virtual_batches(0, MD, 4), E, "attention_chunk_size"),
     ("virtual-block-size-0", lambda: make_local_attention_virtual_batches(8, MD, 0), E, "block_size"),
-    ("virtual-table-without-columns",
-     lambda: make_local_attention_virtual_batches(8, MD.replace(block_tables=MD.block_tables[:, :0]), 4),
-     E, r"metadata\.block_tables\.shape"),  # fmt: skip
-    ("virtual-seq-len-beyond-table", lambda: make_local_attention_virtual_batches(8, MD.replace(
-        seq_lens=edited("seq_lens", 1, NUM_COLS * BLOCK_SIZE + 1)), 4), E, r"metadata\.seq_lens.*capacity"),
-    *[(f"{name}-query-start-loc-{label}", lambda helper=helper, qsl=qsl: helper(MD.replace(query_start_loc=qsl)),
+    ("virtual-table-without-columns", lambda: virtual(block_tables=MD.block_tables[:, :0]),
+     E, r"metadata\.block_tables\.shape"),
+    ("virtual-seq-len-past-table", lambda: virtual(seq_lens=edited("seq_lens", 1, NUM_COLS * BLOCK_SIZE + 9)),
+     E, "capacity"),
+    *[(f"{name}-query-start-loc-{label}", lambda helper=helper, qsl=qsl: helper(query_start_loc=qsl),
        E, r"metadata\.query_start_loc=\[.*must start at 0, never decrease")
-      for name, helper in (("split", split_decodes_and_prefills), ("reorder", reorder_decodes_first),
-                           ("virtual", lambda md: make_local_attention_virtual_batches(8, md, 4)))
+      for name, helper in (("split", split), ("reorder", reorder), ("virtual", virtual))
       for label, qsl in (("decreasing", edited("query_start_loc", 1, 5)),
                          ("not-at-0", edited("query_start_loc", 0, 1)),
-                         ("past-T", edited("query_start_loc", -1, T + 1)))],  # fmt: skip
-    ("split-num-actual-tokens", lambda: split_decodes_and_prefills(MD.replace(num_actual_tokens=jnp.int32(T - 1))),
-     E, r"metadata\.num_actual_tokens"),  # fmt: skip
+                         ("past-T", edited("query_start_loc", -1, T + 1)))],
+    ("split-num-actual-tokens", lambda: split(num_actual_tokens=jnp.int32(T - 1)), E, "num_actual_tokens="),
     ("split-not-metadata", lambda: split_decodes_and_prefills(dict(vars(MD))), E, "metadata must be"),
     ("split-threshold-0", lambda: split_decodes_and_prefills(MD, decode_threshold=0), E, "decode_threshold"),
-    ("split-require-uniform-str", lambda: split_decodes_and_prefills(MD, require_uniform="no"), E, "require_uniform"),
-    ("reorder-seq-len-below-query", lambda: reorder_decodes_first(MD.replace(seq_lens=edited("seq_lens", 0, 2))),
-     E, r"metadata\.seq_lens"),  # fmt: skip
-    ("reorder-is-prefilling-ints", lambda: reorder_decodes_first(MD, is_prefilling=[1, 0, 2]), E, "is_prefilling"),
-    ("reorder-is-prefilling-str", lambda: reorder_decodes_first(MD, is_prefilling="yes"), E, "is_prefilling"),
+    ("split-require-uniform-str", lambda: split_decodes_and_prefills(MD, require_uniform="no"),
+     E, "require_uniform='no'"),
+    ("reorder-seq-len-below-query", lambda: reorder(seq_lens=edited("seq_lens", 0, 2)), E, "seq_lens="),
+    ("reorder-is-prefilling-ints", lambda: reorder_decodes_first(MD, is_prefilling=[1, 0, 2]), E, "filling="),
+    ("reorder-is-prefilling-str", lambda: reorder_decodes_first(MD, is_prefilling="yes"), E, "prefilling="),
     ("reorder-threshold-0", lambda: reorder_decodes_first(MD, decode_threshold=0), E, "decode_threshold"),
     ("reorder-is-prefilling-shape", lambda: reorder_decodes_first(MD, is_prefilling=[True, False]),
      E, "is_prefilling"),  # fmt: skip
@@ -308,6 +382,8 @@ CASES = [
      E, "kernel_block_size"),  # fmt: skip
     ("expand-allocator-0", lambda: expand_block_tables(MD.block_tables, allocator_block_size=0, kernel_block_size=8),
      E, "allocator_block_size"),  # fmt: skip
+    ("expand-id-negative", lambda: expand(np.asarray([[1, -1]])), E, r"block_tables holds ids in \[-1, 1\]"),
+    ("expand-id-past-int32", lambda: expand(np.asarray([[1, 2**30]], np.int64)), E, r"1073741824\].*int32"),
     ("expand-allocator-negative",
      lambda: expand_block_tables(MD.block_tables, allocator_block_size=-16, kernel_block_size=8),
      E, "allocator_block_size"),  # fmt: skip
@@ -323,3 +399,18 @@ def test_case_ids_are_unique():
 def test_malformed_call_raises(call, error, match):
     with pytest.raises(error, match=match):
         jax.block_until_ready(call())
+
+
+def test_valid_sizes_are_stored_as_python_ints():
+    """numpy ints in a spec or a cache shape come back as Python ints: equal values, hashes and reprs."""
+    spec = SlidingWindowSpec(sliding_window=np.int64(5), **{**SPEC, "block_size": np.int32(4)})
+    assert spec == SlidingWindowSpec(sliding_window=5, **SPEC)
+    assert type(spec.block_size) is type(spec.sliding_window) is int
+    assert all(type(d) is int for d in get_kv_cache_shape(np.int64(4), 16, np.int32(2), 8))
+
+
+def test_expand_block_tables_of_no_request_and_of_wide_ids():
+    """A table of no request expands to no request (not a reshape error); int64 ids that fit expand exactly"""
+    assert expand(np.zeros((0, 3), np.int32)).shape == (0, 6)
+    wide = expand(np.asarray([[2**29 - 1]], np.int64), kernel_block_size=2)
+    assert wide.dtype == jnp.int32 and np.asarray(wide).tolist() == [list(range(2**31 - 4, 2**31))]
