@@ -1,4 +1,5 @@
-"""The torch backend on the H200: layer call against the direct JAX call, host overhead, stream race, zero-copy.
+"""The torch backend on the H200: layer call against the direct JAX call, host overhead, stream race,
+zero-copy, the cost of `plan`'s value check.
 
     PYTHONPATH=. python benchmarks/interop_h200.py [--trials 1000] [--small]
 
@@ -19,6 +20,10 @@ then ``PYTHONPATH=.:/tmp/pkgs``.)
 4. Whether a conversion waits on the host: with tens of milliseconds of torch work queued on the GPU, the host
    time of an ordered import, an unordered one and an export (a conversion that waits takes about as long as the
    queued work).
+5. `plan`'s value check: a vLLM-like step (250 decodes over random contexts and 6 prefills of 1,024 tokens,
+   block tables [256, 512], block 16, int64 slots as vLLM's) on the device, planned with the default check
+   and with ``checked=False``. Parity first (one packed buffer), then the host time per plan, the GPU idle and
+   with torch work queued (the check copies the metadata to the host, which waits for that work).
 
 Prints a short table last.
 """
@@ -338,6 +343,78 @@ def conversion_waits(device, rows, *, queued_matmuls: int = 20):
         )
 
 
+def vllm_like_step(device, *, num_decodes, num_prefills, prefill_len, block_size, blocks_per_req):
+    """`plan`'s arguments for a step of decodes over random contexts and a few prefills: each request's blocks
+    shuffled over the pool, its slots those of its positions (vLLM's metadata, int64 slots as vLLM's)."""
+    generator = torch.Generator().manual_seed(0)
+    query_lens = torch.tensor([1] * num_decodes + [prefill_len] * num_prefills)
+    capacity = blocks_per_req * block_size
+    contexts = torch.randint(0, capacity - prefill_len, (len(query_lens),), generator=generator)
+    seq_lens = query_lens + contexts
+    used = (seq_lens + block_size - 1) // block_size
+    tables = torch.zeros(len(query_lens), blocks_per_req, dtype=torch.int32)
+    ids = 1 + torch.randperm(int(used.sum()), generator=generator).int()
+    tables[torch.arange(blocks_per_req) < used[:, None]] = ids
+    requests = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens.tolist(), seq_lens.tolist())])
+    slots = tables[requests, positions // block_size].long() * block_size + positions % block_size
+    metadata = {
+        "query_start_loc": torch.cat([torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0).int()]),
+        "seq_lens": seq_lens.int(),
+        "block_tables": tables,
+        "slot_mapping": slots,
+    }
+    bounds = {"max_query_len": int(query_lens.max()), "max_seq_len": int(seq_lens.max())}
+    return {name: tensor.to(device) for name, tensor in metadata.items()}, bounds
+
+
+def plan_check(device, args, rows, *, queued_matmuls: int = 20):
+    """`plan` with its default value check against ``checked=False``: parity, then host time per plan."""
+    shape = {"num_decodes": 250, "num_prefills": 6, "prefill_len": 1024}
+    shape.update(block_size=16, blocks_per_req=512)
+    if args.small:
+        shape.update(num_decodes=6, num_prefills=2, prefill_len=32, blocks_per_req=16)
+    metadata, bounds = vllm_like_step(device, **shape)
+    head = {"num_heads": 32, "num_kv_heads": 8, "head_size": 128}
+    layers = {"full": AttentionLayer(**head), "window": AttentionLayer(**head, sliding_window=128)}
+    backend = PagedAttentionBackend(layers, block_size=shape["block_size"])
+    packed = {}
+    for checked in (True, False):
+        backend.plan(**metadata, **bounds, checked=checked)
+        packed[checked] = np.asarray(backend._packed)
+    same = np.array_equal(packed[True], packed[False])
+    rows.append(("plan parity, checked vs checked=False", "same packed metadata" if same else "DIFFERENT"))
+    times = {True: [], False: []}
+    for _ in range(args.rounds):  # interleaved, medians
+        for checked in (True, False):
+            sync(device)
+            for _ in range(args.reps):
+                start = time.perf_counter()
+                backend.plan(**metadata, **bounds, checked=checked)
+                times[checked].append(time.perf_counter() - start)
+    num_reqs, num_tokens = len(metadata["seq_lens"]), len(metadata["slot_mapping"])
+    label = f"{num_reqs} requests, {num_tokens} tokens, tables {list(metadata['block_tables'].shape)}"
+    checked_t, unchecked_t = (float(np.median(times[c])) * 1e6 for c in (True, False))
+    rows.append((f"plan host time, checked (default) ({label})", f"{checked_t:.1f} us"))
+    check_t = checked_t - unchecked_t
+    rows.append(("plan host time, checked=False", f"{unchecked_t:.1f} us (check: {check_t:.1f} us)"))
+    if device.type != "cuda":
+        return
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for checked in (True, False):
+        sync(device)
+        started = time.perf_counter()
+        for _ in range(queued_matmuls):
+            a @ a
+        start = time.perf_counter()
+        backend.plan(**metadata, **bounds, checked=checked)
+        seconds = time.perf_counter() - start
+        sync(device)
+        work = time.perf_counter() - started
+        name = f"plan host time, {work * 1e3:.0f} ms of torch work queued, checked={checked}"
+        rows.append((name, f"{seconds * 1e6:.0f} us"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--trials", type=int, default=1000)
@@ -367,6 +444,7 @@ def main():
     zero_copy(backend, cache, q, k, v, rows)
     stream_race(backend, cache, q, k, v, device, args.trials, rows)
     conversion_waits(device, rows)
+    plan_check(device, args, rows)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; torch {torch.__version__} on {device}")
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

@@ -24,7 +24,7 @@ class AttentionLayer:
       sliding_window: the W most recent positions, the query's own included (None: no window).
       attention_chunk_size: chunked-local attention over chunks of C positions (None: none).
       logits_soft_cap: ``cap * tanh(logits / cap)`` (None: none).
-      sinks: [N] learned sink logits (gpt-oss), or None.
+      sinks: [N] learned sink logits (gpt-oss), finite, or None.
       causal: keys after the query are masked.
       kv_cache_group: which of the step's block tables and slot mappings this layer's cache uses.
       k_scale, v_scale: dequantization scales of a float8 cache.
@@ -60,6 +60,8 @@ class AttentionLayer:
                 )
             if tuple(self.sinks.shape) != (self.num_heads,):
                 raise ValueError(f"sinks.shape={tuple(self.sinks.shape)} must be (num_heads={self.num_heads},)")
+            if not bool(torch.isfinite(self.sinks).all()):  # read once, when the layer is made
+                raise ValueError(f"sinks={self.sinks.tolist()} must be finite")
         if isinstance(self.kv_cache_group, bool) or not isinstance(self.kv_cache_group, int) or self.kv_cache_group < 0:
             raise ValueError(f"kv_cache_group={self.kv_cache_group!r} must be an int >= 0")
         for name in ("k_scale", "v_scale"):

@@ -53,7 +53,7 @@ from jax_hybrid_attn.validation import resolve_implementation
 from .attention_layer import AttentionLayer
 from .dlpack import ALIGNMENT, check_shareable, is_compact, jax_dtype, same_memory, to_jax, to_torch
 from .layer_inputs import FUSED, fused_qkv, padded_rows, split_fused_qkv, tensor_key
-from .plan import PACKED_FIELD_ALIGNMENT, pack_plan
+from .plan import PACKED_FIELD_ALIGNMENT, PlanLayout, pack_plan
 
 __all__ = ["AttentionLayer", "PagedAttentionBackend"]
 
@@ -130,6 +130,12 @@ class PagedAttentionBackend:
         self.implementation = implementation
         self.interpret = interpret
         self.num_kv_cache_groups = 1 + max(layer.kv_cache_group for layer in self.layers.values())
+        # per KV-cache group, the distinct parameters of its layers (a checked plan checks their reads)
+        groups = self.metadata_groups()
+        self._group_params = tuple(
+            tuple(self.layers[names[0]].params for (group, _), names in groups.items() if group == g)
+            for g in range(self.num_kv_cache_groups)
+        )
         self._sinks: dict[str, jax.Array] = {}
         self._scales: dict[tuple, KVCache] = {}  # per layer and scale values: the scales on the device, no data
         self._caches: dict[str, jax.Array] = {}
@@ -172,7 +178,7 @@ class PagedAttentionBackend:
         max_query_len: int | None = None,
         max_seq_len: int | None = None,
         causal: bool = True,
-        checked: bool = False,
+        checked: bool = True,
         num_common_prefix_blocks: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
         """Take this step's metadata (vLLM's `CommonAttentionMetadata` fields) for every following `run`.
@@ -182,23 +188,33 @@ class PagedAttentionBackend:
           seq_lens: [R] context lengths including this step's tokens.
           block_tables: [R, P], or [G, R, P] with one table per KV-cache group.
           slot_mapping: [T], or [G, T]; `PAD_SLOT_ID` (-1) for padding tokens.
-          max_query_len, max_seq_len: host-side upper bounds (vLLM's); if None they are read from the tensors,
-            which waits for them. Both are rounded up to a power of two to limit recompiles. A bound below a
-            request's actual length is a broken promise: that request's rows are NaN (``checked=True`` refuses
-            it).
+          max_query_len, max_seq_len: host-side upper bounds (vLLM's); if None they are read from the values.
+            Both are rounded up to a power of two to limit recompiles.
           causal: whether the layers attend causally.
-          num_common_prefix_blocks: per KV-cache group, the leading block-table entries every request holds alike
-            (vLLM's common prefix, in blocks): the layers then run as cascade attention (`jax_hybrid_attn.cascade`;
-            a request the split cannot serve gets NaN). None: plain attention.
-          checked: also read the tensors' values (a copy to the host, which waits for them) and raise
-            `ValueError` for what the kernels cannot serve: `query_start_loc` not starting at 0 or decreasing,
-            query lengths above `seq_lens`, sequences beyond their block table, negative block ids, slots outside
-            the table's blocks or written twice, bounds below the actual maxima; each following `run` then checks
-            the ids and slots against its cache's block count.
+          num_common_prefix_blocks: per KV-cache group, the leading block-table entries every request holds
+            alike (vLLM's common prefix, in blocks): the layers then run as cascade attention
+            (`jax_hybrid_attn.cascade`). None: plain attention.
+          checked: read the tensors' values on the host and raise `ValueError`, naming the argument, for
+            metadata that would give a wrong number or NaN: int64 values beyond int32; `query_start_loc` not
+            starting at 0, decreasing or past T; a query longer than its `seq_lens`; a sequence beyond its
+            block table (P*S); a negative block id; a token's slot other than its position p's slot in its
+            request's block table (``block_tables[r, p // S] * S + p % S``), a padding token's (from
+            ``query_start_loc[-1]`` on) other than `PAD_SLOT_ID`, a slot in the null block or written twice, a
+            block written for two requests; a key position a layer of the group attends (its window and chunk
+            applied) in the null block or in a block this step writes elsewhere (for another request, or at
+            another column); a bound below the actual maximum; a common prefix the split cannot serve. Each
+            following `run` then checks the block ids and slots against its cache's block count. CPU tensors
+            are read where they are (host time only); CUDA tensors are copied to the host once, which waits
+            for them.
 
-        Always checked (no wait): types, dtypes, shapes, devices, and that int64 values fit int32 (this one reads
-        the int64 tensors). Unchecked values are the caller's promise: a request the kernels cannot serve gets NaN
-        output, never a wrong number, and a slot outside the cache is not written.
+            ``checked=False`` reads no value (nor waits, when both bounds are given): the caller then vouches
+            that the metadata passes every check above, block ids below each layer's cache block count
+            included, as vLLM's own metadata does. Metadata that breaks it can give wrong numbers (a slot
+            written twice or elsewhere than its position's, a decreasing `query_start_loc`) or NaN (a query
+            longer than its `seq_lens` or bound, a block id outside the cache, a common prefix the split
+            cannot serve).
+
+        Always checked (no value read): types, dtypes, shapes and devices.
 
         The four tensors are packed, converted to int32, into one buffer on their device and imported into JAX
         once. The request, token and block counts are rounded up to powers of two there (padding requests are
@@ -213,6 +229,7 @@ class PagedAttentionBackend:
             query_start_loc, seq_lens, block_tables, slot_mapping, num_groups=self.num_kv_cache_groups,
             block_size=self.block_size, max_query_len=max_query_len, max_seq_len=max_seq_len, causal=causal,
             checked=checked, padding=self._padding, num_common_prefix_blocks=num_common_prefix_blocks,
+            group_params=self._group_params,
         )  # fmt: skip
         self._packed = to_jax(packed, name="packed metadata")
         self._layout, self._needed_blocks, self._plan_device = layout, needed_blocks, device

@@ -14,9 +14,16 @@ import jax
 import numpy as np
 import torch
 
-from jax_hybrid_attn import PAD_SLOT_ID, AttentionMetadata, check_metadata_values
+from jax_hybrid_attn import (
+    NULL_BLOCK_ID,
+    PAD_SLOT_ID,
+    AttentionMetadata,
+    LayerAttentionParams,
+    check_metadata_values,
+)
 from jax_hybrid_attn.cascade import split_violations
 from jax_hybrid_attn.integers import INT32_MAX, cdiv, check_bool, check_int, next_power_of_two
+from jax_hybrid_attn.params import CAUSAL
 
 __all__ = ["PACKED_FIELD_ALIGNMENT", "PlanLayout", "pack_plan"]
 
@@ -123,24 +130,142 @@ def _per_group(block_tables, slot_mapping, *, num_groups: int, num_reqs: int):
     return block_tables, slot_mapping
 
 
-def _check_int64_range(**tensors: torch.Tensor) -> None:
-    """int64 tensors must fit int32 (they are converted): checked on their values, which waits for them."""
-    info = torch.iinfo(torch.int32)
-    for name, tensor in tensors.items():
-        if tensor.dtype == torch.int64 and tensor.numel():
-            low, high = int(tensor.min()), int(tensor.max())
+FIELD_NAMES = ("query_start_loc", "seq_lens", "block_tables", "slot_mapping", "num_common_prefix_blocks")
+
+
+def _host_values(fields: list[torch.Tensor]) -> list[np.ndarray]:
+    """The fields' values on the host: CPU tensors where they are (no copy), others `_copied_to_host`."""
+    if fields[0].device.type == "cpu":
+        return [field.resolve_neg().numpy() for field in fields]
+    return _copied_to_host(fields)
+
+
+def _copied_to_host(fields: list[torch.Tensor]) -> list[np.ndarray]:
+    """The fields' values as int64 host arrays, in one copy (which waits for them)."""
+    flat = torch.cat([field.reshape(-1).to(torch.int64) for field in fields]).cpu().numpy()
+    sizes = np.cumsum([field.numel() for field in fields])[:-1]
+    return [part.reshape(field.shape) for part, field in zip(np.split(flat, sizes), fields, strict=True)]
+
+
+def _check_int32_range(names, values: list[np.ndarray]) -> None:
+    """The int64 values fit int32 (they are converted)."""
+    info = np.iinfo(np.int32)
+    for name, value in zip(names, values):
+        if value.dtype == np.int64 and value.size:
+            low, high = int(value.min()), int(value.max())
             if low < info.min or high > info.max:
-                raise ValueError(f"{name} holds values in [{low}, {high}], outside int32's [{info.min}, {info.max}]")
+                raise ValueError(
+                    f"{name} holds values in [{low}, {high}], outside int32's [{info.min}, {info.max}]"
+                )
 
 
-def _check_values(fields: list[torch.Tensor], layout: PlanLayout, *, block_size: int) -> tuple[int, ...]:
-    """The checked mode: every group's metadata, copied to the host, through `check_metadata_values` (the pool
-    size is not known yet), and its common prefix through `cascade.split_violations` (the parts that do not
-    depend on a layer's window or chunk). Returns per group the number of cache blocks its ids and slots need."""
+def _first_keys(first_query: np.ndarray, params: LayerAttentionParams) -> np.ndarray:
+    """The first key position that query position `first_query` attends under `params`: the first key of
+    `masks.allowed_key_range`, in numpy (the jnp one costs as much host time as all other checks together)."""
+    first = np.zeros_like(first_query)
+    window, chunk = params.sliding_window, params.attention_chunk_size
+    if window is not None:
+        first = np.where(first_query >= window, first_query - window + 1, first)
+    if chunk is not None:
+        first = np.maximum(first, first_query // chunk * chunk)
+    return first
+
+
+def _check_slots_follow_tables(query_start_loc, seq_lens, block_tables, slot_mapping, *, block_size, group):
+    """Each token of a request writes the slot of its position p in the request's block table (vLLM's slot
+    mapping: ``block_tables[r, p // S] * S + p % S``), each padding token (from ``query_start_loc[-1]`` on)
+    `PAD_SLOT_ID`: another slot would leave a position the queries read unwritten, or write another's.
+    Returns the index of each (not padding) token's block in the flattened tables."""
+    query_lens = np.diff(query_start_loc)
+    request = np.repeat(np.arange(seq_lens.size), query_lens)
+    position = seq_lens[request] - query_start_loc[request + 1] + np.arange(request.size)
+    entry = request * block_tables.shape[1] + position // block_size  # in the flattened tables
+    expected = np.full(slot_mapping.shape, PAD_SLOT_ID, np.int64)
+    expected[: request.size] = block_tables.ravel().take(entry) * np.int64(block_size) + position % block_size
+    wrong = np.flatnonzero(slot_mapping != expected)
+    if wrong.size:
+        token = int(wrong[0])
+        where = f"slot_mapping[{token}]" if group is None else f"slot_mapping[{group}, {token}]"
+        got = f"{where}={slot_mapping[token]}"
+        if token >= request.size:
+            raise ValueError(
+                f"{got} must be PAD_SLOT_ID={PAD_SLOT_ID}: token {token} is padding (from "
+                f"query_start_loc[-1]={request.size} on), which writes nowhere"
+            )
+        r, p = int(request[token]), int(position[token])
+        table = "block_tables" if group is None else f"block_tables[{group}]"
+        raise ValueError(
+            f"{got} must be {expected[token]}: token {token} is request {r}'s position {p}, whose slot is "
+            f"{table}[{r}, {p // block_size}] * {block_size} + {p % block_size}"
+        )
+    return entry
+
+
+def _check_reads(seq_lens, query_lens, block_tables, written, *, block_size, params, group) -> None:
+    """What the group's layers (`params`, each distinct one) read and write: from the first key any of them
+    attends for a request's first query to its last position, no block is `NULL_BLOCK_ID` (no request owns
+    its contents), nor one this step writes, but at the request's own written entries (`written`: each
+    token's, in the flattened tables); no block is written for two requests. As
+    `validation.check_block_reads`, for all of a group's layers at once, on whole arrays."""
+    first_key = np.min([_first_keys(seq_lens - query_lens, p) for p in params], axis=0)
+    first = first_key // block_size
+    num_reqs, width = block_tables.shape
+    starts = np.arange(num_reqs) * width + first
+    ends = starts - first + (seq_lens - 1) // block_size + 1
+    ends = np.where(query_lens > 0, ends, starts)  # an idle request reads nothing
+    bounds = np.stack([starts, ends], axis=1).ravel()
+    flat = block_tables.ravel()
+
+    def first_read(marks):  # (request, column) of the first marked entry that a request reads, or None
+        marked = np.logical_or.reduceat(np.append(marks, False), bounds)[::2]
+        requests = np.flatnonzero(marked & (ends > starts))
+        if not requests.size:
+            return None
+        r = int(requests[0])
+        return r, int(np.flatnonzero(marks[starts[r] : ends[r]])[0] + first[r])
+
+    table = "block_tables" if group is None else f"block_tables[{group}]"
+    null = first_read(flat == NULL_BLOCK_ID)
+    if null is not None:
+        r, column = null
+        raise ValueError(
+            f"{table}[{r}, {column}] is the null block {NULL_BLOCK_ID}, which request {r} reads (its layers "
+            f"attend key positions {first_key[r]}..{seq_lens[r] - 1}): no request owns its contents"
+        )
+    if int(flat.max(initial=0)) >= 1 << 24:  # ids that large: renumbered, for a lookup table of their count
+        flat = np.unique(flat, return_inverse=True)[1].reshape(-1)
+    writer = np.zeros(int(flat.max(initial=0)) + 1, np.int32)  # by block id: 1 + the request writing into it
+    blocks, rows = flat[written], written // width + 1
+    writer[blocks] = rows
+    twice = np.flatnonzero(writer[blocks] != rows)
+    if twice.size:
+        entry = int(written[twice[0]])
+        r, column, other = entry // width, entry % width, writer[blocks[twice[0]]] - 1
+        raise ValueError(
+            f"{table}[{r}, {column}]={block_tables[r, column]} is written in this step for requests {r} and "
+            f"{other}: a block has one writer"
+        )
+    marks = writer.take(flat.astype(np.intp)) > 0  # (take is faster with intp indices)
+    marks[written] = False
+    foreign = first_read(marks)
+    if foreign is not None:
+        r, column = foreign
+        other = writer[flat[r * width + column]] - 1
+        raise ValueError(
+            f"{table}[{r}, {column}]={block_tables[r, column]} is a block request {r} reads, which this step "
+            f"writes for request {other}" + (" at another column" if other == r else "")
+        )
+
+
+def _check_values(values: list[np.ndarray], layout: PlanLayout, *, block_size: int, group_params) -> tuple:
+    """The checked mode, on the fields' host values (int64 ones already within int32): every group's metadata
+    through `check_metadata_values` (the pool size is not known yet), its common prefix through
+    `cascade.split_violations`, its slots against its block table (`_check_slots_follow_tables`) and its
+    layers' reads (`_check_reads`). Returns per group the number of cache blocks its ids and slots need."""
     query_start_loc, seq_lens, block_tables, slot_mapping = (
-        field.cpu().numpy().astype(np.int32) for field in fields[:4]
+        value.astype(np.int32, copy=False) for value in values[:4]
     )
-    common = fields[4].cpu().numpy().astype(np.int32) if layout.cascade else None
+    common = values[4] if layout.cascade else None
     needed = []
     for group in range(layout.num_groups):
         metadata = AttentionMetadata(
@@ -153,18 +278,53 @@ def _check_values(fields: list[torch.Tensor], layout: PlanLayout, *, block_size:
             max_seq_len=layout.max_seq_len,
             causal=layout.causal,
         )
-        check_metadata_values(metadata, num_blocks=None, block_size=block_size)
+        try:
+            check_metadata_values(metadata, num_blocks=None, block_size=block_size)
+        except ValueError as error:
+            if layout.num_groups == 1:
+                raise
+            raise ValueError(f"KV-cache group {group}'s {error}") from None
+        params = group_params[group]
         if common is not None:
-            broken = np.asarray(split_violations(metadata, int(common[group]), block_size=block_size))
+            splits = [
+                split_violations(metadata, int(common[group]), block_size=block_size, params=p)
+                for p in params or (CAUSAL,)
+            ]
+            broken = np.any(splits, axis=0)
             if broken.any():
                 raise ValueError(
                     f"num_common_prefix_blocks={common.tolist()} does not split group {group}'s requests "
-                    f"{np.flatnonzero(broken).tolist()}: their leading blocks differ from the first request's, or "
-                    "their query starts inside the prefix"
+                    f"{np.flatnonzero(broken).tolist()}: their leading blocks differ from the first "
+                    "request's, their query starts inside the prefix, or a layer's window or chunk ends "
+                    "inside it"
                 )
+        name = group if layout.num_groups > 1 else None
+        reached = max(1, -(-int(seq_lens.max(initial=0)) // block_size))  # the columns any request reaches
+        tables = np.ascontiguousarray(block_tables[group, :, :reached])
+        written = _check_slots_follow_tables(
+            query_start_loc, seq_lens, tables, slot_mapping[group], block_size=block_size, group=name
+        )
+        if params:
+            query_lens = np.diff(query_start_loc)
+            options = {"block_size": block_size, "params": params, "group": name}
+            _check_reads(seq_lens, query_lens, tables, written, **options)
         highest_slot = int(slot_mapping[group].max(initial=PAD_SLOT_ID))
         needed.append(max(int(block_tables[group].max(initial=0)), highest_slot // block_size) + 1)
     return tuple(needed)
+
+
+def _bounds(query_start_loc, seq_lens, max_query_len, max_seq_len) -> tuple[int, int]:
+    """`plan`'s bounds, checked; one left None is read from the values (host arrays, or tensors: a wait)."""
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if len(seq_lens) else 0
+        if max_query_len < 0:
+            raise ValueError(f"query_start_loc={query_start_loc.tolist()} must never decrease")
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if len(seq_lens) else 0
+        if max_seq_len < 0:
+            raise ValueError(f"seq_lens={seq_lens.tolist()} must be >= 0")
+    max_query_len = check_int("max_query_len", max_query_len, minimum=0)
+    return max_query_len, check_int("max_seq_len", max_seq_len, minimum=0)
 
 
 def pack_plan(
@@ -180,16 +340,21 @@ def pack_plan(
     causal: bool,
     checked: bool,
     padding: torch.Tensor,
+    group_params: tuple[tuple[LayerAttentionParams, ...], ...],
     num_common_prefix_blocks=None,
 ) -> tuple[torch.Tensor, PlanLayout, tuple[int, ...] | None]:
     """Check one step's metadata and pack it into one int32 tensor on its device (see `PagedAttentionBackend.plan`
-    for the arguments; `padding` is a zero int32 tensor of at least one alignment's elements on that device).
+    for the arguments; `padding` is a zero int32 tensor of at least one alignment's elements on that device;
+    `group_params` holds per KV-cache group the distinct parameters of its layers, which a checked plan checks
+    the reads against).
 
     Returns (the packed tensor, its layout, and with ``checked=True`` the number of cache blocks each group's
-    ids and slots need, else None). Bounds left None are read from the tensors, which waits for them. The layout's
-    counts (requests, tokens, blocks per request) are the step's rounded up to powers of two; the packed fields
-    are padded to them."""
+    ids and slots need, else None). Bounds left None are read from the values (unchecked: from the tensors,
+    which waits for them). The layout's counts (requests, tokens, blocks per request) are the step's, rounded
+    up to powers of two; the packed fields are padded to them."""
     checked, causal = check_bool("checked", checked), check_bool("causal", causal)
+    if not isinstance(group_params, tuple) or len(group_params) != num_groups:
+        raise ValueError(f"group_params={group_params!r} must be a tuple of {num_groups} tuples, one a group")
     _check_tensors(
         query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping
     )
@@ -200,32 +365,31 @@ def pack_plan(
             "must be [R+1] and [R]"
         )
     block_tables, slot_mapping = _per_group(block_tables, slot_mapping, num_groups=num_groups, num_reqs=num_reqs)
-    _check_int64_range(
-        query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables, slot_mapping=slot_mapping
+    common = _common_prefix_blocks(
+        num_common_prefix_blocks,
+        num_groups=num_groups,
+        blocks_per_req=block_tables.shape[2],
+        device=query_start_loc.device,
     )
-    if max_query_len is None:
-        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
-        if max_query_len < 0:
-            raise ValueError(f"query_start_loc={query_start_loc.tolist()} must never decrease")
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if num_reqs else 0
-        if max_seq_len < 0:
-            raise ValueError(f"seq_lens={seq_lens.tolist()} must be >= 0")
+    fields = [query_start_loc, seq_lens, block_tables, slot_mapping] + ([] if common is None else [common])
+    values = _host_values(fields) if checked else None
+    if checked:
+        _check_int32_range(FIELD_NAMES, values)
+    max_query_len, max_seq_len = _bounds(*(values or fields)[:2], max_query_len, max_seq_len)
     layout = PlanLayout(
         num_reqs=num_reqs,
         num_tokens=slot_mapping.shape[1],
         num_groups=num_groups,
         blocks_per_req=block_tables.shape[2],
         # rounded up, within int32 (the metadata's bound)
-        max_query_len=min(next_power_of_two(check_int("max_query_len", max_query_len, minimum=0)), INT32_MAX),
-        max_seq_len=min(next_power_of_two(check_int("max_seq_len", max_seq_len, minimum=0)), INT32_MAX),
+        max_query_len=min(next_power_of_two(max_query_len), INT32_MAX),
+        max_seq_len=min(next_power_of_two(max_seq_len), INT32_MAX),
         causal=causal,
-        cascade=num_common_prefix_blocks is not None,
+        cascade=common is not None,
     )
-    common = _common_prefix_blocks(num_common_prefix_blocks, num_groups=num_groups, blocks_per_req=layout.blocks_per_req,
-                                   device=query_start_loc.device)  # fmt: skip
-    fields = [query_start_loc, seq_lens, block_tables, slot_mapping] + ([common] if layout.cascade else [])
-    needed_blocks = _check_values(fields, layout, block_size=block_size) if checked else None
+    needed_blocks = None
+    if checked:
+        needed_blocks = _check_values(values, layout, block_size=block_size, group_params=group_params)
     # Counts rounded up to powers of two, so that a serving loop's varying batches compile a few shapes only:
     # padding requests are empty (their query and sequence lengths 0), padding tokens write nowhere
     layout = dataclasses.replace(

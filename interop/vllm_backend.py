@@ -190,6 +190,7 @@ class _GroupPlans:
                 metadata.slot_mapping,
                 max_query_len=metadata.max_query_len,
                 max_seq_len=metadata.max_seq_len,
+                checked=False,  # vLLM's own metadata: checking its CUDA tensors would wait for them each step
             )
             self.current = metadata
         return self.backend

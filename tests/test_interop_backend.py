@@ -336,30 +336,164 @@ def test_plan_refuses_int64_values_beyond_int32_and_run_checks_the_out_shape():
         backend.run("l", q, k, v, caches[0], out=torch.empty(q.shape[0], 16, 4, dtype=q.dtype))
 
 
-def test_a_checked_plan_refuses_what_the_kernels_cannot_serve_and_keeps_the_previous_plan():
-    step, caches, q, k, v = make_step()
+def _unused_slot(step, cache) -> int:
+    """A slot of a block that no request's table holds."""
+    unused = sorted(set(range(1, cache.shape[0])) - set(step["block_tables"].flatten().tolist()))
+    return unused[0] * BLOCK_SIZE + 3
+
+
+def _set(tensor, index, value):
+    tensor = tensor.clone()
+    tensor[index] = value
+    return tensor
+
+
+def _shared_block(step, cache):
+    """Request 2 writes its positions 21..23 into the block where request 1 writes its position 8."""
+    tables = _set(step["block_tables"], (2, 2), step["block_tables"][1, 1])
+    slots = _set(step["slot_mapping"], slice(10, 13), tables[1, 1] * BLOCK_SIZE + torch.arange(5, 8))
+    return {"block_tables": tables, "slot_mapping": slots}
+
+
+def _mutation(argument, index, value):
+    """The bad arguments: `argument` with `value` (or `value(step, cache)`) at `index`."""
+
+    def bad(step, cache):
+        got = value(step, cache) if callable(value) else value
+        return {argument: _set(step[argument], index, got)}
+
+    return bad
+
+
+BAD_METADATA = {  # label -> (the argument named, the bad arguments from the step and its cache)
+    "a slot twice": ("slot_mapping", _mutation("slot_mapping", 1, lambda step, _: step["slot_mapping"][0])),
+    "a negative slot": ("slot_mapping", _mutation("slot_mapping", 0, -5)),
+    "a slot past the cache": (
+        "slot_mapping",
+        _mutation("slot_mapping", 0, lambda _, cache: cache.shape[0] * BLOCK_SIZE + 3),
+    ),
+    "decreasing query_start_loc": (
+        "query_start_loc",
+        _mutation("query_start_loc", 2, lambda step, cache: step["query_start_loc"][1] - 1),
+    ),
+    "query_start_loc past T": ("query_start_loc", _mutation("query_start_loc", -1, 17)),
+    "a slot not its position's": ("slot_mapping", _mutation("slot_mapping", 0, _unused_slot)),
+    "a padding token's slot": ("slot_mapping", _mutation("slot_mapping", -1, _unused_slot)),
+    "a token without a slot": ("slot_mapping", _mutation("slot_mapping", 0, -1)),
+    "a query longer than seq_lens": ("seq_lens", _mutation("seq_lens", 1, 4)),
+    "a negative seq_lens": ("seq_lens", _mutation("seq_lens", 4, -1)),
+    "a negative block id": ("block_tables", _mutation("block_tables", (0, 3), -3)),
+    "a read of the null block": ("block_tables", _mutation("block_tables", (2, 0), 0)),
+    "a read of a block written for another request": (  # request 0 writes its position 16 into [0, 2]
+        "block_tables",
+        _mutation("block_tables", (2, 0), lambda step, cache: step["block_tables"][0, 2]),
+    ),
+    "a read of a block written at another column": (  # request 2 writes its positions 21..23 into [2, 2]
+        "block_tables",
+        _mutation("block_tables", (2, 0), lambda step, cache: step["block_tables"][2, 2]),
+    ),
+    "a block written for two requests": ("block_tables", _shared_block),
+}
+
+
+@pytest.mark.parametrize("label", list(BAD_METADATA))
+def test_the_default_plan_refuses_metadata_that_would_give_a_wrong_number_and_keeps_the_previous_plan(label):
+    """Each of these gave a wrong number (or NaN) from `run` with no error; now `plan` names the argument."""
+    step, (cache,), *_ = make_step()
     layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
     backend = PagedAttentionBackend({"l": layer}, block_size=BLOCK_SIZE, **ON_CPU)
-    backend.plan(**step, checked=True)
-    planned = (backend._packed, backend._layout)
-    slots, qsl = step["slot_mapping"], step["query_start_loc"]
-    twice = slots.clone()
-    twice[1] = twice[0]
-    decreasing = qsl.clone()
-    decreasing[2] = decreasing[1] - 1
-    for bad, match in [
-        (dict(slot_mapping=twice), "more than once"),
-        (dict(query_start_loc=decreasing), "never decrease"),
-        (dict(seq_lens=step["seq_lens"] + 1000), "capacity"),
-        (dict(block_tables=step["block_tables"] - 100), "block_tables"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            backend.plan(**dict(step, **bad), checked=True)
-        assert (backend._packed, backend._layout) == planned  # the previous plan is still in place
-    backend.plan(**dict(step, slot_mapping=twice))  # unchecked: the caller's promise
-    backend.plan(**step, checked=True)
-    with pytest.raises(ValueError, match="kv_cache of 'l' holds 2"):  # ids and slots against the run's cache
-        backend.run("l", q, k, v, caches[0][:2].clone())
+    backend.plan(**step)
+    planned = (backend._packed, backend._layout, backend._needed_blocks)
+    argument, bad = BAD_METADATA[label]
+    with pytest.raises(ValueError, match=argument):
+        backend.plan(**dict(step, **bad(step, cache)))
+    assert (backend._packed, backend._layout, backend._needed_blocks) == planned  # the previous plan stays
+
+
+def test_a_table_beyond_the_cache_is_refused_by_run_and_a_group_is_named():
+    step, caches, q, k, v = make_step(num_groups=2)
+    head = {"num_heads": 4, "num_kv_heads": 2, "head_size": 16}
+    layers = {f"l{g}": AttentionLayer(**head, kv_cache_group=g) for g in (0, 1)}
+    backend = PagedAttentionBackend(layers, block_size=BLOCK_SIZE, **ON_CPU)
+    with pytest.raises(ValueError, match=r"KV-cache group 1's metadata.slot_mapping holds \[-5\]"):
+        backend.plan(**dict(step, slot_mapping=_set(step["slot_mapping"], (1, 0), -5)))
+    with pytest.raises(ValueError, match=r"slot_mapping\[1, 0\]=171 must be"):
+        backend.plan(**dict(step, slot_mapping=_set(step["slot_mapping"], (1, 0), 171)))
+    backend.plan(**step)
+    with pytest.raises(ValueError, match="kv_cache of 'l1' holds 2"):  # ids and slots against the run's cache
+        backend.run("l1", q, k, v, caches[1][:2].clone())
+
+
+def test_a_windowed_group_may_hold_the_null_block_where_its_layers_do_not_read():
+    """Request 2 (positions 21..23 of 24) attends keys from 17 on under a window of 5, from 0 without."""
+    step, (cache,), q, k, v = make_step()
+    step = dict(step, block_tables=_set(step["block_tables"], (2, 0), 0))  # positions 0..7
+    windowed = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sliding_window=5)
+    backend = PagedAttentionBackend({"l": windowed}, block_size=BLOCK_SIZE, **ON_CPU)
+    backend.plan(**step)
+    wanted, _ = expected(windowed, step, cache, q, k, v)
+    assert_close(backend.run("l", q, k, v, cache.clone()), wanted)
+    full = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
+    backend = PagedAttentionBackend({"w": windowed, "f": full}, block_size=BLOCK_SIZE, **ON_CPU)
+    with pytest.raises(ValueError, match=r"block_tables\[2, 0\] is the null block"):
+        backend.plan(**step)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_layer_refuses_sinks_that_are_not_finite(value):
+    """A NaN sink gave finite wrong numbers from `run`; the library's checked mode refuses them too."""
+    with pytest.raises(ValueError, match=r"sinks=\[.*\] must be finite"):
+        AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16, sinks=torch.tensor([0.0, value, 0.0, 0.0]))
+
+
+def test_checked_false_reads_no_value_and_plans_as_the_checked_plan(monkeypatch):
+    """The caller vouches for the values: nothing reads them (no wait on a GPU); valid input plans alike."""
+    import jax_hybrid_attn_torch.plan as plan_module
+
+    step, (cache,), q, k, v = make_step()
+    layer = AttentionLayer(num_heads=4, num_kv_heads=2, head_size=16)
+    backend = PagedAttentionBackend({"l": layer}, block_size=BLOCK_SIZE, **ON_CPU)
+    backend.plan(**step)
+    checked = np.asarray(backend._packed)
+    monkeypatch.setattr(plan_module, "_host_values", lambda fields: pytest.fail("checked=False read values"))
+    backend.plan(**step, max_query_len=9, max_seq_len=24, checked=False)
+    np.testing.assert_array_equal(np.asarray(backend._packed), checked)
+    assert backend._needed_blocks is None
+    wanted, _ = expected(layer, step, cache, q, k, v)
+    assert_close(backend.run("l", q, k, v, cache.clone()), wanted)
+    backend.plan(**dict(step, **BAD_METADATA["a slot twice"][1](step, cache)), checked=False)
+
+
+def test_a_device_plan_copies_its_values_to_the_host_in_one_piece():
+    """How a checked plan reads CUDA tensors (one copy, one wait), on CPU tensors: values and shapes kept."""
+    from jax_hybrid_attn_torch.plan import _copied_to_host
+
+    step, _, _, _, _ = make_step(num_groups=2)
+    tables = step["block_tables"][0].expand(3, -1, -1)  # one table for three groups: a view
+    fields = [step["query_start_loc"], step["seq_lens"], tables, step["slot_mapping"]]
+    for got, field in zip(_copied_to_host(fields), fields, strict=True):
+        np.testing.assert_array_equal(got, field.numpy())
+
+
+FIRST_KEY_PARAMS = [
+    {},
+    {"sliding_window": 5},
+    {"attention_chunk_size": 8},
+    {"sliding_window": 12, "attention_chunk_size": 8},
+]
+
+
+@pytest.mark.parametrize("params", FIRST_KEY_PARAMS, ids=str)
+def test_the_first_key_a_plan_checks_is_allowed_key_ranges(params):
+    from jax_hybrid_attn_torch.plan import _first_keys
+
+    from jax_hybrid_attn import LayerAttentionParams
+    from jax_hybrid_attn.masks import allowed_key_range
+
+    params = LayerAttentionParams(**params)
+    positions = np.arange(40, dtype=np.int32)
+    wanted = np.asarray(allowed_key_range(positions, positions + 1, params=params)[0])
+    np.testing.assert_array_equal(_first_keys(positions, params), wanted)
 
 
 @pytest.fixture
@@ -454,7 +588,7 @@ def test_plan_with_a_common_prefix_runs_cascade_attention():
         backend.plan(**step, num_common_prefix_blocks=[1], checked=True)
     with pytest.raises(ValueError, match=r"num_common_prefix_blocks=\[1, 1\] must be 1 ints"):
         backend.plan(**step, num_common_prefix_blocks=[1, 1])
-    backend.plan(**step, num_common_prefix_blocks=[1])
+    backend.plan(**step, num_common_prefix_blocks=[1], checked=False)  # 1 and 3 write into the prefix
     out = backend.run("layer", q, k, v, cache.clone())
     starts = step["query_start_loc"].tolist()
     for r, served in enumerate([True, False, True, False]):

@@ -3,8 +3,8 @@ an error that names the mutated argument, or the valid call's result; after a re
 the caller's cache are bit-identical to before. int64 index tensors, flat q/k/v and numpy bounds are valid input
 and must give the valid result.
 
-Device values (offsets, lengths, block ids, slots) are mutated with ``plan(checked=True)``, which must refuse them;
-unchecked they are the caller's promise (`test_attention` shows that they give NaN, never a wrong number).
+Device values (offsets, lengths, block ids, slots) are mutated with `plan`'s default arguments, which must
+refuse them (``checked=False`` makes them the caller's promise).
 """
 
 import numpy as np
@@ -50,26 +50,27 @@ def case_list(step, cache, q, k, v):
         for label, value, eq in tensor_mutations(step[name], values=False):
             cases.append(("plan", name, label, dict(plan, **{name: value}), run, eq))
         for label, value, eq in tensor_mutations(step[name], values=True)[-2:]:
-            cases.append(("plan", name, label, dict(plan, **{name: value}, checked=True), run, eq))
+            cases.append(("plan", name, label, dict(plan, **{name: value}), run, eq))
     cases += [("plan", "block_tables", "one group's [G, R, P]", dict(plan, block_tables=step["block_tables"][None]), run, True),
               ("plan", "slot_mapping", "one group's [G, T]", dict(plan, slot_mapping=step["slot_mapping"][None]), run, True)]  # fmt: skip
     qsl, slots = step["query_start_loc"], step["slot_mapping"]
     real = (slots >= 0).nonzero().flatten()
-    values = [  # (argument, label, tensor): device values that only checked=True reads
+    past_the_cache = torch.tensor(cache.shape[0] * cache.shape[2] + 3)
+    values = [  # (argument, label, tensor): device values that only the (default) checked plan reads
         ("query_start_loc", "not from 0", qsl + 1),
         ("query_start_loc", "decreasing", torch.cat([qsl[:2], qsl[1:2] - 1, qsl[3:]])),
         ("seq_lens", "below the query", step["seq_lens"].clamp(max=2)),
         ("seq_lens", "beyond the table", step["seq_lens"] + 10**4),
         ("slot_mapping", "a slot twice", slots.clone().index_put_((real[1:2],), slots[real[:1]])),
         ("slot_mapping", "below the pad", slots.clone().index_put_((real[:1],), torch.tensor(-5))),
+        ("slot_mapping", "past the cache", slots.clone().index_put_((real[:1],), past_the_cache)),
     ]
-    cases += [("plan", name, label, dict(plan, **{name: value}, checked=True), run, False) for name, label, value in values]
+    cases += [("plan", name, label, dict(plan, **{name: value}), run, False) for name, label, value in values]
     for name, value in (("max_query_len", 9), ("max_seq_len", 24)):
         for label, mutated, eq in [("numpy", np.int64(value), True), ("python", value, True), ("negative", -1, False),
                                    ("float", value + 0.5, False), ("str", str(value), False), ("bool", True, False),
                                    ("below the actual", 1, False)]:  # fmt: skip
-            checked = {"checked": True} if label == "below the actual" else {}
-            cases.append(("plan", name, label, dict(plan, **{name: mutated}, **checked), run, eq))
+            cases.append(("plan", name, label, dict(plan, **{name: mutated}), run, eq))
     for name in ("causal", "checked"):
         for label, mutated, eq in [("numpy", np.bool_(name == "causal"), True), ("str", "no", False), ("int", 1, False)]:
             cases.append(("plan", name, label, dict(plan, **{name: mutated}), run, eq))
@@ -88,7 +89,7 @@ def case_list(step, cache, q, k, v):
                          ("fewer heads", cache[:, :, :, :1]),
                          ("requires grad", cache.clone().requires_grad_())]:  # fmt: skip  (call_run clones the cache)
         cases.append(("run", "kv_cache", label, plan, dict(run, kv_cache=value), False))
-    cases.append(("run", "kv_cache", "too few blocks", dict(plan, checked=True), dict(run, kv_cache=cache[:2]), False))
+    cases.append(("run", "kv_cache", "too few blocks", plan, dict(run, kv_cache=cache[:2]), False))
     out = torch.empty_like(q)
     for label, value, eq in [("given", out, True), ("flat", out.reshape(out.shape[0], -1), True),
                              ("float16", out.half(), False), ("shorter", out[:-1], False),
