@@ -3,6 +3,7 @@
     jha generate --prompt "Hello" --max-tokens 32                 # the embedded random-weight hybrid model
     jha generate --model DIR --prompt-file prompts.txt --json      # a transformers checkpoint directory
     jha compare --model DIR --dtype bfloat16 --steps 8            # the JAX model against transformers, per layer
+    jha save-embedded DIR                                         # the embedded model as a checkpoint directory
 
 Without ``--model`` it runs a small embedded hybrid model (sliding-window and full layers) with random weights and
 a byte-level tokenizer, so nothing is downloaded; its text is noise, its serving path is the real one. A
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(s)
     add_compare_arguments(add(
         "compare", help="the JAX model of a checkpoint against transformers, layer by layer (the torch extra)"))
+    e = add("save-embedded", help="write the embedded random-weight model as a checkpoint directory")
+    e.add_argument("directory", help="where to write it (created; it must not hold files)")
+    e.add_argument("--seed", type=int, default=0, help="the random weights' seed (default: 0)")
     return parser
 
 
@@ -405,7 +409,16 @@ def serve(args):
     run(args)
 
 
-COMMANDS = {"generate": generate, "serve": serve, "compare": compare}
+def save_embedded(args, out=None) -> None:
+    """``jha save-embedded DIR``: the embedded model as a transformers checkpoint directory
+    (`models.save_embedded_checkpoint`), for trying ``--model DIR`` without a download."""
+    from .models import save_embedded_checkpoint
+
+    path = save_embedded_checkpoint(args.directory, seed=args.seed)
+    print(f"wrote the embedded model (seed {args.seed}) to {path}", file=out or sys.stdout)
+
+
+COMMANDS = {"generate": generate, "serve": serve, "compare": compare, "save-embedded": save_embedded}
 
 
 def main(argv=None) -> int:

@@ -333,3 +333,23 @@ def test_the_compilation_cache_is_enabled_where_it_can_be_written(monkeypatch, t
     assert len(enabled) == 2
     with pytest.raises(SystemExit):
         parse(["generate", "--compilation-cache", str(tmp_path), "--no-compilation-cache"])
+
+
+def test_save_embedded_writes_the_embedded_model_as_a_checkpoint(capsys, tmp_path):
+    import numpy as np
+    from flax import nnx
+
+    from jax_hybrid_attn.models import embedded_config, load_model, load_tokenizer, random_model
+    from jax_hybrid_attn.serve.chat_template import load_chat_template
+
+    assert main(["save-embedded", str(tmp_path / "tiny"), "--seed", "3"]) == 0
+    config, loaded = load_model(tmp_path / "tiny")
+    assert config == embedded_config()
+    expected = dict(nnx.to_flat_state(nnx.state(random_model(config, seed=3))))
+    for name, variable in nnx.to_flat_state(nnx.state(loaded)):
+        np.testing.assert_array_equal(variable[...], expected[name][...])
+    assert load_tokenizer(tmp_path / "tiny").source.startswith("UTF-8 bytes")
+    assert load_chat_template(tmp_path / "tiny") is not None
+    capsys.readouterr()
+    assert main(["save-embedded", str(tmp_path / "tiny")]) == 2  # nothing is overwritten
+    assert "exists and is not an empty directory" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from .checkpoint_plan import CheckpointPlan, ParamSource, plan_checkpoint
 from .compare import ComparisonReport, compare_with_transformers
 from .config import LANGUAGE_MODEL_TYPES, MULTIMODAL_WRAPPERS, SUPPORTED_ARCHITECTURES, ModelConfig
 from .decoder import Decoder, DecoderIntermediates, KVCacheScale
-from .embedded import EMBEDDED_HF_CONFIG, embedded_config
+from .embedded import EMBEDDED_HF_CONFIG, embedded_config, save_embedded_checkpoint
 from .loading import checkpoint_tensor_names, load_model, random_model
 from .rope import RopeParameters
 from .summary import describe_model, model_line
@@ -32,6 +32,7 @@ __all__ = [
     "KVCacheScale",
     "load_model",
     "random_model",
+    "save_embedded_checkpoint",
     "checkpoint_tensor_names",
     "plan_checkpoint",
     "CheckpointPlan",
