@@ -38,12 +38,18 @@ from jaxtyping import Array, Bool, Float, Int
 from . import reference
 from ._compat import plgpu
 from .constants import NULL_BLOCK_ID
+from .integers import INT32_MAX, check_int, check_int_scalar
 from .kernels.mixed_batch import check_kernel_support, paged_attention_parts_kernels
 from .layout import KVArrays, KVCache
 from .metadata import AttentionMetadata, token_requests
-from .params import CAUSAL, LayerAttentionParams
+from .params import CAUSAL, LayerAttentionParams, check_params
 from .softmax_merge import merge_splits
-from .validation import check_paged_attention_args, resolve_implementation, unservable_requests
+from .validation import (
+    check_metadata,
+    check_paged_attention_args,
+    resolve_implementation,
+    unservable_requests,
+)
 
 # The cost rule's figures, from `benchmarks/cascade.py` on the H200 (kernel time of the whole call):
 PLAIN_PREFIX_BYTES_PER_US = 6.5e6
@@ -76,7 +82,8 @@ def cascade_attention(
 
     Args:
       num_common_prefix_blocks: the leading entries of the block table that every request holds alike (an int,
-        or a traced int32 scalar); 0 gives plain attention.
+        or an int32 scalar array, which may be traced); 0 gives plain attention. A concrete one must lie in
+        ``[0, P]``; a traced one out of range breaks the split of every request with a query (NaN).
       checked: also validate the metadata's values and the split (`split_violations`); needs concrete arrays.
 
     Returns:
@@ -86,9 +93,7 @@ def cascade_attention(
       NotImplementedError: the kernels do not support this combination (named in the message).
     """
     params, kv_cache = check_paged_attention_args(q, kv_cache, metadata, params=params, sinks=sinks, checked=checked)
-    max_blocks = metadata.block_tables.shape[1]
-    if not isinstance(num_common_prefix_blocks, jax.core.Tracer) and not 0 <= num_common_prefix_blocks <= max_blocks:
-        raise ValueError(f"{num_common_prefix_blocks=} must be in [0, {max_blocks}] (the block tables' width)")
+    _check_prefix_blocks(num_common_prefix_blocks, metadata)
     if checked:
         _, block_size, _, _ = kv_cache.dims
         broken = split_violations(metadata, num_common_prefix_blocks, block_size=block_size, params=params)
@@ -116,7 +121,12 @@ def split_violations(
     """[R] bool: the requests that a split after `num_common_prefix_blocks` blocks cannot serve: a leading block
     other than the first request's (the first with a query), a query that starts inside the prefix, or (with a
     prefix) keys past the layer's window or first chunk (the prefix part attends without them: every query must
-    see the whole prefix, and a chunked layer's suffix its whole chunk). Requests without queries never break it."""
+    see the whole prefix, and a chunked layer's suffix its whole chunk). Requests without queries never break
+    it. Traceable."""
+    check_metadata(metadata)
+    _check_prefix_blocks(num_common_prefix_blocks, metadata)
+    block_size = check_int("block_size", block_size)
+    check_params(params)
     tables, seq_lens, query_lens = metadata.block_tables, metadata.seq_lens, metadata.query_lens
     leading = jnp.arange(tables.shape[1]) < num_common_prefix_blocks
     broken = jnp.any(leading & (tables != _prefix_table(metadata)), axis=1)
@@ -138,13 +148,20 @@ def cascade_pays(
     Plain attention reads the prefix once per request; the split reads it once, but adds launches and a merge
     and computes every query against it at the prefix part's (compute-bound) rate. Measured, not modelled: the
     constants above come from `benchmarks/cascade.py`, and `CASCADE_MARGIN` leaves the close cases (a few
-    requests, a short prefix) to plain attention."""
+    requests, a short prefix) to plain attention. Counts are ints >= 0, sizes ints >= 1 (`ValueError`)."""
+    counts = dict(num_reqs=num_reqs, num_query_tokens=num_query_tokens, prefix_len=prefix_len)
+    sizes = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    sizes["kv_itemsize"] = kv_itemsize
+    for name, value in counts.items():
+        check_int(name, value, minimum=0, maximum=None)
+    for name, value in sizes.items():
+        check_int(name, value, maximum=None)
     if num_reqs < 2 or prefix_len <= 0:
         return False
     plain_us = num_reqs * prefix_len * num_kv_heads * head_dim * 2 * kv_itemsize / PLAIN_PREFIX_BYTES_PER_US
     prefix_flops = 4 * num_query_tokens * num_q_heads * prefix_len * head_dim
     cascade_us = CASCADE_FIXED_US + CASCADE_PER_REQUEST_US * num_reqs + prefix_flops / CASCADE_FLOPS_PER_US
-    return plain_us > CASCADE_MARGIN * cascade_us
+    return bool(plain_us > CASCADE_MARGIN * cascade_us)
 
 
 @partial(jax.jit, static_argnames=("params",))
@@ -190,6 +207,14 @@ def _cascade_kernels(q, kv_cache, metadata, num_common_prefix_blocks, sinks, *, 
         interpret=interpret,
     )  # fmt: skip
     return _merged(q, metadata, prefix, suffix, sinks, broken)
+
+
+def _check_prefix_blocks(num_common_prefix_blocks, metadata: AttentionMetadata) -> None:
+    """`ValueError` unless the count is an int or an integer scalar array, in ``[0, P]`` where concrete."""
+    width = metadata.block_tables.shape[1]
+    count = check_int_scalar("num_common_prefix_blocks", num_common_prefix_blocks, minimum=-INT32_MAX)  # its kind
+    if not isinstance(count, jax.core.Tracer) and not 0 <= count <= width:
+        raise ValueError(f"num_common_prefix_blocks={int(count)} must be in [0, {width}] (the block tables' width)")
 
 
 def _prefix_table(metadata: AttentionMetadata) -> Int[Array, "1 P"]:

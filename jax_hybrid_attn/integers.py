@@ -1,11 +1,11 @@
 """The scalar helpers every module needs: the checked-int and checked-bool argument tests, ceiling division,
-rounding up to a power of two."""
+rounding up to a power of two. (No jax at import: the CLI builds its parser without it.)"""
 
 import numbers
 
 import numpy as np
 
-__all__ = ["INT32_MAX", "cdiv", "check_bool", "check_int", "is_int", "next_power_of_two"]
+__all__ = ["INT32_MAX", "cdiv", "check_bool", "check_int", "check_int_scalar", "is_int", "next_power_of_two"]
 
 INT32_MAX = 2**31 - 1
 """The largest value a static size may take: positions, windows and chunks are int32 on the device."""
@@ -23,6 +23,23 @@ def check_int(name: str, value, *, minimum: int = 1, maximum: int | None = INT32
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name}={value!r} must be an int {bound}")
     return int(value)
+
+
+def check_int_scalar(name: str, value, *, minimum: int = 1, maximum: int | None = INT32_MAX):
+    """`check_int` for an argument that may also be an integer scalar array (numpy or JAX, traced or not):
+    `value` itself, a Python int for an int. A concrete array's value is checked as `check_int` checks an int;
+    a traced one is taken as it is (its value is unknown until the device runs: the caller says what a bad one
+    does). `ValueError` naming `name` for anything else."""
+    import jax  # here, not at import
+
+    if not isinstance(value, (jax.Array, np.ndarray)):
+        return check_int(name, value, minimum=minimum, maximum=maximum)
+    if value.ndim != 0 or not np.issubdtype(value.dtype, np.integer):
+        kind = f"a {value.dtype} array of shape {tuple(value.shape)}"
+        raise ValueError(f"{name} ({kind}) must be an int or an integer scalar array")
+    if not isinstance(value, jax.core.Tracer):
+        check_int(name, value.item(), minimum=minimum, maximum=maximum)
+    return value
 
 
 def check_bool(name: str, value) -> bool:

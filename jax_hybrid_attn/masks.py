@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .integers import check_int, is_int
+from .integers import check_int_scalar, is_int
 from .params import CAUSAL, LayerAttentionParams, check_params
 
 __all__ = ["causal_mask", "sliding_window_mask", "chunked_local_mask", "attention_mask", "allowed_key_range"]
@@ -37,20 +37,6 @@ def _check_integers(name: str, value) -> None:
         raise ValueError(f"{name}={value!r:.80} ({kind}) must be an int or an integer array")
 
 
-def _size_value(name: str, value):
-    """A window or chunk given as a value: `value` itself, checked as far as it is concrete: an int in
-    ``[1, 2**31 - 1]``, or an integer scalar array (a traced one is taken as it is: its value is unknown
-    here)."""
-    if isinstance(value, (jax.Array, np.ndarray)):
-        _check_integers(name, value)
-        if value.ndim != 0:
-            raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
-        if not isinstance(value, jax.core.Tracer):
-            check_int(name, value.item())
-        return value
-    return check_int(name, value)
-
-
 def causal_mask(q_pos, k_pos):
     """True where key `k_pos` is not after query `q_pos`."""
     _check_integers("q_pos", q_pos)
@@ -62,14 +48,14 @@ def sliding_window_mask(q_pos, k_pos, sliding_window: int):
     """True where `k_pos` is among the `sliding_window` positions ending at `q_pos` (or after it)."""
     _check_integers("q_pos", q_pos)
     _check_integers("k_pos", k_pos)
-    return q_pos - k_pos < _size_value("sliding_window", sliding_window)
+    return q_pos - k_pos < check_int_scalar("sliding_window", sliding_window)
 
 
 def chunked_local_mask(q_pos, k_pos, attention_chunk_size: int):
     """True where `k_pos` and `q_pos` lie in the same chunk of `attention_chunk_size` positions."""
     _check_integers("q_pos", q_pos)
     _check_integers("k_pos", k_pos)
-    chunk = _size_value("attention_chunk_size", attention_chunk_size)
+    chunk = check_int_scalar("attention_chunk_size", attention_chunk_size)
     return k_pos // chunk == q_pos // chunk
 
 
@@ -80,7 +66,7 @@ def _window(params: LayerAttentionParams, sliding_window):
         return params.sliding_window
     if params.sliding_window is not None:
         raise ValueError(f"{params.sliding_window=} and a sliding_window value: give the window once")
-    return _size_value("sliding_window", sliding_window)
+    return check_int_scalar("sliding_window", sliding_window)
 
 
 def attention_mask(q_pos, k_pos, seq_len, *, params: LayerAttentionParams = CAUSAL, sliding_window=None):

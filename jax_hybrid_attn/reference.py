@@ -47,11 +47,12 @@ def paged_attention(
       metadata: where each request's queries and blocks are.
       params: the layer's scale, window, chunk, soft cap and causality (`LayerAttentionParams`);
         ``params.causal`` must equal ``metadata.causal``.
-      sinks: [N] one learned logit per query head, unscaled, in the softmax denominator only.
+      sinks: [N] one learned logit per query head, unscaled, in the softmax denominator only; finite (checked
+        where concrete; a traced sink cannot be checked, and a non-finite one gives meaningless outputs).
       checked: also validate the metadata's values (`check_metadata_values`: block ids in the pool, lengths
         within the tables, query offsets, slots in the cache, none in the null block and none twice, the static
         bounds; with this layer's window and chunk, no key position a query attends in the null block and no
-        block read that this step writes for another request) and that the sinks are finite; needs concrete
+        block read that this step writes for another request) and that the sinks are concrete; needs concrete
         arrays. Always checked: types, dtypes, shapes and options. Not checked: the cache's contents (a block
         another request filled earlier is read as the table says). Unchecked values never give a wrong number
         where the kernels can tell: a request the metadata cannot serve (a sequence beyond its table, a block id

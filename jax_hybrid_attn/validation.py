@@ -50,12 +50,15 @@ IMPLEMENTATIONS = ("kernel", "reference")
 
 
 def resolve_implementation(implementation: str | None, interpret) -> str:
-    """`paged_attention`'s implementation: the kernels on a GPU or with `interpret`, else the reference."""
+    """`paged_attention`'s implementation: the kernels on a GPU or with `interpret`, else the reference.
+    `interpret` applies to the kernels only: with ``implementation="reference"`` it must be False or None."""
+    interpreted = resolve_interpret(interpret) is not None
     if implementation is None:
-        on_kernel = resolve_interpret(interpret) is not None or jax.default_backend() == "gpu"
-        return "kernel" if on_kernel else "reference"
+        return "kernel" if interpreted or jax.default_backend() == "gpu" else "reference"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
+    if interpreted and implementation == "reference":
+        raise ValueError(f"interpret={interpret!r} runs the kernels: not for implementation='reference'")
     return implementation
 
 
@@ -87,6 +90,14 @@ def check_metadata(metadata) -> None:
     budget, num_tokens = metadata.token_budget, metadata.slot_mapping.shape[0]
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < num_tokens):
         raise ValueError(f"metadata.token_budget={budget!r} must be None or an int >= T={num_tokens}")
+    if metadata.kernel_plan is not None:
+        from .kernels.launch_plan import KernelPlan  # the kernels import this module
+
+        if not isinstance(metadata.kernel_plan, KernelPlan):
+            raise ValueError(
+                f"metadata.kernel_plan must be None or a KernelPlan (plan_kernels), got "
+                f"{type(metadata.kernel_plan).__name__}"
+            )
 
 
 def _concrete(name: str, x) -> np.ndarray:
@@ -304,8 +315,9 @@ def check_paged_attention_args(
             raise ValueError(f"sinks (shape {tuple(sinks.shape)}, {sinks.dtype}) must be float [N={num_q_heads}]")
     if checked:
         check_metadata_values(metadata, num_blocks=num_blocks, block_size=block_size, params=params)
-        if sinks is not None and not np.isfinite(_concrete("sinks", sinks)).all():
-            raise ValueError(f"sinks={np.asarray(sinks).tolist()} must be finite")
+    concrete_sinks = sinks is not None and (checked or not isinstance(sinks, jax.core.Tracer))
+    if concrete_sinks and not np.isfinite(_concrete("sinks", sinks)).all():
+        raise ValueError(f"sinks={np.asarray(sinks).tolist()} must be finite")
     params = dataclasses.replace(params, sm_scale=resolve_sm_scale(params.sm_scale, head_dim))
     return params, kv_cache
 

@@ -30,6 +30,7 @@ from jax_hybrid_attn import (
     window_left,
     write_kv,
 )
+from jax_hybrid_attn.cascade import cascade_pays, split_violations
 from jax_hybrid_attn.masks import allowed_key_range, attention_mask
 from jax_hybrid_attn.params import resolve_sm_scale
 from jax_hybrid_attn.reference import paged_attention
@@ -138,6 +139,20 @@ def int64_metadata(field):
     return lambda: attention(metadata=MD.replace(**{field: np.asarray(getattr(MD, field), np.int64)}))
 
 
+def top(**options):
+    return jax_hybrid_attn.paged_attention(Q, KV, MD, **options)
+
+
+def cascade(num_common_prefix_blocks, **options):
+    return jax_hybrid_attn.cascade_attention(
+        Q, KV, MD, num_common_prefix_blocks=num_common_prefix_blocks, implementation="reference", **options
+    )
+
+
+PAYS = dict(num_reqs=4, num_query_tokens=4, prefix_len=1024, num_q_heads=8, num_kv_heads=2, head_dim=128)
+PAYS["kv_itemsize"] = 2
+
+
 def traced_checked_call():
     return jax.jit(lambda q, metadata: paged_attention(q, KV, metadata, checked=True))(Q, MD)
 
@@ -149,6 +164,9 @@ VALID_CALLS = {
     "paged_attention-fp8": lambda: attention(kv_cache=KVCache(KV.astype(FP8), k_scale=0.5, v_scale=2.0)),
     "paged_attention-hnd": lambda: attention(kv_cache=KVCache(jnp.swapaxes(KV, 2, 3), "HND")),
     "paged_attention-kv-pair": lambda: attention(kv_cache=(KV[:, 0], KV[:, 1])),
+    "paged_attention-traced-sinks": lambda: jax.jit(lambda s: attention(sinks=s))(jnp.zeros(N, jnp.float32)),
+    "cascade_attention": lambda: (cascade(0), cascade(np.int64(0)), jax.jit(cascade)(jnp.int32(0))),
+    "cascade_pays": lambda: cascade_pays(**{**PAYS, "num_reqs": np.int64(4)}) in (True, False),
     "write_kv-kv-pair": lambda: write(kv_cache=(jnp.array(KV[:, 0]), jnp.array(KV[:, 1]))),
     "write_kv": lambda: write(checked=True),
     "make_attention_metadata": lambda: build(num_tokens=T + 2),
@@ -215,6 +233,11 @@ CASES = [
     ("sinks-shape", lambda: attention(sinks=jnp.ones(N + 1, jnp.float32)), E, "sinks"),
     ("sinks-rank", lambda: attention(sinks=jnp.ones((N, 1), jnp.float32)), E, "sinks"),
     ("sinks-int", lambda: attention(sinks=jnp.ones(N, jnp.int32)), E, "sinks"),
+    *[(f"sinks-{label}-unchecked", lambda x=x: attention(sinks=jnp.full(N, x)), E, r"\] must be finite")
+      for label, x in (("nan", np.nan), ("inf", np.inf), ("-inf", -np.inf))],
+    ("interpret-with-reference", lambda: top(implementation="reference", interpret=True), E, "True runs"),
+    ("interpret-str", lambda: top(implementation="reference", interpret="x"), E, "interpret='x'"),
+    ("metadata-kernel-plan-str", lambda: attention(metadata=MD.replace(kernel_plan="x")), E, "kernel_plan"),
     ("k-scale-for-float-cache", lambda: attention(kv_cache=KVCache(KV, k_scale=0.5)), E, r"kv_cache\.k_scale"),
     ("v-scale-for-float-cache", lambda: attention(kv_cache=KVCache(KV, v_scale=0.5)), E, r"kv_cache\.v_scale"),
     ("fp8-k-scale-0", lambda: attention(kv_cache=KVCache(KV.astype(FP8), k_scale=0.0)), E, r"kv_cache\.k_scale"),
@@ -271,6 +294,17 @@ CASES = [
     ("write-kv-layout", lambda: write(kv_cache=KVCache(jnp.array(KV), "NDH")), E, r"kv_cache\.layout"),
     ("write-k-scale-for-float-cache", lambda: write(kv_cache=KVCache(jnp.array(KV), k_scale=2.0)), E, "k_scale"),
     ("write-cache-rank", lambda: write(kv_cache=KV[0]), E, r"kv_cache\.shape"),
+    # cascade attention
+    *[(f"cascade-prefix-blocks-{label}", lambda bad=bad: cascade(bad), E, "num_common_prefix_blocks")
+      for label, bad in (("float", 1.0), ("bool", True), ("str", "1"), ("none", None), ("list", [1]),
+                         ("negative", -1), ("past-table", NUM_COLS + 1), ("jax-negative", jnp.int32(-1)),
+                         ("jax-float", jnp.float32(1)), ("vector", jnp.ones(2, jnp.int32)))],
+    *[(f"cascade-pays-{name}-{label}", lambda n=name, x=bad: cascade_pays(**{**PAYS, n: x}), E, f"{name}=")
+      for name in PAYS for label, bad in (("negative", -1), ("float", 2.5), ("str", "2"), ("none", None))],
+    ("split-violations-block-size-0", lambda: split_violations(MD, 1, block_size=0), E, "block_size=0"),
+    ("split-violations-prefix-float", lambda: split_violations(MD, 1.5, block_size=4), E, "blocks=1.5"),
+    ("split-violations-params-str", lambda: split_violations(MD, 1, block_size=4, params="x"), E, "params="),
+    ("split-violations-not-metadata", lambda: split_violations({}, 1, block_size=4), E, "metadata must be"),
     # get_kv_cache_shape
     ("kv-shape-0-blocks", lambda: get_kv_cache_shape(0, 16, 2, 8), E, "num_blocks"),
     ("kv-shape-bool-heads", lambda: get_kv_cache_shape(4, 16, True, 8), E, "num_kv_heads"),
@@ -339,8 +373,8 @@ CASES = [
                               ("bool", True, "True"), ("inf", float("inf"), "inf"), ("str", "4", "'4'"),
                               ("huge", 2**40, str(2**40)), ("numpy-0", np.int64(0), r"np\.int64\(0\)"),
                               ("jax-0", jnp.int32(0), "0"))],
-    ("mask-window-vector", lambda: mask(sliding_window=jnp.ones(4, jnp.int32)), E, "must be a scalar"),
-    ("mask-window-float-array", lambda: mask(sliding_window=jnp.float32(2)), E, r"float32 array\) must be"),
+    ("mask-window-vector", lambda: mask(sliding_window=jnp.ones(4, jnp.int32)), E, r"shape \(4,\)\) must"),
+    ("mask-window-float-array", lambda: mask(sliding_window=jnp.float32(2)), E, r"float32 array of shape"),
     ("mask-window-and-params-window", lambda: mask(sliding_window=2, params=PARAMS_W), E, "the window once"),
     ("mask-float-positions", lambda: attention_mask(POSITIONS + 0.5, POSITIONS, 4), E, r"q_pos=.*float"),
     ("mask-list-positions", lambda: attention_mask(POSITIONS, [0, 1], 4), E, r"k_pos=\[0, 1\]"),
