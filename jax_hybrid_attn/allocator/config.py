@@ -25,7 +25,7 @@ import functools
 import math
 from collections.abc import Mapping, Sequence
 
-from ..integers import cdiv, check_int, next_power_of_two
+from ..integers import cdiv, check_bool, check_int, next_power_of_two
 from ..spec import AttentionSpec, ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 __all__ = [
@@ -88,15 +88,35 @@ class KVCacheConfig:
         return max((spec.page_size_bytes for spec in self.specs), default=0)
 
 
+def _check_spec(name: str, spec) -> None:
+    """`NotImplementedError` naming `name` for a `spec` that the allocator has no manager for."""
+    if not isinstance(spec, SUPPORTED_SPECS):
+        raise NotImplementedError(
+            f"{name} is a {type(spec).__name__}; the allocator has managers for "
+            + ", ".join(cls.__name__ for cls in SUPPORTED_SPECS)
+        )
+
+
 def _check_specs(specs: Mapping[str, AttentionSpec]) -> None:
     if not isinstance(specs, Mapping):
         raise ValueError(f"specs must be a mapping from layer name to spec, got {type(specs).__name__}")
     for name, spec in specs.items():
-        if not isinstance(spec, SUPPORTED_SPECS):
-            raise NotImplementedError(
-                f"layer {name!r} has spec {type(spec).__name__}; supported: "
-                + ", ".join(cls.__name__ for cls in SUPPORTED_SPECS)
-            )
+        _check_spec(f"specs[{name!r}]", spec)
+
+
+def _check_spec_sequence(specs: Sequence[AttentionSpec]) -> tuple[AttentionSpec, ...]:
+    if not isinstance(specs, (tuple, list)):
+        got = f"{specs!r:.60}"
+        raise ValueError(f"specs must be a sequence of AttentionSpecs, one per KV-cache group, got {got}")
+    for i, spec in enumerate(specs):
+        _check_spec(f"specs[{i}]", spec)
+    return tuple(specs)
+
+
+def _check_kv_config(kv_config) -> "KVCacheConfig":
+    if not isinstance(kv_config, KVCacheConfig):
+        raise ValueError(f"kv_config must be a KVCacheConfig, got {type(kv_config).__name__}")
+    return kv_config
 
 
 def unify_page_sizes(specs: Mapping[str, AttentionSpec]) -> dict[str, AttentionSpec]:
@@ -149,6 +169,7 @@ def blocks_per_request(
     specs: Sequence[AttentionSpec], *, max_model_len: int, max_num_batched_tokens: int
 ) -> int:
     """Blocks one request can hold at once over all groups (vLLM's recycling-aware startup bound)."""
+    specs = _check_spec_sequence(specs)
     return sum(
         spec.max_num_blocks_per_request(
             max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
@@ -161,6 +182,10 @@ def estimate_max_model_len(
     specs: Sequence[AttentionSpec], *, num_blocks: int, max_num_batched_tokens: int, upper: int
 ) -> int:
     """Largest ``max_model_len <= upper`` whose request fits in ``num_blocks - 1`` blocks; 0 if none does."""
+    specs = _check_spec_sequence(specs)
+    num_blocks = check_int("num_blocks", num_blocks, minimum=0, maximum=None)
+    check_int("max_num_batched_tokens", max_num_batched_tokens)
+    upper = check_int("upper", upper, minimum=0)
 
     def fits(length: int) -> bool:
         need = blocks_per_request(specs, max_model_len=length, max_num_batched_tokens=max_num_batched_tokens)
@@ -180,7 +205,7 @@ def check_enough_kv_cache_memory(
     kv_config: KVCacheConfig, *, max_model_len: int, max_num_batched_tokens: int
 ):
     """Raise `ValueError` naming the largest ``max_model_len`` that fits when one request does not fit."""
-    specs = kv_config.specs
+    specs = _check_kv_config(kv_config).specs
     if not specs:
         return
     need = blocks_per_request(
@@ -228,9 +253,9 @@ def get_kv_cache_config(
     Raises:
       ValueError: a request of ``max_model_len`` tokens does not fit; the message names the largest that does.
     """
-    check_int("available_memory", available_memory, minimum=0, maximum=None)
-    check_int("max_model_len", max_model_len, minimum=1)
-    check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+    available_memory = check_int("available_memory", available_memory, minimum=0, maximum=None)
+    max_model_len = check_int("max_model_len", max_model_len, minimum=1)
+    max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
     groups = get_kv_cache_groups(specs)
     if not groups:  # attention-free model: the pool still holds the null block
         return KVCacheConfig(num_blocks=1, kv_cache_tensors=(), kv_cache_groups=())
@@ -238,8 +263,7 @@ def get_kv_cache_config(
     group_size = max(len(group.layer_names) for group in groups)
     num_blocks = available_memory // page_size // group_size
     if num_blocks_override is not None:
-        check_int("num_blocks_override", num_blocks_override, minimum=1)
-        num_blocks = num_blocks_override
+        num_blocks = check_int("num_blocks_override", num_blocks_override, minimum=1)
     tensors = tuple(
         KVCacheTensor(
             size=page_size * num_blocks,
@@ -256,8 +280,9 @@ def get_kv_cache_config(
 
 def max_concurrency(kv_config: KVCacheConfig, *, max_model_len: int, max_num_batched_tokens: int) -> float:
     """How many requests of ``max_model_len`` tokens fit at once (``KV cache size in tokens / max_model_len``)."""
+    specs = _check_kv_config(kv_config).specs
     need = blocks_per_request(
-        kv_config.specs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
+        specs, max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens
     )
     return (kv_config.num_blocks - 1) / need if need else math.inf
 
@@ -296,24 +321,16 @@ class AllocatorConfig:
     sliding_window_in_window_only: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.specs, (tuple, list)):
-            raise ValueError(f"specs must be a sequence of AttentionSpecs, one per KV-cache group, got {self.specs!r}")
-        object.__setattr__(self, "specs", tuple(self.specs))
+        """Check every field and store it as a Python value (numpy ints and bools are converted)."""
+        object.__setattr__(self, "specs", _check_spec_sequence(self.specs))
         if not self.specs:
             raise ValueError("specs=() must name at least one KV-cache group")
-        for i, spec in enumerate(self.specs):
-            if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)):
-                raise NotImplementedError(
-                    f"specs[{i}] is a {type(spec).__name__}; the allocator has no manager for it"
-                )
-        check_int("num_blocks", self.num_blocks, minimum=1)
-        check_int("max_num_seqs", self.max_num_seqs, minimum=1)
-        check_int("max_model_len", self.max_model_len, minimum=1)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
-        check_int("max_num_lookahead_tokens", self.max_num_lookahead_tokens, minimum=0)
+        for name in ("num_blocks", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name)))
+        lookahead = check_int("max_num_lookahead_tokens", self.max_num_lookahead_tokens, minimum=0)
+        object.__setattr__(self, "max_num_lookahead_tokens", lookahead)
         for name in ("enable_caching", "verify_hits", "sliding_window_in_window_only"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+            object.__setattr__(self, name, check_bool(name, getattr(self, name)))
         if self.num_blocks >= 2**30:
             raise ValueError(f"num_blocks={self.num_blocks} must be < 2**30 (int32 ring indices)")
         for i, spec in enumerate(self.specs):
@@ -331,6 +348,7 @@ class AllocatorConfig:
     @classmethod
     def from_kv_cache_config(cls, kv_config: KVCacheConfig, **options) -> "AllocatorConfig":
         """The allocator for a `KVCacheConfig`; ``options`` are the other fields (``max_num_seqs`` ...)."""
+        kv_config = _check_kv_config(kv_config)
         return cls(specs=kv_config.specs, num_blocks=kv_config.num_blocks, **options)
 
     # ----------------------------------------------------------------------------------------- derived sizes

@@ -27,7 +27,7 @@ from .columns import STAT_HITS, STAT_QUERIES, STAT_REQUESTS, RequestRows
 from .common_prefix import num_common_prefix_blocks
 from .config import AllocatorConfig
 from .hashing import NO_ADAPTER
-from .request_batches import RequestBatches, check_new_requests, per_request, token_id_array
+from .request_batches import RequestBatches, check_new_requests, check_request_id, per_request, token_id_array
 from .state import AllocatorState, PrefixCacheStats, init_state
 from .xla_cpu import compile_single_task
 
@@ -54,7 +54,7 @@ class KVCacheManager:
             raise ValueError(f"config must be an AllocatorConfig, got {type(config).__name__}")
         self.config = config
         self.state = init_state(config)
-        self.reuse_output_buffers = bool(reuse_output_buffers)
+        self.reuse_output_buffers = check_bool("reuse_output_buffers", reuse_output_buffers)
         self._last_output: step_ops.StepOutput | None = None
         self._compiled_steps: dict[bool, jax.stages.Compiled] = {}  # by whether a previous output is reused
         self._batches = RequestBatches(config)  # add's and free's device calls
@@ -66,6 +66,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------------------------------- requests
 
     def _slot(self, request_id) -> int:
+        check_request_id(request_id)
         if request_id not in self._slot_of:
             raise ValueError(f"request_id={request_id!r} is not a known request (add_request it first)")
         return self._slot_of[request_id]
@@ -141,8 +142,11 @@ class KVCacheManager:
         allocator without a host round trip.
 
         Checked on the host first (a rejected call changes nothing): known, distinct ids; `token_ids` an int
-        array of one token per row, at least ``len(request_ids)`` rows. Not checked, as that would read the
-        device: a row that would pass ``max_model_len`` is ignored (the caller stops a request at that length)."""
+        array of one token per row, at least ``len(request_ids)`` rows (a numpy array's ids in
+        ``[0, 2**31)``); `mask` a bool array of as many rows. Not checked, as that would read the device: a
+        JAX array's ids, and a row that would pass ``max_model_len``, which is ignored (the caller stops a
+        request at that length)."""
+        _check_id_sequence("request_ids", request_ids)
         if not isinstance(token_ids, (jax.Array, np.ndarray)) or token_ids.ndim != 1:
             raise ValueError(f"token_ids must be a [R] jax or numpy array, got {type(token_ids).__name__}")
         if not jnp.issubdtype(token_ids.dtype, jnp.integer) or token_ids.shape[0] < len(request_ids):
@@ -150,6 +154,11 @@ class KVCacheManager:
                 f"token_ids ({token_ids.dtype}, {token_ids.shape[0]} rows) must be integers, one per request "
                 f"({len(request_ids)})"
             )
+        if isinstance(token_ids, np.ndarray):
+            token_id_array("token_ids", token_ids)
+        is_mask = isinstance(mask, (jax.Array, np.ndarray)) and mask.dtype == np.bool_
+        if mask is not None and not (is_mask and mask.shape == token_ids.shape):
+            raise ValueError(f"mask={mask!r:.60} must be None or a bool array of shape {token_ids.shape}")
         named = [request_id for request_id in request_ids if request_id is not None]
         if len(set(named)) != len(named):
             raise ValueError(f"request_ids={list(request_ids)!r} must be distinct")
@@ -246,9 +255,22 @@ class KVCacheManager:
         return out
 
     def record_step(self, request_ids: Sequence[Hashable], success: np.ndarray, seq_lens: np.ndarray) -> None:
-        """After ``schedule(..., wait=False)``: its rows' `success` and `seq_lens`, read back by the caller."""
+        """After ``schedule(..., wait=False)``: its rows' `success` and `seq_lens`, read back by the caller
+        (bool and integer arrays of a row per request at least, lengths in ``[0, max_model_len]``); checked
+        before anything changes."""
+        _check_id_sequence("request_ids", request_ids)
         if list(request_ids) != list(self._unrecorded):
             raise ValueError(f"request_ids={list(request_ids)!r} must be the last schedule's {self._unrecorded!r}")
+        rows = len(request_ids)
+        success, seq_lens = np.asarray(success), np.asarray(seq_lens)
+        if success.dtype != np.bool_ or success.ndim != 1 or success.shape[0] < rows:
+            raise ValueError(f"success={success!r:.80} must be a bool array of at least {rows} rows")
+        if not np.issubdtype(seq_lens.dtype, np.integer) or seq_lens.ndim != 1 or seq_lens.shape[0] < rows:
+            raise ValueError(f"seq_lens={seq_lens!r:.80} must be an integer array of at least {rows} rows")
+        lengths = seq_lens[:rows][success[:rows]]
+        if lengths.size and (lengths.min() < 0 or lengths.max() > self.config.max_model_len):
+            limit = self.config.max_model_len
+            raise ValueError(f"seq_lens={seq_lens[:rows].tolist()} must lie in [0, max_model_len={limit}]")
         for row, request_id in enumerate(request_ids):
             if success[row]:
                 self._num_computed[request_id] = int(seq_lens[row])
@@ -284,6 +306,7 @@ class KVCacheManager:
 
     def free_requests(self, request_ids: Sequence[Hashable]) -> None:
         """`free` several requests in one device call (in order); every id is checked first."""
+        _check_id_sequence("request_ids", request_ids)
         slots = [self._slot(request_id) for request_id in request_ids]
         if len(set(slots)) != len(slots):
             raise ValueError(f"request_ids={list(request_ids)!r} names a request twice")
@@ -346,6 +369,12 @@ class KVCacheManager:
             f"KVCacheManager({len(self._slot_of)} requests, {self.num_free_blocks}/{self.config.num_blocks - 1} "
             f"blocks free, groups={self.config.block_sizes})"
         )
+
+
+def _check_id_sequence(name: str, request_ids) -> None:
+    """`ValueError` naming `name` unless `request_ids` is a sequence (a list or tuple, not a string)."""
+    if not isinstance(request_ids, (list, tuple)):
+        raise ValueError(f"{name}={request_ids!r:.80} must be a list or tuple of request ids")
 
 
 def _platform(state: AllocatorState) -> str:

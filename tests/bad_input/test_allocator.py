@@ -3,6 +3,8 @@
 import numpy as np
 import pytest
 
+from jax_hybrid_attn.allocator import KVCacheManager
+
 from .cases import assert_same, manager, snapshot
 
 
@@ -18,6 +20,14 @@ from .cases import assert_same, manager, snapshot
         (lambda m: m.add_request(["unhashable"], [1, 2]), "request_id"),
         (lambda m: m.append_token_ids("kept", [2**31]), "token_ids"),
         (lambda m: m.append_token_ids("kept", [0.5]), "token_ids"),
+        (lambda m: m.append_token_ids(["unhashable"], [1]), "request_id"),
+        (lambda m: m.free_requests("kept"), "request_ids='kept' must be a list or tuple"),
+        (lambda m: m.free_requests(None), "request_ids=None"),
+        (lambda m: m.append_row_token_ids("kept", np.arange(4)), "request_ids='kept'"),
+        (lambda m: m.append_row_token_ids(["kept"], np.asarray([2**40])), "token_ids"),
+        (lambda m: m.append_row_token_ids(["kept"], np.asarray([-1])), "token_ids"),
+        (lambda m: m.append_row_token_ids(["kept"], np.asarray([1]), mask=np.ones(5, bool)), "mask="),
+        (lambda m: m.append_row_token_ids(["kept"], np.asarray([1]), mask=np.asarray([0.5])), "mask="),
     ],
 )
 def test_rejected_allocator_calls_leave_every_piece_of_state_as_it_was(call, match):
@@ -47,6 +57,35 @@ def test_schedule_checks_each_per_request_option_before_anything_changes():
         assert_same(before, snapshot(m))
     out = m.schedule([("kept", np.int64(3))], num_lookahead_tokens=[np.int64(0)], full_sequence_must_fit=[np.bool_(0)])
     assert bool(out.success[0])
+
+
+def test_the_manager_takes_a_bool_for_reuse_output_buffers():
+    with pytest.raises(ValueError, match="reuse_output_buffers='yes' must be a bool"):
+        KVCacheManager(manager().config, reuse_output_buffers="yes")
+
+
+@pytest.mark.parametrize(
+    "success, seq_lens, match",
+    [
+        ([], [3], r"success=.* must be a bool array of at least 1 rows"),
+        (None, [3], "success=array"),
+        (["yes"], [3], "success="),
+        ([True], [3.5], r"seq_lens=array\(\[3\.5\]\) must be an integer array"),
+        ([True], "x", "seq_lens="),
+        ([True], [-3], r"seq_lens=\[-3\] must lie in \[0, max_model_len=32\]"),
+        ([True], [1000], "seq_lens=.1000. must lie"),
+    ],
+)
+def test_record_step_checks_the_rows_it_is_given_before_anything_changes(success, seq_lens, match):
+    m = manager()
+    m.add_request("kept", [5, 6, 7])
+    out = m.schedule([("kept", 3)], wait=False)
+    before = snapshot(m)
+    with pytest.raises(ValueError, match=match):
+        m.record_step(["kept"], success if success is None else np.asarray(success), seq_lens)
+    assert_same(before, snapshot(m))
+    m.record_step(["kept"], np.asarray(out.success), np.asarray(out.seq_lens))
+    assert m.num_computed_tokens("kept") == 3
 
 
 def test_a_schedule_that_does_not_wait_must_be_recorded_before_the_next():

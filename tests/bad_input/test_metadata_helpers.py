@@ -54,3 +54,42 @@ def test_helpers_name_arguments_of_the_wrong_kind():
     write_kv(x.kv_cache, k, k, x.metadata.slot_mapping)  # donates the cache
     with pytest.raises(ValueError, match=r"kv_cache\.data was deleted: donated to an earlier call"):
         write_kv(x.kv_cache, k, k, x.metadata.slot_mapping)
+
+
+def test_allocator_configuration_helpers_name_their_arguments():
+    """The sizing helpers and `AllocatorConfig` refuse what is not a spec, a config or a count, naming it
+    (never an AttributeError or a TypeError from inside), and store numpy ints and bools as Python values."""
+    from jax_hybrid_attn.allocator import (
+        blocks_per_request,
+        check_enough_kv_cache_memory,
+        estimate_max_model_len,
+        get_kv_cache_config,
+        get_kv_cache_groups,
+        init_state,
+        max_concurrency,
+    )
+
+    spec = FullAttentionSpec(block_size=4, num_kv_heads=1, head_size=4, dtype=jnp.float32)
+    lengths = dict(max_model_len=32, max_num_batched_tokens=8)
+    sized = dict(available_memory=2**16, num_blocks_override=np.int64(16), **lengths)
+    kv_config = get_kv_cache_config({"a": spec}, **sized)
+    assert type(kv_config.num_blocks) is int and type(kv_config.kv_cache_tensors[0].size) is int
+    sizes = dict(num_blocks=np.int64(16), max_num_seqs=2, **lengths)
+    config = AllocatorConfig(specs=[spec], enable_caching=np.bool_(True), **sizes)
+    assert type(config.num_blocks) is int and config.enable_caching is True and config.specs == (spec,)
+    for call, error, match in [
+        (lambda: AllocatorConfig(specs=(spec, 3), **sizes), NotImplementedError, r"specs\[1\] is a int"),
+        (lambda: AllocatorConfig.from_kv_cache_config("x", max_num_seqs=2, **lengths), ValueError, "kv_con"),
+        (lambda: max_concurrency(None, **lengths), ValueError, "kv_config must be a KVCacheConfig"),
+        (lambda: check_enough_kv_cache_memory({}, **lengths), ValueError, "kv_config must be a"),
+        (lambda: blocks_per_request(None, **lengths), ValueError, "specs must be a sequence"),
+        (lambda: blocks_per_request(["x"], **lengths), NotImplementedError, r"specs\[0\] is a str"),
+        (lambda: get_kv_cache_groups({"a": None}), NotImplementedError, r"specs\['a'\] is a NoneType"),
+        (lambda: estimate_max_model_len([spec], num_blocks="16", max_num_batched_tokens=8, upper=32),
+         ValueError, "num_blocks='16'"),
+        (lambda: estimate_max_model_len([spec], num_blocks=16, max_num_batched_tokens=8, upper=None),
+         ValueError, "upper=None"),
+        (lambda: init_state("config"), ValueError, "config must be an AllocatorConfig"),
+    ]:
+        with pytest.raises(error, match=match):
+            call()
