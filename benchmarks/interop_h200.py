@@ -1,7 +1,7 @@
 """The torch backend on the H200: layer call against the direct JAX call, host overhead, stream race,
 zero-copy, the cost of `plan`'s value check.
 
-    PYTHONPATH=. python benchmarks/interop_h200.py [--trials 1000] [--small]
+    PYTHONPATH=. python benchmarks/interop_h200.py [--trials 1000] [--small] [--sections layer,plan]
 
 (`jax_hybrid_attn_torch` is the `interop/` folder: install the repository (``pip install -e .``) or, on a machine
 without a registry, make it importable: ``mkdir -p /tmp/pkgs && ln -sfn $PWD/interop /tmp/pkgs/jax_hybrid_attn_torch``
@@ -415,19 +415,8 @@ def plan_check(device, args, rows, *, queued_matmuls: int = 20):
         rows.append((name, f"{seconds * 1e6:.0f} us"))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trials", type=int, default=1000)
-    parser.add_argument("--reps", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
-    parser.add_argument("--profile", action="store_true", help="print where run() spends its host time")
-    parser.add_argument(
-        "--trace", metavar="DIR", help="profile --reps runs into DIR: host time per run by event"
-    )
-    args = parser.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rows = []
+def layer_sections(device, args, rows) -> None:
+    """Sections 1-4: the layer call against the direct JAX call, its host time, zero-copy, the stream race."""
     backend, cache, q, k, v, direct_call = time_layer_calls(device, args, rows)
     if args.profile:
         profiler = cProfile.Profile()
@@ -444,7 +433,30 @@ def main():
     zero_copy(backend, cache, q, k, v, rows)
     stream_race(backend, cache, q, k, v, device, args.trials, rows)
     conversion_waits(device, rows)
-    plan_check(device, args, rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trials", type=int, default=1000)
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument("--profile", action="store_true", help="print where run() spends its host time")
+    parser.add_argument(
+        "--trace", metavar="DIR", help="profile --reps runs into DIR: host time per run by event"
+    )
+    sections_help = "layer: sections 1-4 (the layer call); plan: section 5 (plan's value check)"
+    parser.add_argument("--sections", default="layer,plan", help=sections_help)
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= {"layer", "plan"}:
+        parser.error(f"--sections={args.sections!r}: a comma list of layer, plan")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    if "layer" in sections:
+        layer_sections(device, args, rows)
+    if "plan" in sections:
+        plan_check(device, args, rows)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; torch {torch.__version__} on {device}")
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
