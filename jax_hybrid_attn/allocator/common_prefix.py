@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from ..constants import NULL_BLOCK_ID
+from ..integers import check_int
 from .state import AllocatorState
 from .step import StepOutput
 
@@ -39,6 +40,13 @@ def step_common_prefix_blocks(step: StepOutput, block_sizes: tuple[int, ...]) ->
     the null block), cut to the blocks before the earliest query: what cascade attention may split off for this
     step (`cascade.split_violations` holds for every row by construction, windows and chunks apart). 0 unless
     two rows or more are scheduled (one row's blocks are no common prefix). `block_sizes`: S of each group."""
+    if not isinstance(step, StepOutput) or step.block_tables is None:
+        got = f"{step!r:.60}"
+        raise ValueError(f"step must be a StepOutput of allocate_slots with block tables, got {got}")
+    num_groups = step.block_tables.shape[0]
+    if not isinstance(block_sizes, (tuple, list)) or len(block_sizes) != num_groups:
+        raise ValueError(f"block_sizes={block_sizes!r:.60} must give S of each of the {num_groups} groups")
+    block_sizes = tuple(check_int("block_sizes", size) for size in block_sizes)
     scheduled = step.num_scheduled_tokens > 0
     lead = jnp.argmax(scheduled)
     tables = step.block_tables  # [G, R, P_max]

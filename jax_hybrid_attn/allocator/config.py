@@ -458,3 +458,11 @@ class AllocatorConfig:
     def stored_block_tokens(self) -> int:
         """Token ids kept per block for `verify_hits` (0 when off)."""
         return max(self.block_sizes) if self.verify_hits and self.specs else 0
+
+
+def check_config(config) -> AllocatorConfig:
+    """`config` itself, or `ValueError` when it is not an `AllocatorConfig` (every allocator function's first
+    argument)."""
+    if not isinstance(config, AllocatorConfig):
+        raise ValueError(f"config must be an AllocatorConfig, got {type(config).__name__}")
+    return config

@@ -25,7 +25,7 @@ from . import requests as request_ops
 from . import step as step_ops
 from .columns import STAT_HITS, STAT_QUERIES, STAT_REQUESTS, RequestRows
 from .common_prefix import num_common_prefix_blocks
-from .config import AllocatorConfig
+from .config import AllocatorConfig, check_config
 from .hashing import NO_ADAPTER
 from .request_batches import RequestBatches, check_new_requests, check_request_id, per_request, token_id_array
 from .state import AllocatorState, PrefixCacheStats, init_state
@@ -50,9 +50,7 @@ class KVCacheManager:
         """``reuse_output_buffers``: each `schedule` writes its `StepOutput` into the previous one's buffers
         (`step.allocate_slots`' ``previous_output``), which is faster on a GPU; a `StepOutput` is then valid only
         until the next `schedule` (its arrays are deleted)."""
-        if not isinstance(config, AllocatorConfig):
-            raise ValueError(f"config must be an AllocatorConfig, got {type(config).__name__}")
-        self.config = config
+        self.config = check_config(config)
         self.state = init_state(config)
         self.reuse_output_buffers = check_bool("reuse_output_buffers", reuse_output_buffers)
         self._last_output: step_ops.StepOutput | None = None

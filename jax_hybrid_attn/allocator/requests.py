@@ -15,7 +15,7 @@ from jaxtyping import Array, Int, UInt32
 
 from ..integers import cdiv
 from .columns import ADAPTER, NUM_TOKENS, ROOT_HI, ROOT_LO, RequestRows
-from .config import AllocatorConfig
+from .config import AllocatorConfig, check_config
 from .hashing import chain_block_hash, root_hash
 from .state import AllocatorState, RequestTable
 
@@ -76,6 +76,7 @@ def add_requests(
       cache_salt: [R, 2] uint32 (`hashing.cache_salt_words`); (0, 0) for none.
       adapter_id: [R] int32 adapter (LoRA) id, `hashing.NO_ADAPTER` for none.
     """
+    check_config(config)
     req = state.requests
     slots = jnp.asarray(slots, jnp.int32)
     num_rows, width = token_ids.shape
@@ -138,6 +139,7 @@ def append_token_ids(
 ) -> AllocatorState:
     """Append ``token_ids[r, :counts[r]]`` to each request (e.g. the tokens sampled this step) and hash the blocks
     they fill. Rows with a negative slot, or that would pass ``max_model_len``, are ignored."""
+    check_config(config)
     req = state.requests
     slots = jnp.asarray(slots, jnp.int32)
     counts = jnp.asarray(counts, jnp.int32)

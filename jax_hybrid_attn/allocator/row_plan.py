@@ -44,7 +44,18 @@ class StepRows:
 
     @classmethod
     def from_arguments(cls, slots, num_computed, num_new, num_lookahead, must_fit) -> "StepRows":
-        """The rows of `allocate_slots`' arguments (None: zeros, or False)."""
+        """The rows of `allocate_slots`' arguments (None: zeros, or False): `slots` an [R] integer array, the
+        others [R] (or scalars for every row) of integers, bools for `must_fit` (`ValueError` naming them)."""
+        columns = dict(slots=slots, num_computed_tokens=num_computed, num_new_tokens=num_new)
+        columns.update(num_lookahead_tokens=num_lookahead, full_sequence_must_fit=must_fit)
+        for name, x in columns.items():
+            kind = jnp.bool_ if name == "full_sequence_must_fit" else jnp.integer
+            if x is not None and not (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, kind)):
+                raise ValueError(f"{name}={x!r:.60} must be an array of {kind.__name__}s")
+            if x is not None and name != "slots" and jnp.shape(x) not in ((), jnp.shape(slots)):
+                raise ValueError(f"{name}.shape={jnp.shape(x)} must be () or slots.shape={jnp.shape(slots)}")
+        if jnp.ndim(slots) != 1:
+            raise ValueError(f"slots.shape={jnp.shape(slots)} must be [R]")
         slots = jnp.asarray(slots, jnp.int32)
         zeros = jnp.zeros(slots.shape, jnp.int32)
 

@@ -39,7 +39,7 @@ from .columns import (
     BlockRows,
     RequestRows,
 )
-from .config import AllocatorConfig
+from .config import AllocatorConfig, check_config
 from .prefix_map import BUCKET_WIDTH, EMPTY_SLOT
 
 __all__ = ["AllocatorState", "BlockPool", "PrefixCacheStats", "RequestTable", "init_state"]
@@ -152,8 +152,7 @@ for _cls in (BlockPool, RequestTable, AllocatorState):
 
 def init_state(config: AllocatorConfig) -> AllocatorState:
     """A fresh allocator: every block but the null block free, in ascending id order; no request."""
-    if not isinstance(config, AllocatorConfig):
-        raise ValueError(f"config must be an AllocatorConfig, got {type(config).__name__}")
+    check_config(config)
     num_blocks, capacity = config.num_blocks, config.ring_capacity
     ids = jnp.arange(num_blocks, dtype=jnp.int32)
     info = jnp.zeros((num_blocks, NUM_BLOCK_FIELDS), jnp.int32)

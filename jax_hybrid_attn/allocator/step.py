@@ -65,10 +65,11 @@ from jaxtyping import Array, Bool, Int
 
 from .._compat import register_pytree_dataclass
 from ..constants import NULL_BLOCK_ID, PAD_SLOT_ID
+from ..integers import check_bool, check_int
 from . import pool as pool_ops
 from .columns import ROW_GROUP_COLUMNS, RUNNING, RequestRows
 from .commit import expand, table_index
-from .config import AllocatorConfig
+from .config import AllocatorConfig, check_config
 from .coordinator import compute_hits
 from .group_rules import in_window_chunk, per_block
 from .prefix_map import Inserts
@@ -346,6 +347,12 @@ def allocate_slots(
     Returns:
       (new state, `StepOutput`).
     """
+    check_config(config)
+    if num_tokens is not None:
+        check_int("num_tokens", num_tokens)
+    check_bool("return_block_tables", return_block_tables)
+    check_bool("defer_rest", defer_rest)
+    check_bool("first_chunk_multi_block", first_chunk_multi_block)
     rows = StepRows.from_arguments(
         slots, num_computed_tokens, num_new_tokens, num_lookahead_tokens, full_sequence_must_fit
     )
@@ -375,6 +382,7 @@ def free(config: AllocatorConfig, state: AllocatorState, slots: Int[Array, "R"])
     One `pool.free_blocks` over all rows, one call per (row, group) as vLLM frees them one request at a time: a
     block that several requests hold (a prefix hit) drops one reference per request and is queued by its last
     one. No loop over the rows: on a GPU each trip would launch its kernels and sync with the host."""
+    check_config(config)
     slots = jnp.asarray(slots, jnp.int32)
     num_rows = slots.shape[0]
     num_groups, width = config.num_groups, config.max_blocks_per_row
@@ -413,6 +421,7 @@ def get_computed_blocks(config: AllocatorConfig, state: AllocatorState, slots: I
     Returns (hit tokens [R], per group [R, P_g] hit block lists with null blocks). Hits are capped at
     ``num_tokens - 1`` so that the last token is computed; 0 when caching is off.
     """
+    check_config(config)
     slots = jnp.clip(jnp.asarray(slots, jnp.int32), 0, config.max_num_seqs - 1)
     if not config.enable_caching:
         nulls = jnp.full((slots.shape[0], config.max_blocks_per_row), NULL_BLOCK_ID, jnp.int32)
@@ -430,7 +439,7 @@ def get_computed_blocks(config: AllocatorConfig, state: AllocatorState, slots: I
 @partial(jax.jit, static_argnames=("config",), donate_argnames=("state",))
 def reset_prefix_cache(config: AllocatorConfig, state: AllocatorState):
     """Forget every cached hash, only when no block is in use. Returns (state, whether it was reset)."""
-    del config
+    check_config(config)
     pool, ok = pool_ops.reset_prefix_cache(state.pool)
     return dataclasses.replace(state, pool=pool), ok
 

@@ -99,3 +99,51 @@ def test_a_schedule_that_does_not_wait_must_be_recorded_before_the_next():
         m.record_step(["other"], np.asarray(out.success), np.asarray(out.seq_lens))
     m.record_step(["kept"], np.asarray(out.success), np.asarray(out.seq_lens))
     assert m.num_computed_tokens("kept") == 3
+
+
+def test_the_jitted_functions_name_their_arguments_while_tracing():
+    """The functional API refuses a config that is not one, static options of the wrong kind and rows of the
+    wrong dtype or shape while it traces (nothing is compiled), not an AttributeError or a broadcast error."""
+    from jax_hybrid_attn.allocator import (
+        add_requests,
+        allocate_slots,
+        append_token_ids,
+        free,
+        get_computed_blocks,
+        reset_prefix_cache,
+        step_common_prefix_blocks,
+    )
+
+    m = manager()
+    state, config = m.state, m.config
+    rows = np.asarray([0, -1], np.int32)
+    step = dict(slots=rows, num_computed_tokens=np.zeros(2, np.int32), num_new_tokens=np.ones(2, np.int32))
+
+    def allocate(**changes):
+        return allocate_slots(config, state, **{**step, **changes})
+
+    for call, match in [
+        (lambda: allocate_slots("config", state, **step), "config must be an AllocatorConfig"),
+        (lambda: free("config", state, rows), "config must be an AllocatorConfig"),
+        (lambda: get_computed_blocks("config", state, rows), "config must be an AllocatorConfig"),
+        (lambda: reset_prefix_cache("config", state), "config must be an AllocatorConfig"),
+        (lambda: add_requests("config", state, rows, np.zeros((2, 4), np.int32), rows), "config must be"),
+        (lambda: append_token_ids("config", state, rows, np.zeros((2, 1), np.int32), rows), "config must be"),
+        (lambda: allocate(num_tokens=2.5), "num_tokens=2.5"),
+        (lambda: allocate(return_block_tables="yes"), "return_block_tables='yes'"),
+        (lambda: allocate(defer_rest=1), "defer_rest=1"),
+        (lambda: allocate(num_new_tokens=np.ones(2)), "num_new_tokens=.*integ"),
+        (lambda: allocate(num_new_tokens=np.ones(3, np.int32)),
+         r"num_new_tokens\.shape=\(3,\) must be \(\) or slots\.shape=\(2,\)"),
+        (lambda: allocate(slots=rows[:, None]), r"slots\.shape=\(2, 1\)"),
+        (lambda: allocate(full_sequence_must_fit=rows), "full_sequence_must_fit=.*bool"),
+        (lambda: step_common_prefix_blocks("step", (4,)), "step must be a StepOutput"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            call()
+    m.add_request("kept", [5, 6, 7])
+    out = m.schedule([("kept", 3)])  # the executable the other tests compiled
+    with pytest.raises(ValueError, match=r"block_sizes=\(4, 4\) must give S of each of the 1 groups"):
+        step_common_prefix_blocks(out, (4, 4))
+    with pytest.raises(ValueError, match="block_sizes=0"):
+        step_common_prefix_blocks(out, (0,))
