@@ -1,6 +1,9 @@
 """The engine's sizes and options (`EngineConfig`) and its counters (`EngineStats`)."""
 
 import dataclasses
+import os
+
+import numpy as np
 
 from ..integers import check_bool, check_int
 
@@ -13,10 +16,22 @@ DEFAULT_SIZES = {"gpu": (256, 8192), "other": (16, 512)}
 ones elsewhere (a CPU runs tests and the embedded demo)."""
 DEFAULT_BLOCK_SIZE = 16
 """``block_size`` when none is given, halved until it divides every chunk of the model."""
+IMPLEMENTATIONS = ("kernel", "reference")
+"""`EngineConfig.implementation`'s values besides None (`validation.IMPLEMENTATIONS`, which imports jax)."""
 CASCADE_MODES = ("auto", "always", "off")
 """`EngineConfig.cascade_attention`'s values."""
 DEFAULT_COMPILE_WORKERS = 8
 """``compile_workers`` on a GPU when none is given (lowering the kernels is most of a step's compile time)."""
+
+
+def _interpret(value):
+    """`value` as `paged_attention` takes `interpret`: a bool, or the kernels' interpret parameters."""
+    if value is None or isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    from .._compat import resolve_interpret  # here, not at import: the CLI builds its parser without jax
+
+    resolve_interpret(value)  # ValueError naming it for anything else
+    return value
 
 
 def _cache_dtype(value):
@@ -124,6 +139,14 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_dtype", _cache_dtype(self.kv_cache_dtype))
         if self.cascade_attention not in CASCADE_MODES:
             raise ValueError(f"cascade_attention={self.cascade_attention!r} must be one of {CASCADE_MODES}")
+        object.__setattr__(self, "interpret", _interpret(self.interpret))
+        if self.implementation not in (None, *IMPLEMENTATIONS):
+            raise ValueError(f"implementation={self.implementation!r} must be None or in {IMPLEMENTATIONS}")
+        if self.implementation == "reference" and self.interpret is not False:
+            raise ValueError(f"interpret={self.interpret!r} runs the kernels, not implementation='reference'")
+        cache = self.compilation_cache
+        if cache is not None and (not isinstance(cache, (str, os.PathLike)) or not os.fspath(cache)):
+            raise ValueError(f"compilation_cache={cache!r} must be None or a directory's path")
         if self.cascade_attention == "always" and self.tensor_parallel > 1:
             raise NotImplementedError(f"cascade_attention='always' with tensor_parallel={self.tensor_parallel}")
 
@@ -137,6 +160,11 @@ class EngineConfig:
     def resolved(self, *, platform: str, chunk_sizes: tuple[int, ...] = ()) -> "EngineConfig":
         """This config with its None sizes chosen: `DEFAULT_SIZES` of `platform` ("gpu" or another), and a block
         size that divides every one of `chunk_sizes` (the model's ``attention_chunk_size``)."""
+        if not isinstance(platform, str):
+            raise ValueError(f"platform={platform!r} must be a str (jax's platform name)")
+        if not isinstance(chunk_sizes, (tuple, list)):
+            raise ValueError(f"chunk_sizes={chunk_sizes!r} must be a tuple of ints")
+        chunk_sizes = tuple(check_int("chunk_sizes", chunk) for chunk in chunk_sizes)
         seqs, tokens = DEFAULT_SIZES["gpu" if platform == "gpu" else "other"]
         block_size = self.block_size
         if block_size is None:

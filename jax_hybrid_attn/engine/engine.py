@@ -50,6 +50,7 @@ import numpy as np
 
 from ..allocator import KVCacheManager
 from ..allocator.config import FULL
+from ..allocator.request_batches import check_request_id
 from ..cascade import cascade_pays
 from ..integers import cdiv, check_int
 from ..models.config import ModelConfig
@@ -194,6 +195,8 @@ class Engine:
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if request_id is not None:
+            check_request_id(request_id)
         tokens = check_prompt(prompt_token_ids, model_config=self.model_config, max_model_len=self.max_model_len)
         return self.scheduler.add(tokens.tolist(), sampling, request_id=request_id)
 

@@ -10,13 +10,14 @@ Shape letters: R rows (requests) of the step · V vocabulary.
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from ..integers import INT32_MAX, check_bool, check_int
+from ..integers import INT32_MAX, check_bool, check_int, is_int
 
 __all__ = ["NO_TOP_K", "SamplingParams", "sample_tokens"]
 
@@ -56,15 +57,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
+        top_k = NO_TOP_K if is_int(self.top_k) and self.top_k == -1 else self.top_k  # vLLM's -1, an int only
         values = dict(
             max_tokens=check_int("max_tokens", self.max_tokens),
             temperature=_check_float("temperature", self.temperature, low=0.0, high=1e6, low_open=False),
-            top_k=NO_TOP_K if self.top_k == -1 else check_int("top_k", self.top_k, minimum=0),
+            top_k=check_int("top_k", top_k, minimum=0),
             top_p=_check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True),
             seed=None if self.seed is None else check_int("seed", self.seed, minimum=0, maximum=2**32 - 1),
             ignore_eos=check_bool("ignore_eos", self.ignore_eos),
         )
-        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes, Mapping)) or not hasattr(stop, "__iter__"):
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be a sequence of token ids")
         values["stop_token_ids"] = tuple(
             check_int("stop_token_ids", t, minimum=0, maximum=INT32_MAX) for t in self.stop_token_ids

@@ -5,6 +5,7 @@ that names the argument and the value, changes nothing it was given, and accepts
   test_attention          attention, the KV write, the layer parameters and the metadata, ``checked=True``;
   test_metadata_helpers   the host-side metadata helpers and `AllocatorConfig`;
   test_allocator          the allocator's calls, whose refusals leave its whole state as it was;
+  test_engine_arguments   the engine's options and `Engine.add_request`;
   test_jax_properties     mutated calls of the JAX entry points, drawn by hypothesis;
   test_torch_properties   every one of over a thousand mutated calls of the PyTorch backend and `to_jax`.
 """
