@@ -45,7 +45,7 @@ def paged_attention(
       implementation: "kernel" (Mosaic GPU) or "reference"; default: the kernels on a GPU or with `interpret`,
         the reference on a CPU.
       interpret: run the kernels in Mosaic GPU interpret mode (CPU; slow, for tests and notebooks);
-        True, or `plgpu.InterpretGPUParams` (e.g. ``detect_races=True``).
+        True, or `plgpu.InterpretGPUParams` (e.g. ``detect_races=True``); never with the reference.
     Raises:
       NotImplementedError: the kernels do not support this combination (named in the message).
     """
