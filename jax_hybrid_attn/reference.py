@@ -44,7 +44,9 @@ def paged_attention(
       kv_cache: a `KVCache`: arrays [B, 2, S, K, H] ("NHD") or [B, 2, K, S, H] ("HND", "HND_VT"), or the pair
         ``(k_cache, v_cache)`` of [B, S, K, H] / [B, K, S, H] each, in `q`'s dtype or float8_e4m3fn (then with its
         per-tensor `k_scale` / `v_scale`); or an "NHD" cache's array or pair alone (`layout.as_kv_cache`).
-      metadata: where each request's queries and blocks are.
+      metadata: where each request's queries and blocks are (its ``num_common_prefix_blocks`` and
+        ``kernel_plan`` are not read: this is plain attention, which a valid cascade split equals; the cascade
+        twin is `cascade.cascade_attention` with ``implementation="reference"``).
       params: the layer's scale, window, chunk, soft cap and causality (`LayerAttentionParams`);
         ``params.causal`` must equal ``metadata.causal``.
       sinks: [N] one learned logit per query head, unscaled, in the softmax denominator only; finite (checked
