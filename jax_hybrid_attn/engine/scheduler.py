@@ -89,11 +89,15 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------- requests
 
     def add(self, prompt_token_ids: Sequence[int], sampling: SamplingParams, *, request_id=None) -> Hashable:
-        """Queue a request of a checked prompt; returns its id (the arrival index when None). Raises `ValueError`
-        for an id the scheduler holds."""
+        """Queue a request of a checked prompt; returns its id (when None: its arrival index, or the first integer
+        after it that no request holds, where a caller gave that one). Raises `ValueError` for an id the scheduler
+        holds."""
         index = self._next_index
-        request_id = index if request_id is None else request_id
-        if request_id in self._ids:
+        if request_id is None:
+            request_id = index
+            while request_id in self._ids:
+                request_id += 1
+        elif request_id in self._ids:
             raise ValueError(f"{request_id=} is already in the engine")
         seed = sampling.seed if sampling.seed is not None else (self.config.seed + index) % SEED_MODULUS
         self.waiting.append(Request(request_id, index, list(prompt_token_ids), sampling, seed))

@@ -66,3 +66,22 @@ def test_add_request_names_an_unhashable_request_id_before_reading_the_engine(re
     """Checked before anything of the engine is read: an engine without a model stands in for one."""
     with pytest.raises(TypeError, match=r"request_id=.* must be hashable"):
         Engine.add_request(Engine.__new__(Engine), [1, 2], request_id=request_id)
+
+
+def test_an_id_given_by_the_caller_is_never_given_again_to_a_request_without_one():
+    """Requests without an id get their arrival index, or the next integer no request holds."""
+    from types import SimpleNamespace
+
+    from jax_hybrid_attn.engine.scheduler import Scheduler
+
+    allocator = SimpleNamespace(enable_caching=False, block_sizes=(), kinds=())
+    scheduler = Scheduler(EngineConfig(), max_model_len=64, manager=SimpleNamespace(config=allocator),
+                          on_device=None, eos_token_ids=frozenset())  # fmt: skip
+    sampling = SamplingParams()
+    assert scheduler.add([1], sampling, request_id=1) == 1  # arrival index 0
+    assert scheduler.add([1], sampling) == 2  # arrival index 1, which the caller's request holds
+    assert scheduler.add([1], sampling) == 3
+    assert scheduler.add([1], sampling, request_id="x") == "x"
+    assert scheduler.add([1], sampling) == 4
+    with pytest.raises(ValueError, match="request_id=3 is already in the engine"):
+        scheduler.add([1], sampling, request_id=3)
