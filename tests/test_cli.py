@@ -353,3 +353,16 @@ def test_save_embedded_writes_the_embedded_model_as_a_checkpoint(capsys, tmp_pat
     capsys.readouterr()
     assert main(["save-embedded", str(tmp_path / "tiny")]) == 2  # nothing is overwritten
     assert "exists and is not an empty directory" in capsys.readouterr().err
+
+
+def test_a_damaged_checkpoint_stops_jha_serve_with_exit_2(capsys, tmp_path, mistral_checkpoint):
+    """The engine process plans the checkpoint before it reads a weight; its error reaches the user as one line."""
+    import shutil
+
+    pytest.importorskip("fastapi")
+    shutil.copytree(mistral_checkpoint, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert main(["serve", "--model", str(tmp_path), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "jha serve: error: " in err and "model.safetensors' is not a readable safetensors file" in err

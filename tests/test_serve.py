@@ -831,3 +831,35 @@ def test_the_engine_process_reports_what_stops_it():
     assert failed.status == 500 and "exited" in failed.error
     assert not engine.healthy and "exit code" in str(engine.error)
     engine.stop()
+
+
+def test_the_engine_loop_logs_each_step_function_as_it_compiles(caplog):
+    """`jha serve` says what it is doing while it compiles (tens of seconds), not nothing."""
+    import logging
+    from types import SimpleNamespace
+
+    from jax_hybrid_attn.serve.engine_loop import EngineLoop
+    from tests.serve_fakes import SteppingEngine
+
+    class Uncompiled(SteppingEngine):
+        def __init__(self):
+            super().__init__()
+            self.runner = SimpleNamespace(compiled=False, shapes=("16 decode", "256"),
+                                          executable_keys=lambda: ["allocate", "forward", "sample"])  # fmt: skip
+
+        def compile(self, *, progress):
+            for name in self.runner.executable_keys():
+                progress(name)
+            self.runner.compiled = True
+            return SimpleNamespace(wall_s=1.5, warm_up_s=0.25)
+
+    caplog.set_level(logging.INFO, logger="jax_hybrid_attn.serve.engine_loop")
+    loop = EngineLoop(Uncompiled()).start()
+    try:
+        assert loop.ready.wait(IDLE_TIMEOUT_S)
+    finally:
+        loop.stop()
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0].startswith("compiling 3 step functions (step shapes 16 decode, 256)")
+    assert messages[1:4] == ["compiled 1/3: allocate", "compiled 2/3: forward", "compiled 3/3: sample"]
+    assert "compiled in 1.8 s; serving" in messages
