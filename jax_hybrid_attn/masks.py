@@ -12,12 +12,11 @@ whole blocks. Both also take the window as a value (``sliding_window=``, which m
 it from memory, so that layers that differ only in their window share one compiled kernel.
 
 Positions, lengths, windows and chunks are integers: Python or numpy ints, or integer arrays (jax arrays
-may be traced). A window or chunk given as a concrete value must be an int in ``[1, 2**31 - 1]`` (`ValueError`
+may be traced; torch tensors are taken by the predicates, as transformers' mask functions call them). A window or chunk given as a concrete value must be an int in ``[1, 2**31 - 1]`` (`ValueError`
 naming it otherwise); a traced one is read on the device, where it cannot be checked: a traced window below 1
 masks every key.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,13 +26,23 @@ from .params import CAUSAL, LayerAttentionParams, check_params
 __all__ = ["causal_mask", "sliding_window_mask", "chunked_local_mask", "attention_mask", "allowed_key_range"]
 
 
+def _is_integer_array(value) -> bool:
+    """Whether `value` is an array of integers: numpy's, jax's, or another library's whose dtype names one
+    (a torch tensor's ``torch.int64``: transformers' mask functions call the predicates with torch tensors)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        return jnp.issubdtype(np.dtype(str(dtype).removeprefix("torch.")), jnp.integer)
+    except TypeError:
+        return False
+
+
 def _check_integers(name: str, value) -> None:
     """`ValueError` naming `name` unless `value` is an int (Python or numpy, not a bool) or an integer
     array."""
-    if is_int(value):
-        return
-    if not isinstance(value, (jax.Array, np.ndarray)) or not jnp.issubdtype(value.dtype, jnp.integer):
-        kind = f"{value.dtype} array" if isinstance(value, (jax.Array, np.ndarray)) else type(value).__name__
+    if not (is_int(value) or _is_integer_array(value)):
+        kind = f"{value.dtype} array" if hasattr(value, "dtype") else type(value).__name__
         raise ValueError(f"{name}={value!r:.80} ({kind}) must be an int or an integer array")
 
 

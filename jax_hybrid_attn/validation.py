@@ -95,7 +95,7 @@ def check_metadata(metadata) -> None:
 
         if not isinstance(metadata.kernel_plan, KernelPlan):
             raise ValueError(
-                f"metadata.kernel_plan must be None or a KernelPlan (plan_kernels), got "
+                f"metadata.kernel_plan must be a KernelPlan (plan_kernels) or None, got "
                 f"{type(metadata.kernel_plan).__name__}"
             )
 

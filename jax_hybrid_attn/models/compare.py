@@ -47,7 +47,7 @@ from .comparison_report import (
     LayerDifference,
 )
 from .config import ModelConfig
-from .checkpoint_plan import CheckpointPlan, plan_checkpoint
+from .checkpoint_plan import plan_checkpoint
 from .loading import load_model
 
 __all__ = [
@@ -275,10 +275,10 @@ def _difference(ours: list[_Tensors], theirs: list[_Tensors], field: str, layer:
                       scale=float(max(np.abs(b).max() for b in theirs)))  # fmt: skip
 
 
-def _run(model_dir, plan: CheckpointPlan, class_name: str, token_lists, *, dtype: str, greedy_steps: int,
+def _run(model_dir, config: ModelConfig, class_name: str, token_lists, *, dtype: str, greedy_steps: int,
          torch_device: str) -> DtypeRun:  # fmt: skip
     torch, transformers = _import_torch()
-    config, model = load_model(model_dir, dtype=jnp.dtype(dtype), plan=plan)
+    _, model = load_model(model_dir, dtype=jnp.dtype(dtype))
     ours, our_greedy = _ours(model, token_lists, greedy_steps=greedy_steps)
     del model
     hf_model = getattr(transformers, class_name).from_pretrained(
@@ -333,8 +333,7 @@ def compare_with_transformers(
     seed = check_int("seed", seed, minimum=0, maximum=None)
     if not isinstance(torch_device, str):
         raise ValueError(f"torch_device={torch_device!r} must be a string such as 'cpu' or 'cuda'")
-    plan = plan_checkpoint(model_dir)  # the config (an unsupported model_type is refused by name) and the files
-    config = plan.config
+    config = ModelConfig.from_dir(model_dir)  # an unsupported model_type is refused here, by name
     class_name = TRANSFORMERS_CLASSES[config.model_type]
     if prompts is None:
         token_lists = _default_prompts(config, greedy_steps=greedy_steps, seed=seed)
@@ -342,8 +341,9 @@ def compare_with_transformers(
         token_lists = _token_lists(prompts, config, model_dir, greedy_steps=greedy_steps)
     torch, transformers = _import_torch()
     _check_torch_device(torch, torch_device)
+    plan_checkpoint(model_dir)  # every weight file's header read: a damaged one is named before anything loads
     dtypes = ["float32"] + ([dtype] if dtype != "float32" else [])
-    runs = tuple(_run(model_dir, plan, class_name, token_lists, dtype=d, greedy_steps=greedy_steps,
+    runs = tuple(_run(model_dir, config, class_name, token_lists, dtype=d, greedy_steps=greedy_steps,
                       torch_device=torch_device) for d in dtypes)  # fmt: skip
     return ComparisonReport(
         model_dir=os.fspath(model_dir), model_type=config.model_type, transformers_class=class_name,
